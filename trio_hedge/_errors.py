@@ -1,0 +1,185 @@
+"""The public exception types.
+
+Errors are data until the race ends: an attempt that fails records an :class:`AttemptError`
+and wakes the race; only the race decides whether that error is fatal, a reason to start the
+next attempt at once, or the last straw. What `hedged_stream` raises is always a
+:class:`HedgeError` (or the caller's own cancellation), never a bare ``ExceptionGroup``.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from typing import TYPE_CHECKING
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import ExceptionGroup
+
+if TYPE_CHECKING:
+    from ._report import Report
+
+__all__ = [
+    "AllAttemptsFailed",
+    "AttemptError",
+    "ErrorKind",
+    "FatalAttemptError",
+    "HedgeError",
+    "RequestFailed",
+    "StreamInterrupted",
+]
+
+
+class ErrorKind(str, enum.Enum):
+    """Why one attempt failed. The value is the stable, lower-case name used in reports/JSON."""
+
+    #: 429 without a quota message; retryable, usually with a ``Retry-After``.
+    RATE_LIMIT = "rate_limit"
+    #: 429/403 saying the account's quota or credit is used up; not retryable.
+    QUOTA_EXCEEDED = "quota_exceeded"
+    #: 503, 529, or an in-band "overloaded" event; retryable.
+    OVERLOADED = "overloaded"
+    #: other 5xx, or an in-band server error; retryable.
+    SERVER_ERROR = "server_error"
+    #: 400, 404, 405, 413, 422 and other client errors; fatal (a backup would fail the same way).
+    INVALID_REQUEST = "invalid_request"
+    #: the prompt does not fit the model's context window; fatal.
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    #: 401/403: bad or missing API key; fatal.
+    AUTH = "auth"
+    #: the connection ended after data without ``[DONE]`` or a finish reason; retryable.
+    STREAM_TRUNCATED = "stream_truncated"
+    #: the response ended without a single data event; retryable.
+    EMPTY_STREAM = "empty_stream"
+    #: could not connect, or the connection broke; retryable.
+    CONNECTION = "connection"
+    #: an HTTP timeout (connect/read/write/pool) or a 408; retryable.
+    TIMEOUT = "timeout"
+    #: after commit, the winner produced no content for ``stall_timeout`` seconds.
+    STALL = "stall"
+    #: the bytes broke the protocol (bad SSE, bad JSON, event too large, invalid UTF-8);
+    #: retryable before the first token (another replica may be sane).
+    PROTOCOL = "protocol"
+    #: the source raised something the library does not know; fatal.
+    UNKNOWN = "unknown"
+
+
+#: Kinds another attempt may fix, unless the error itself says otherwise.
+RETRYABLE_KINDS = frozenset(
+    {
+        ErrorKind.RATE_LIMIT,
+        ErrorKind.OVERLOADED,
+        ErrorKind.SERVER_ERROR,
+        ErrorKind.STREAM_TRUNCATED,
+        ErrorKind.EMPTY_STREAM,
+        ErrorKind.CONNECTION,
+        ErrorKind.TIMEOUT,
+        ErrorKind.STALL,
+        ErrorKind.PROTOCOL,
+    }
+)
+
+
+class AttemptError(Exception):
+    """One attempt's failure, classified.
+
+    Attributes:
+        kind: the :class:`ErrorKind`.
+        retryable: whether another attempt (on another replica) may succeed. Defaults to
+            whether ``kind`` is in the retryable set.
+        retry_after: seconds the server asked to wait before trying it again (from
+            ``Retry-After`` / ``retry-after-ms``), or ``None``.
+        status_code: the HTTP status, or ``None`` for transport/in-band errors.
+        replica: the name of the replica the attempt went to (filled in by the race).
+        message: a human-readable description; never contains credentials.
+    """
+
+    def __init__(
+        self,
+        kind: ErrorKind,
+        message: str,
+        *,
+        retryable: bool | None = None,
+        retry_after: float | None = None,
+        status_code: int | None = None,
+        replica: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.retryable = kind in RETRYABLE_KINDS if retryable is None else retryable
+        self.retry_after = retry_after
+        self.status_code = status_code
+        self.replica = replica
+
+    def __str__(self) -> str:
+        where = f" from {self.replica}" if self.replica else ""
+        status = f" (HTTP {self.status_code})" if self.status_code is not None else ""
+        return f"{self.kind.value}{status}{where}: {self.message}"
+
+    def __repr__(self) -> str:
+        return (
+            f"AttemptError(kind={self.kind.value!r}, message={self.message!r}, "
+            f"retryable={self.retryable!r}, retry_after={self.retry_after!r}, "
+            f"status_code={self.status_code!r}, replica={self.replica!r})"
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-ready description (for reports and the CLI's ``--json``)."""
+        return {
+            "kind": self.kind.value,
+            "message": self.message,
+            "retryable": self.retryable,
+            "retry_after": self.retry_after,
+            "status_code": self.status_code,
+            "replica": self.replica,
+        }
+
+
+class HedgeError(Exception):
+    """Base of every error `hedged_stream` raises. ``report`` says what happened so far."""
+
+    report: Report | None
+
+    def __init__(self, message: str, *, report: Report | None = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class RequestFailed(HedgeError):
+    """No attempt produced a first token. ``errors`` holds each failed attempt's error, in
+    the order the attempts started; ``__cause__`` groups them as an ``ExceptionGroup``
+    (as Trio's ``open_tcp_stream`` does for its connection attempts)."""
+
+    def __init__(
+        self, message: str, errors: tuple[AttemptError, ...], *, report: Report | None = None
+    ) -> None:
+        super().__init__(message, report=report)
+        self.errors = errors
+        if errors:
+            self.__cause__ = ExceptionGroup(message, list(errors))
+
+
+class AllAttemptsFailed(RequestFailed):
+    """Every attempt the policy allowed failed with a retryable error."""
+
+
+class FatalAttemptError(RequestFailed):
+    """An attempt failed with a non-retryable error (400, 401, 403, 404, 413, 422, quota…):
+    every other attempt was cancelled at once, since a backup would fail the same way.
+    ``error`` is the fatal one; ``errors`` holds it and any earlier failures."""
+
+    @property
+    def error(self) -> AttemptError:
+        return self.errors[-1]
+
+
+class StreamInterrupted(HedgeError):
+    """The committed winner failed after its first token (stall, cut connection, in-band
+    error). Nothing is retried after commit: the text already relayed stays available as
+    ``text`` (and on ``report``); ``error`` (also ``__cause__``) says why."""
+
+    def __init__(self, error: AttemptError, text: str, *, report: Report | None = None) -> None:
+        super().__init__(f"stream interrupted after commit: {error}", report=report)
+        self.error = error
+        self.text = text
+        self.__cause__ = error

@@ -1,0 +1,231 @@
+"""What happened to one hedged request: per-attempt records and stream timings.
+
+The race and the stream fill a mutable :class:`_Recorder` as things happen; ``stream.report``
+hands out a frozen :class:`Report` snapshot, during the stream and after it (also when it
+ended in an error). All times are seconds on Trio's clock, as offsets from the moment the
+request started, so they are exact in virtual time.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+
+from ._errors import AttemptError
+
+__all__ = ["AttemptOutcome", "AttemptRecord", "Report"]
+
+
+class AttemptOutcome(str, enum.Enum):
+    """How one attempt ended (``running`` while it is still going)."""
+
+    RUNNING = "running"
+    #: produced the first token first; its tokens were relayed.
+    WON = "won"
+    #: cancelled: another attempt won, a fatal error ended the request, or the caller left.
+    CANCELLED = "cancelled"
+    #: failed with an error before the commit.
+    FAILED = "failed"
+    #: planned but never started (the request committed or failed first, or the hedge
+    #: budget refused it).
+    NOT_STARTED = "not_started"
+
+
+@attrs.frozen
+class AttemptRecord:
+    """One attempt of a request.
+
+    Attributes:
+        number: 1 for the primary, 2 for the first backup, …
+        replica: the replica's name.
+        trigger: ``"primary"``, ``"hedge"`` (the hedge delay passed) or ``"failover"`` (an
+            earlier attempt failed before its first token).
+        started_at: seconds from the request's start to this attempt's start.
+        ttft: seconds from this attempt's start to its first token, or ``None``.
+        ended_at: seconds from the request's start to when it failed or was cancelled (for
+            the winner: when the stream ended), or ``None`` while running.
+        outcome: an :class:`AttemptOutcome`.
+        error: the :class:`AttemptError` when it failed, else ``None``.
+        tokens_received: content tokens this attempt received; for a loser these are wasted
+            tokens.
+    """
+
+    number: int
+    replica: str
+    trigger: str
+    started_at: float | None
+    ttft: float | None
+    ended_at: float | None
+    outcome: AttemptOutcome
+    error: AttemptError | None = attrs.field(default=None, eq=False)
+    tokens_received: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "number": self.number,
+            "replica": self.replica,
+            "trigger": self.trigger,
+            "started_at": self.started_at,
+            "ttft": self.ttft,
+            "ended_at": self.ended_at,
+            "outcome": self.outcome.value,
+            "error": self.error.to_dict() if self.error is not None else None,
+            "tokens_received": self.tokens_received,
+        }
+
+
+@attrs.frozen
+class Report:
+    """A snapshot of one hedged request.
+
+    Attributes:
+        request_id: the id every attempt carried (a UUID4 string).
+        attempts: one :class:`AttemptRecord` per started attempt, in start order.
+        winner: the winning attempt's number, or ``None`` (not committed, or failed).
+        hedged: whether a backup was sent because the hedge delay passed.
+        hedges_refused: backups the hedge budget refused for this request.
+        ttft: caller-visible time to first token (seconds from the request's start to the
+            commit), or ``None``.
+        total: seconds from the request's start to the end of the stream, or ``None`` while
+            it is still open.
+        token_count: content tokens received from the winner (relayed, or queued to be).
+        tpot_mean: mean time per output token after the first (seconds), or ``None`` with
+            fewer than two tokens.
+        max_gap: the largest inter-token gap after the first token (seconds), or ``None``.
+        text: the text relayed so far (the partial answer, when the stream failed).
+        finished: whether the stream has ended (normally or not).
+        error: the error that ended the request, or ``None``.
+    """
+
+    request_id: str
+    attempts: tuple[AttemptRecord, ...]
+    winner: int | None
+    hedged: bool
+    hedges_refused: int
+    ttft: float | None
+    total: float | None
+    token_count: int
+    tpot_mean: float | None
+    max_gap: float | None
+    text: str
+    finished: bool
+    error: BaseException | None = attrs.field(default=None, eq=False)
+
+    @property
+    def winner_replica(self) -> str | None:
+        """The winning attempt's replica name, or ``None``."""
+        for attempt in self.attempts:
+            if attempt.number == self.winner:
+                return attempt.replica
+        return None
+
+    @property
+    def wasted_tokens(self) -> int:
+        """Content tokens received by attempts that lost."""
+        return sum(a.tokens_received for a in self.attempts if a.number != self.winner)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready description (used by ``trio-hedge --json``). Holds no credentials."""
+        error: dict[str, Any] | None = None
+        if self.error is not None:
+            error = {"type": type(self.error).__name__, "message": str(self.error)}
+            inner = getattr(self.error, "error", None)
+            if isinstance(inner, AttemptError):
+                error["kind"] = inner.kind.value
+        return {
+            "request_id": self.request_id,
+            "winner": self.winner,
+            "winner_replica": self.winner_replica,
+            "hedged": self.hedged,
+            "hedges_refused": self.hedges_refused,
+            "ttft": self.ttft,
+            "total": self.total,
+            "token_count": self.token_count,
+            "tpot_mean": self.tpot_mean,
+            "max_gap": self.max_gap,
+            "wasted_tokens": self.wasted_tokens,
+            "finished": self.finished,
+            "text": self.text,
+            "attempts": [a.to_dict() for a in self.attempts],
+            "error": error,
+        }
+
+
+@attrs.define(slots=True)
+class _AttemptState:
+    number: int
+    replica: str
+    trigger: str
+    started_at: float
+    ttft: float | None = None
+    ended_at: float | None = None
+    outcome: AttemptOutcome = AttemptOutcome.RUNNING
+    error: AttemptError | None = None
+    tokens_received: int = 0
+
+    def freeze(self) -> AttemptRecord:
+        return AttemptRecord(
+            number=self.number,
+            replica=self.replica,
+            trigger=self.trigger,
+            started_at=self.started_at,
+            ttft=self.ttft,
+            ended_at=self.ended_at,
+            outcome=self.outcome,
+            error=self.error,
+            tokens_received=self.tokens_received,
+        )
+
+
+@attrs.define(slots=True)
+class _Recorder:
+    """Mutable state behind :class:`Report`; times are absolute on Trio's clock."""
+
+    request_id: str
+    origin: float = 0.0
+    attempts: list[_AttemptState] = attrs.Factory(list)
+    winner: int | None = None
+    hedged: bool = False
+    hedges_refused: int = 0
+    committed_at: float | None = None
+    ended_at: float | None = None
+    token_count: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    max_gap: float | None = None
+    chunks: list[str] = attrs.Factory(list)
+    error: BaseException | None = None
+
+    def attempt(self, number: int) -> _AttemptState:
+        return self.attempts[number - 1]
+
+    def snapshot(self) -> Report:
+        o = self.origin
+        tpot = None
+        if self.token_count >= 2 and self.first_token_time is not None:
+            assert self.last_token_time is not None
+            tpot = (self.last_token_time - self.first_token_time) / (self.token_count - 1)
+        return Report(
+            request_id=self.request_id,
+            attempts=tuple(
+                attrs.evolve(
+                    a.freeze(),
+                    started_at=a.started_at - o,
+                    ended_at=None if a.ended_at is None else a.ended_at - o,
+                )
+                for a in self.attempts
+            ),
+            winner=self.winner,
+            hedged=self.hedged,
+            hedges_refused=self.hedges_refused,
+            ttft=None if self.committed_at is None else self.committed_at - o,
+            total=None if self.ended_at is None else self.ended_at - o,
+            token_count=self.token_count,
+            tpot_mean=tpot,
+            max_gap=self.max_gap,
+            text="".join(self.chunks),
+            finished=self.ended_at is not None,
+            error=self.error,
+        )

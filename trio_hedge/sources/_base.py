@@ -1,0 +1,71 @@
+"""The interface the race engine races: a :class:`Source` opens :class:`AttemptStream` s.
+
+The engine knows nothing of HTTP: the OpenAI-compatible HTTP source is one implementation of
+this interface, and any async-iterator factory is another (:mod:`trio_hedge.sources.iterator`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+from .._events import Delta
+
+__all__ = ["AttemptInfo", "AttemptStream", "Source"]
+
+
+@attrs.frozen
+class AttemptInfo:
+    """Who an attempt is, handed to :meth:`Source.open`.
+
+    Attributes:
+        request_id: the id shared by every attempt of one request (a UUID4 string).
+        number: 1 for the primary, 2 for the first backup, and so on.
+        trigger: why it started: ``"primary"``, ``"hedge"`` (the hedge delay passed with no
+            first token) or ``"failover"`` (an earlier attempt failed before its first token).
+    """
+
+    request_id: str
+    number: int
+    trigger: str
+
+
+@runtime_checkable
+class AttemptStream(Protocol):
+    """One open attempt. Read by the race task until its first token, then by the caller's
+    own task directly (no relay): implementations must not hold a cancel scope or nursery
+    between calls."""
+
+    async def receive(self) -> Sequence[Delta] | None:
+        """The next non-empty batch of deltas, or ``None`` when the stream ended cleanly.
+
+        Raises:
+            AttemptError: the attempt failed (transport, HTTP or in-band error, truncation).
+        """
+        ...
+
+    async def aclose(self) -> None:
+        """Release everything the attempt holds (close the HTTP response, so the server sees
+        the disconnect). Idempotent."""
+        ...
+
+
+@runtime_checkable
+class Source(Protocol):
+    """Something that can start attempts: a replica bound to one request."""
+
+    @property
+    def name(self) -> str:
+        """A short name for reports and logs (never a credential)."""
+        ...
+
+    async def open(self, info: AttemptInfo) -> AttemptStream:
+        """Start one attempt and return its stream once it is ready to be read (for HTTP: the
+        response headers arrived with a 2xx status). Headers are *not* a first token.
+
+        Raises:
+            AttemptError: the attempt failed before any event.
+        """
+        ...

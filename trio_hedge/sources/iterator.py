@@ -1,0 +1,78 @@
+"""Any async-iterator factory as a :class:`Source` (another SDK, a non-HTTP source)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Union
+
+from .._events import Delta
+from ._base import AttemptInfo
+
+__all__ = ["IteratorSource", "iterator_source"]
+
+Item = Union[str, Delta]
+Factory = Callable[[AttemptInfo], Union[AsyncIterator[Item], Awaitable[AsyncIterator[Item]]]]
+
+
+class _IteratorAttempt:
+    __slots__ = ("_iterator",)
+
+    def __init__(self, iterator: AsyncIterator[Item]) -> None:
+        self._iterator = iterator
+
+    async def receive(self) -> Sequence[Delta] | None:
+        # Items that carry nothing (empty strings) are skipped: they are not tokens.
+        while True:
+            try:
+                item = await self._iterator.__anext__()
+            except StopAsyncIteration:
+                return None
+            if isinstance(item, str):
+                if item:
+                    return (Delta(content=item),)
+            elif isinstance(item, Delta):
+                return (item,)
+            else:
+                raise TypeError(f"an iterator source must yield str or Delta, not {item!r}")
+
+    async def aclose(self) -> None:
+        aclose = getattr(self._iterator, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+class IteratorSource:
+    """Races whatever ``factory(info)`` returns: an async iterator of ``str`` tokens or
+    :class:`~trio_hedge.Delta` events (or an awaitable of one). Exceptions it raises are
+    classified (``OSError`` → connection, ``TimeoutError`` → timeout, others fatal) unless
+    they are :class:`~trio_hedge.AttemptError` already."""
+
+    def __init__(self, factory: Factory, *, name: str) -> None:
+        if not callable(factory):
+            raise TypeError(f"factory must be callable, not {factory!r}")
+        if not isinstance(name, str) or not name:
+            raise ValueError("name must be a non-empty str")
+        self._factory = factory
+        self._name = name
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def __repr__(self) -> str:
+        return f"IteratorSource(name={self._name!r})"
+
+    async def open(self, info: AttemptInfo) -> _IteratorAttempt:
+        made = self._factory(info)
+        if inspect.isawaitable(made):
+            made = await made
+        if not hasattr(made, "__anext__"):
+            raise TypeError(f"factory must return an async iterator, not {made!r}")
+        return _IteratorAttempt(made)
+
+
+def iterator_source(factory: Factory, *, name: str) -> IteratorSource:
+    """Wrap ``factory`` (called once per attempt with its :class:`~trio_hedge.AttemptInfo`)
+    as a :class:`~trio_hedge.Source` that `hedged_stream` can race."""
+    return IteratorSource(factory, name=name)

@@ -1,0 +1,287 @@
+"""OpenAI-compatible chat completions over httpx: one implementation of :class:`Source`.
+
+An attempt is ``POST {base_url}/chat/completions`` with ``"stream": true``; it is *open* when
+a 2xx arrives with its headers, which is not a first token (servers answer 200 while the
+request is still queued). Bytes go through :class:`trio_hedge.chunks.ChunkDecoder`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import ssl
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import attrs
+import httpx
+import trio
+
+from .._errors import AttemptError, ErrorKind
+from .._events import Delta
+from ..chunks import ChunkDecoder, classify_http_error, decode_json_body
+from ._base import AttemptInfo
+
+__all__ = ["HeaderNames", "OpenAIChatSource", "Replica", "shared_ssl_context"]
+
+#: How much of an error body is read to classify it (bytes).
+ERROR_BODY_LIMIT = 4096
+#: The largest non-streamed JSON answer accepted (bytes).
+JSON_BODY_LIMIT = 8 * 1024 * 1024
+
+
+@functools.cache
+def shared_ssl_context() -> ssl.SSLContext:
+    """One SSL context for every client the library creates: building one costs ~50 ms."""
+    return httpx.create_ssl_context()
+
+
+def _check_header_name(_inst: object, attribute: attrs.Attribute[object], value: object) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str) or not value or not value.isascii() or ":" in value:
+        raise ValueError(f"{attribute.name} must be an HTTP header name or None, not {value!r}")
+
+
+@attrs.frozen
+class HeaderNames:
+    """Which headers carry the request id and the attempt number (``None`` switches one off).
+
+    The request id is a UUID4 shared by every attempt of one request, so server logs can join
+    them; it is a bare UUID because some servers (llama.cpp's) answer 400 to an
+    ``X-Request-ID`` that is not one. The attempt number (1 = primary) goes in its own header,
+    like gRPC's ``grpc-previous-rpc-attempts`` (gRFC A6).
+    """
+
+    request_id: str | None = attrs.field(default="X-Request-ID", validator=_check_header_name)
+    attempt: str | None = attrs.field(default="X-Hedge-Attempt", validator=_check_header_name)
+
+
+def _check_url(_inst: object, attribute: attrs.Attribute[object], value: object) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"base_url must be a str, not {type(value).__name__}")
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"base_url must be an http(s) URL, not {value!r}")
+    if parts.username or parts.password:
+        raise ValueError("base_url must not carry credentials; use api_key")
+
+
+def _default_name(replica: Replica) -> str:
+    return urlsplit(replica.base_url).netloc
+
+
+def _redacted_headers(headers: Mapping[str, str]) -> str:
+    return "{" + ", ".join(f"{k!r}: '***'" for k in headers) + "}"
+
+
+@attrs.frozen
+class Replica:
+    """An OpenAI-compatible endpoint (a replica, instance, zone or provider).
+
+    Attributes:
+        base_url: e.g. ``"https://api.example.com/v1"``; the attempt posts to
+            ``{base_url}/chat/completions``.
+        api_key: sent as ``Authorization: Bearer …``; never shown in reprs, reports, logs or
+            errors. Default ``None`` (no header).
+        name: a short name for reports; default the URL's ``host:port``.
+        overrides: JSON fields merged over the request body for this replica (e.g. a smaller
+            ``model`` for the backup). Default none.
+        headers: extra request headers (values hidden in reprs, as they may be secrets).
+        path: the path under ``base_url``. Default ``"/chat/completions"``.
+
+    Raises:
+        TypeError, ValueError: a bad URL, name, or a URL with embedded credentials.
+    """
+
+    base_url: str = attrs.field(validator=_check_url, converter=lambda u: u.rstrip("/"))
+    api_key: str | None = attrs.field(default=None, repr=False, kw_only=True)
+    name: str = attrs.field(
+        default=attrs.Factory(_default_name, takes_self=True),
+        validator=attrs.validators.instance_of(str),
+        kw_only=True,
+    )
+    overrides: Mapping[str, Any] = attrs.field(
+        factory=dict, converter=lambda m: dict(m), kw_only=True
+    )
+    headers: Mapping[str, str] = attrs.field(
+        factory=dict, converter=lambda m: dict(m), repr=_redacted_headers, kw_only=True
+    )
+    path: str = attrs.field(default="/chat/completions", kw_only=True)
+
+    def bind(
+        self,
+        request: Mapping[str, Any],
+        client: httpx.AsyncClient,
+        *,
+        headers: HeaderNames | None = None,
+    ) -> OpenAIChatSource:
+        """This replica as a :class:`~trio_hedge.Source` for one request."""
+        return OpenAIChatSource(self, request, client, headers or HeaderNames())
+
+
+class OpenAIChatSource:
+    """One request bound to one :class:`Replica` over one ``httpx.AsyncClient``."""
+
+    def __init__(
+        self,
+        replica: Replica,
+        request: Mapping[str, Any],
+        client: httpx.AsyncClient,
+        header_names: HeaderNames,
+    ) -> None:
+        self._replica = replica
+        self._client = client
+        self._header_names = header_names
+        body = {**request, **replica.overrides, "stream": True}
+        self._content = json.dumps(body, ensure_ascii=False).encode()
+        self._url = replica.base_url + replica.path
+        headers = {"accept": "text/event-stream", "content-type": "application/json"}
+        headers.update(replica.headers)
+        if replica.api_key is not None:
+            headers["authorization"] = f"Bearer {replica.api_key}"
+        self._headers = headers
+
+    @property
+    def name(self) -> str:
+        return self._replica.name
+
+    def __repr__(self) -> str:
+        return f"OpenAIChatSource(replica={self._replica!r})"
+
+    async def open(self, info: AttemptInfo) -> HTTPAttempt:
+        headers = dict(self._headers)
+        names = self._header_names
+        if names.request_id is not None:
+            headers[names.request_id] = info.request_id
+        if names.attempt is not None:
+            headers[names.attempt] = str(info.number)
+        request = self._client.build_request("POST", self._url, content=self._content, headers=headers)
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.TimeoutException as exc:
+            raise _transport_error(ErrorKind.TIMEOUT, exc) from exc
+        except httpx.TransportError as exc:
+            raise _transport_error(ErrorKind.CONNECTION, exc) from exc
+        try:
+            return await _attempt_for(response)
+        except BaseException:
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                await _close_response(response, finished=False)
+            raise
+
+
+def _transport_error(kind: ErrorKind, exc: Exception) -> AttemptError:
+    # httpx messages name the host, never the headers: safe to carry.
+    return AttemptError(kind, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+
+
+async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
+    body = bytearray()
+    async for chunk in response.aiter_bytes():
+        body += chunk
+        if len(body) >= limit:
+            break
+    return bytes(body[:limit])
+
+
+async def _attempt_for(response: httpx.Response) -> HTTPAttempt:
+    status = response.status_code
+    if not 200 <= status < 300:
+        try:
+            body = await _read_bounded(response, ERROR_BODY_LIMIT)
+        except httpx.HTTPError:
+            body = b""
+        raise classify_http_error(status, response.headers, body)
+    content_type = response.headers.get("content-type", "")
+    if content_type.startswith("application/json"):
+        body = await _read_bounded(response, JSON_BODY_LIMIT + 1)
+        if len(body) > JSON_BODY_LIMIT:
+            raise AttemptError(ErrorKind.PROTOCOL, f"JSON answer larger than {JSON_BODY_LIMIT} bytes")
+        return HTTPAttempt(response, decode_json_body(status, response.headers, body))
+    return HTTPAttempt(response, None)
+
+
+class HTTPAttempt:
+    """One open HTTP attempt: reads SSE bytes, yields batches of :class:`Delta`."""
+
+    __slots__ = ("_chunks", "_decoder", "_finished", "_ready", "_response", "_saw_data")
+
+    def __init__(self, response: httpx.Response, whole: Sequence[Delta] | None) -> None:
+        self._response = response
+        self._decoder = ChunkDecoder()
+        self._chunks: AsyncIterator[bytes] = response.aiter_bytes()
+        # A non-streamed JSON answer arrives whole: one batch, then the end.
+        self._ready: Sequence[Delta] | None = whole
+        self._finished = whole is not None
+        self._saw_data = False
+
+    async def receive(self) -> Sequence[Delta] | None:
+        ready = self._ready
+        if ready is not None:
+            self._ready = None
+            return ready or None
+        if self._finished:
+            return None
+        decoder = self._decoder
+        chunks = self._chunks
+        while True:
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                self._finished = True
+                return decoder.end() or None
+            except httpx.TimeoutException as exc:
+                raise _transport_error(ErrorKind.TIMEOUT, exc) from exc
+            except httpx.TransportError as exc:
+                # A cut after data is a truncated stream; before any data, a connection error.
+                kind = ErrorKind.STREAM_TRUNCATED if decoder.data_events else ErrorKind.CONNECTION
+                raise _transport_error(kind, exc) from exc
+            deltas = decoder.feed(chunk)
+            if decoder.done:
+                self._finished = True
+                return deltas or None
+            if deltas:
+                return deltas
+
+    async def aclose(self) -> None:
+        await _close_response(self._response, finished=self._finished)
+
+
+async def _close_response(response: httpx.Response, *, finished: bool) -> None:
+    if not finished and response.http_version == "HTTP/2":
+        await _reset_http2_stream(response)
+    await response.aclose()
+
+
+async def _reset_http2_stream(response: httpx.Response) -> None:
+    """Send RST_STREAM(CANCEL) for an unfinished HTTP/2 response (RFC 9113 §6.4).
+
+    Why: httpcore 1.0.9 closes a cancelled HTTP/2 stream locally without telling the server,
+    so a loser's server keeps generating until the whole connection closes (failing case:
+    ``tests/test_http2.py::test_httpcore_alone_does_not_reset``). We reach through httpx's and
+    httpcore's stream wrappers to the connection's h2 state; if that shape is not there (a
+    different transport or version), we close the connection instead, which also stops the
+    server at the cost of the connection's other streams.
+    """
+    stream: object = response.stream
+    for attr in ("_stream", "_httpcore_stream", "_stream"):
+        stream = getattr(stream, attr, None)
+    connection = getattr(stream, "_connection", None)
+    stream_id = getattr(stream, "_stream_id", None)
+    h2_state = getattr(connection, "_h2_state", None)
+    write = getattr(connection, "_write_outgoing_data", None)
+    request = getattr(stream, "_request", None)
+    if h2_state is not None and write is not None and isinstance(stream_id, int):
+        try:
+            import h2.errors  # noqa: PLC0415 - only with HTTP/2, which needs h2 anyway
+
+            h2_state.reset_stream(stream_id, error_code=h2.errors.ErrorCodes.CANCEL)
+            await write(request)
+            return
+        except Exception:  # noqa: S110 - fall through to closing the connection
+            pass
+    network_stream = response.extensions.get("network_stream")
+    if network_stream is not None:
+        await network_stream.aclose()
