@@ -1,0 +1,203 @@
+"""The ``trio-hedge`` command: ``demo`` (no set-up) and ``stream`` (any OpenAI-compatible servers).
+
+Exit status: 0 on success, 1 when the request failed (the error is printed, and included in
+``--json`` output), 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+import trio
+
+from ._errors import HedgeError
+from ._policy import HedgePolicy
+from ._report import Report
+from ._stream import HedgedStream, hedged_stream
+from .sources.openai_http import Replica
+
+__all__ = ["main"]
+
+DEMO_PROMPT = "Why does hedging cut the tail latency of LLM calls?"
+DEMO_ANSWER = (
+    "A hedged request sends a backup only when the primary is slow to produce its first "
+    "token, so the tail shrinks while the extra load stays small. The first stream to "
+    "produce a token wins and the loser is cancelled at once."
+)
+
+
+def _format_seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f} s"
+
+
+def format_report(report: Report) -> str:
+    """A human-readable, multi-line summary of ``report`` (no credentials in it)."""
+    lines = [
+        f"request id      {report.request_id}",
+        f"winner          attempt {report.winner} ({report.winner_replica})"
+        if report.winner is not None
+        else "winner          none",
+        f"hedged          {'yes' if report.hedged else 'no'}",
+        f"caller TTFT     {_format_seconds(report.ttft)}",
+        f"total           {_format_seconds(report.total)}",
+        f"tokens          {report.token_count}",
+        f"mean TPOT       {_format_seconds(report.tpot_mean)}",
+        f"max token gap   {_format_seconds(report.max_gap)}",
+        f"wasted tokens   {report.wasted_tokens}",
+        "attempts:",
+    ]
+    for a in report.attempts:
+        detail = f"TTFT {_format_seconds(a.ttft)}" if a.ttft is not None else ""
+        if a.error is not None:
+            detail = f"error {a.error.kind.value}: {a.error.message}"
+        lines.append(
+            f"  #{a.number} {a.replica:<22} {a.trigger:<8} start {a.started_at:.3f} s"
+            f"  {a.outcome.value:<10} {detail}"
+        )
+    if report.error is not None:
+        lines.append(f"error           {type(report.error).__name__}: {report.error}")
+    return "\n".join(lines)
+
+
+async def _run_stream(stream: HedgedStream, *, live: TextIO | None) -> Report:
+    """Stream to ``live`` (if given) and return the report; a HedgeError is recorded in it."""
+    try:
+        async with stream:
+            async for token in stream:
+                if live is not None:
+                    live.write(token)
+                    live.flush()
+    except HedgeError:
+        pass
+    if live is not None:
+        live.write("\n")
+    return stream.report
+
+
+async def _demo(as_json: bool, out: TextIO) -> int:
+    from .testing import Behaviour, FakeReplica  # noqa: PLC0415 - only the demo needs them
+
+    words = tuple(w + " " for w in DEMO_ANSWER.split())
+    policy = HedgePolicy(hedge_after=1.0)
+    async with (
+        FakeReplica(Behaviour(ttft=5.0, token_delay=0.02, tokens=words), name="primary") as slow,
+        FakeReplica(Behaviour(ttft=0.5, token_delay=0.02, tokens=words), name="backup") as fast,
+    ):
+        replicas = [Replica(slow.url, name="primary"), Replica(fast.url, name="backup")]
+        request = {"model": "demo", "messages": [{"role": "user", "content": DEMO_PROMPT}]}
+        if not as_json:
+            out.write(
+                f"primary {slow.url} answers after 5.0 s; backup {fast.url} after 0.5 s; "
+                f"hedge_after = {policy.hedge_after} s\n\n"
+            )
+        stream = hedged_stream(request, replicas, policy)
+        report = await _run_stream(stream, live=None if as_json else out)
+        # Let the primary's server notice the disconnect it was sent at commit.
+        with trio.move_on_after(1.0):
+            await slow.wait_disconnected(0)
+        seen = slow.requests[0].disconnected_at if slow.requests else None
+        cancel_seen = None if seen is None else seen - stream_origin(stream)
+    if as_json:
+        payload = report.to_dict()
+        payload["primary_saw_cancel_at"] = cancel_seen
+        out.write(json.dumps(payload, indent=2) + "\n")
+    else:
+        out.write("\n" + format_report(report) + "\n")
+        if cancel_seen is not None and report.ttft is not None:
+            out.write(
+                f"primary saw its request cancelled at {cancel_seen:.3f} s "
+                f"({(cancel_seen - report.ttft) * 1000:.1f} ms after commit)\n"
+            )
+    return 0 if report.error is None else 1
+
+
+def stream_origin(stream: HedgedStream) -> float:
+    """The absolute Trio time the stream started (report times are offsets from it)."""
+    return stream._recorder.origin
+
+
+async def _stream(args: argparse.Namespace, out: TextIO) -> int:
+    api_key = None
+    if args.api_key_env:
+        api_key = os.environ.get(args.api_key_env)
+        if api_key is None:
+            sys.stderr.write(f"trio-hedge: environment variable {args.api_key_env} is not set\n")
+            return 2
+    replicas = [Replica(url, api_key=api_key) for url in args.replica]
+    messages: list[dict[str, Any]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    messages.append({"role": "user", "content": args.prompt})
+    request: dict[str, Any] = {"model": args.model, "messages": messages}
+    if args.max_tokens is not None:
+        request["max_tokens"] = args.max_tokens
+    if args.temperature is not None:
+        request["temperature"] = args.temperature
+    policy = HedgePolicy(
+        hedge_after=args.hedge_after,
+        first_token_timeout=args.first_token_timeout,
+        stall_timeout=args.stall_timeout,
+    )
+    report = await _run_stream(
+        hedged_stream(request, replicas, policy), live=None if args.json else out
+    )
+    if args.json:
+        out.write(json.dumps(report.to_dict(), indent=2) + "\n")
+    else:
+        sys.stderr.write(format_report(report) + "\n")
+    return 0 if report.error is None else 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trio-hedge", description="First-token hedged streaming for LLM calls."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser(
+        "demo", help="race a slow primary and a fast backup on two local fake replicas"
+    )
+    demo.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    stream = sub.add_parser("stream", help="stream one prompt from OpenAI-compatible replicas")
+    stream.add_argument(
+        "--replica",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="base URL, e.g. http://127.0.0.1:8000/v1 (repeat: primary first)",
+    )
+    stream.add_argument("--model", required=True)
+    stream.add_argument("--hedge-after", type=float, default=1.0, metavar="SECONDS")
+    stream.add_argument("--first-token-timeout", type=float, default=None, metavar="SECONDS")
+    stream.add_argument("--stall-timeout", type=float, default=None, metavar="SECONDS")
+    stream.add_argument("--max-tokens", type=int, default=None)
+    stream.add_argument("--temperature", type=float, default=None)
+    stream.add_argument("--system", default=None, help="a system message")
+    stream.add_argument(
+        "--api-key-env",
+        default=None,
+        metavar="VAR",
+        help="name of the environment variable holding the API key (never printed)",
+    )
+    stream.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    stream.add_argument("prompt")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``trio-hedge`` and ``python -m trio_hedge``."""
+    args = _parser().parse_args(argv)
+    out = sys.stdout
+    try:
+        if args.command == "demo":
+            return trio.run(_demo, args.json, out)
+        return trio.run(_stream, args, out)
+    except (ValueError, TypeError) as exc:
+        sys.stderr.write(f"trio-hedge: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        return 130
