@@ -48,11 +48,18 @@ class HedgedStream:
         *,
         request_id: str | None = None,
         owned_client: httpx.AsyncClient | None = None,
+        prompt_tokens: int | None = None,
+        idempotency_key: str | None = None,
     ) -> None:
         self._planner = planner
         self._policy = policy
         self._owned_client = owned_client
-        self._recorder = _Recorder(request_id=request_id or str(uuid.uuid4()))
+        self._recorder = _Recorder(
+            request_id=request_id or str(uuid.uuid4()),
+            prompt_tokens=prompt_tokens,
+            idempotency_key=idempotency_key,
+        )
+        self._planner_told = False
         self._winner: AttemptStream | None = None
         self._winner_number = 0
         self._pending: deque[Delta] = deque()
@@ -65,6 +72,12 @@ class HedgedStream:
     def request_id(self) -> str:
         """The id every attempt of this request carries."""
         return self._recorder.request_id
+
+    @property
+    def started_at(self) -> float:
+        """The Trio clock time (seconds) the request started; report times are offsets
+        from it."""
+        return self._recorder.origin
 
     @property
     def report(self) -> Report:
@@ -92,6 +105,7 @@ class HedgedStream:
                 exc.report = None  # set below, once the error is recorded
                 rec.error = exc
                 exc.report = rec.snapshot()
+            self._tell_planner()
             await self._close_client()
             raise
         self._winner = committed.stream
@@ -136,7 +150,13 @@ class HedgedStream:
             if exc is not None and not isinstance(exc, HedgeError) and rec.error is None:
                 rec.error = exc
             await close_quietly(winner, self._policy.close_timeout)
+        self._tell_planner()
         await self._close_client()
+
+    def _tell_planner(self) -> None:
+        if not self._planner_told:
+            self._planner_told = True
+            self._planner.request_finished(self._recorder.snapshot())
 
     async def _close_client(self) -> None:
         client, self._owned_client = self._owned_client, None

@@ -101,7 +101,7 @@ async def _demo(as_json: bool, out: TextIO) -> int:
         with trio.move_on_after(1.0):
             await slow.wait_disconnected(0)
         seen = slow.requests[0].disconnected_at if slow.requests else None
-        cancel_seen = None if seen is None else seen - stream_origin(stream)
+        cancel_seen = None if seen is None else seen - stream.started_at
     if as_json:
         payload = report.to_dict()
         payload["primary_saw_cancel_at"] = cancel_seen
@@ -114,11 +114,6 @@ async def _demo(as_json: bool, out: TextIO) -> int:
                 f"({(cancel_seen - report.ttft) * 1000:.1f} ms after commit)\n"
             )
     return 0 if report.error is None else 1
-
-
-def stream_origin(stream: HedgedStream) -> float:
-    """The absolute Trio time the stream started (report times are offsets from it)."""
-    return stream._recorder.origin
 
 
 async def _stream(args: argparse.Namespace, out: TextIO) -> int:

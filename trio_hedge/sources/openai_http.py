@@ -58,9 +58,14 @@ class HeaderNames:
     attempt: str | None = attrs.field(default="X-Hedge-Attempt", validator=_check_header_name)
 
 
+def _strip_slash(url: object) -> str:
+    if not isinstance(url, str):
+        raise TypeError(f"base_url must be a str, not {type(url).__name__}")
+    return url.rstrip("/")
+
+
 def _check_url(_inst: object, attribute: attrs.Attribute[object], value: object) -> None:
-    if not isinstance(value, str):
-        raise TypeError(f"base_url must be a str, not {type(value).__name__}")
+    assert isinstance(value, str)  # _strip_slash checked it
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ValueError(f"base_url must be an http(s) URL, not {value!r}")
@@ -95,7 +100,7 @@ class Replica:
         TypeError, ValueError: a bad URL, name, or a URL with embedded credentials.
     """
 
-    base_url: str = attrs.field(validator=_check_url, converter=lambda u: u.rstrip("/"))
+    base_url: str = attrs.field(validator=_check_url, converter=_strip_slash)
     api_key: str | None = attrs.field(default=None, repr=False, kw_only=True)
     name: str = attrs.field(
         default=attrs.Factory(_default_name, takes_self=True),
@@ -116,9 +121,13 @@ class Replica:
         client: httpx.AsyncClient,
         *,
         headers: HeaderNames | None = None,
+        extra_headers: Mapping[str, str] | None = None,
     ) -> OpenAIChatSource:
-        """This replica as a :class:`~trio_hedge.Source` for one request."""
-        return OpenAIChatSource(self, request, client, headers or HeaderNames())
+        """This replica as a :class:`~trio_hedge.Source` for one request; ``extra_headers``
+        are added to every attempt of this request (over the replica's own ``headers``)."""
+        return OpenAIChatSource(
+            self, request, client, headers or HeaderNames(), extra_headers=extra_headers
+        )
 
 
 class OpenAIChatSource:
@@ -130,6 +139,8 @@ class OpenAIChatSource:
         request: Mapping[str, Any],
         client: httpx.AsyncClient,
         header_names: HeaderNames,
+        *,
+        extra_headers: Mapping[str, str] | None = None,
     ) -> None:
         self._replica = replica
         self._client = client
@@ -139,6 +150,8 @@ class OpenAIChatSource:
         self._url = replica.base_url + replica.path
         headers = {"accept": "text/event-stream", "content-type": "application/json"}
         headers.update(replica.headers)
+        if extra_headers:
+            headers.update(extra_headers)
         if replica.api_key is not None:
             headers["authorization"] = f"Bearer {replica.api_key}"
         self._headers = headers
@@ -157,6 +170,8 @@ class OpenAIChatSource:
             headers[names.request_id] = info.request_id
         if names.attempt is not None:
             headers[names.attempt] = str(info.number)
+        if info.idempotency_key is not None:
+            headers["Idempotency-Key"] = info.idempotency_key
         request = self._client.build_request("POST", self._url, content=self._content, headers=headers)
         try:
             response = await self._client.send(request, stream=True)
