@@ -1,0 +1,67 @@
+"""HTTP/2 losers must stop for real.
+
+httpcore 1.0.9 drops a cancelled HTTP/2 stream without RST_STREAM, so the server keeps
+generating. The proofs below need no waiting: an HTTP/2 server handles a connection's frames
+in order, so once a later request on the same connection has been answered, a RST_STREAM sent
+before it has been seen — or was never sent."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import trio
+
+import trio_hedge as th
+from trio_hedge.testing import Behaviour, FakeReplica, fake_replicas
+
+pytest.importorskip("h2")
+
+REQUEST = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _h2_client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(http1=False, http2=True)  # h2c with prior knowledge
+
+
+async def _barrier(client: httpx.AsyncClient, replica: FakeReplica) -> None:
+    response = await client.get(replica.base_url + "/health")
+    assert response.http_version == "HTTP/2"
+
+
+async def test_httpcore_alone_does_not_reset() -> None:
+    """The failing case that motivates ``_reset_http2_stream``."""
+    async with FakeReplica(Behaviour(ttft=30.0), name="slow", http2=True) as replica:
+        async with _h2_client() as client:
+            body = {**REQUEST, "stream": True}
+            request = client.build_request("POST", replica.url + "/chat/completions", json=body)
+            response = await client.send(request, stream=True)
+            assert response.http_version == "HTTP/2"
+            await response.aclose()  # what a cancelled loser does with plain httpx
+            await _barrier(client, replica)
+            record = replica.requests[0]
+            assert record.disconnected_at is None  # the server never heard: it keeps going
+            assert record.finished_at is None
+        # Only closing the whole connection stops it.
+        with trio.fail_after(2):
+            await replica.wait_disconnected(0)
+
+
+async def test_hedged_loser_is_reset_and_the_connection_survives() -> None:
+    async with fake_replicas(
+        Behaviour(ttft=30.0), Behaviour(ttft=0.05, tokens=3), http2=True
+    ) as (primary, backup):
+        replicas = [th.Replica(primary.url, name="primary"), th.Replica(backup.url, name="b")]
+        async with _h2_client() as client:
+            stream = th.hedged_stream(
+                REQUEST, replicas, th.HedgePolicy(hedge_after=0.02), client=client
+            )
+            async with stream:
+                assert "".join([t async for t in stream]) == "tok0 tok1 tok2 "
+            assert stream.report.winner == 2
+            await _barrier(client, primary)
+            record = primary.requests[0]
+            assert record.http_version == "2"
+            assert record.disconnected_at is not None  # RST_STREAM reached the server
+            assert record.tokens_sent == 0
+            # The connection itself was not torn down: other streams on it live on.
+            assert primary.open_connections == 1

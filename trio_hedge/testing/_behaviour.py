@@ -1,0 +1,546 @@
+"""What a fake replica does with one request, and what it recorded about it.
+
+:class:`Behaviour` holds the knobs (all times in seconds). :func:`render_response` turns a
+request and a behaviour into a list of *steps* (wait, send headers, send one chunk, stall, cut);
+it is pure, so the loopback servers (:mod:`._server`) and the in-process mock (:mod:`._mock`)
+share one SSE generator and differ only in how they carry the steps out.
+"""
+
+from __future__ import annotations
+
+import http
+import json
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
+
+import attrs
+import trio
+
+__all__ = [
+    "KEEPALIVE",
+    "Behaviour",
+    "BehaviourSource",
+    "Chunk",
+    "Cut",
+    "Head",
+    "RequestRecord",
+    "Stall",
+    "Step",
+    "Wait",
+    "render_response",
+    "sse_event",
+]
+
+#: The SSE comment sent while stalled (comments never carry data: clients must ignore them).
+KEEPALIVE = b": keep-alive\n\n"
+
+#: Header names whose values never appear in a repr (credentials).
+_SECRET_HEADERS = frozenset(
+    {"authorization", "proxy-authorization", "api-key", "x-api-key", "cookie", "set-cookie"}
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Behaviour
+
+
+def _tokens(value: int | str | Sequence[str]) -> int | tuple[str, ...]:
+    """``int`` stays a count; a string is split into words (each keeps its trailing space,
+    so the tokens join back into the text); any other sequence becomes a tuple."""
+    if isinstance(value, bool):
+        raise TypeError("tokens must be an int, a str or a sequence of str, not a bool")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        return tuple(re.findall(r"\s*\S+\s*", value)) or ((value,) if value else ())
+    return tuple(value)
+
+
+def _non_negative(_inst: object, attribute: attrs.Attribute[Any], value: float | None) -> None:
+    if value is None:
+        return
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0 seconds, got {value!r}")
+
+
+def _non_negative_count(_inst: object, attribute: attrs.Attribute[Any], value: int | None) -> None:
+    if value is not None and value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
+
+
+@attrs.frozen
+class Behaviour:
+    """How a fake replica answers one chat-completion request. Times are in seconds.
+
+    A streaming 200 answer sends the response headers and a role-only chunk at once (real
+    servers answer 200 while the request is still queued: headers are not a first token),
+    then the first content token after ``ttft``, then one token every ``token_delay``, then a
+    chunk with ``finish_reason``, a usage chunk (if ``usage``) and ``data: [DONE]`` (if
+    ``send_done``). Every SSE event is written (and flushed) on its own.
+
+    Attributes:
+        ttft: seconds from receiving the request to the first content token. For a non-stream
+            request (``"stream": false``) the whole JSON answer is sent when the last token
+            would have been, ``ttft + (n - 1) * token_delay``.
+        token_delay: seconds between two tokens.
+        tokens: an ``int`` *n* gives the tokens ``"tok0 "``, ``"tok1 "``, …; a string is split
+            into words (each keeps its trailing whitespace); a sequence of strings is used as is.
+        status: the HTTP status. Non-2xx sends an OpenAI-style JSON error (no stream) after
+            ``error_delay``.
+        error_delay: seconds before an error answer (headers and body together).
+        error_message: the error's ``message`` (default: the status' reason phrase).
+        retry_after: seconds for a ``Retry-After`` header on an error (``None``: no header).
+            Non-integers are sent as decimals (``"0.5"``), which is non-standard but keeps
+            tests fast.
+        stall_after: send that many tokens, then stall forever (no finish, no ``[DONE]``).
+        keepalive_interval: while stalled, send a ``: keep-alive`` SSE comment every so many
+            seconds (``None``: stall silently).
+        cut_after: send that many tokens, then close the connection abruptly (no finish, no
+            ``[DONE]``) at the moment the next token was due (``ttft`` for 0). On HTTP/2 the
+            stream is reset instead; the mock raises ``httpx.RemoteProtocolError``.
+        send_done: end a complete stream with ``data: [DONE]``.
+        finish_reason: the finish reason of the last chunk.
+        usage: send a final usage chunk (``"choices": []``), as with
+            ``stream_options.include_usage``.
+    """
+
+    ttft: float = attrs.field(default=0.0, validator=_non_negative)
+    token_delay: float = attrs.field(default=0.0, validator=_non_negative)
+    tokens: int | tuple[str, ...] = attrs.field(default=8, converter=_tokens)
+    status: int = attrs.field(default=200)
+    error_delay: float = attrs.field(default=0.0, validator=_non_negative)
+    error_message: str = ""
+    retry_after: float | None = attrs.field(default=None, validator=_non_negative)
+    stall_after: int | None = attrs.field(default=None, validator=_non_negative_count)
+    keepalive_interval: float | None = attrs.field(default=None)
+    cut_after: int | None = attrs.field(default=None, validator=_non_negative_count)
+    send_done: bool = True
+    finish_reason: str = "stop"
+    usage: bool = True
+
+    @tokens.validator
+    def _check_tokens(self, _attribute: attrs.Attribute[Any], value: object) -> None:
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"tokens must be >= 0, got {value!r}")
+
+    @status.validator
+    def _check_status(self, _attribute: attrs.Attribute[Any], value: int) -> None:
+        if not 200 <= value <= 599:
+            raise ValueError(f"status must be in 200..599, got {value!r}")
+
+    @keepalive_interval.validator
+    def _check_keepalive(self, _attribute: attrs.Attribute[Any], value: float | None) -> None:
+        if value is not None and not value > 0:  # also rejects NaN
+            raise ValueError(f"keepalive_interval must be > 0 seconds, got {value!r}")
+
+    def __attrs_post_init__(self) -> None:
+        if self.stall_after is not None and self.cut_after is not None:
+            raise ValueError("set at most one of stall_after and cut_after")
+
+    @property
+    def token_texts(self) -> tuple[str, ...]:
+        """The tokens' texts, in order."""
+        if isinstance(self.tokens, int):
+            return tuple(f"tok{i} " for i in range(self.tokens))
+        return self.tokens
+
+    @property
+    def is_error(self) -> bool:
+        """Whether the status is not 2xx."""
+        return not 200 <= self.status <= 299
+
+
+# --------------------------------------------------------------------------------------------
+# RequestRecord
+
+
+def _redacted(headers: dict[str, str]) -> str:
+    return repr({k: ("<redacted>" if k in _SECRET_HEADERS else v) for k, v in headers.items()})
+
+
+@attrs.define(eq=False)
+class RequestRecord:
+    """What a fake replica saw and did for one request. Times are ``trio.current_time()``
+    seconds (virtual under a ``MockClock``).
+
+    Attributes:
+        index: 0-based position among the replica's requests (all paths).
+        received_at: when the whole request had arrived.
+        method, path: e.g. ``"POST"``, ``"/v1/chat/completions"``.
+        headers: request headers, lower-case names (the repr redacts credentials).
+        json: the parsed JSON body, or ``None``.
+        http_version: ``"1.1"``, ``"1.0"`` or ``"2"``.
+        replica: the replica's name.
+        behaviour: the :class:`Behaviour` used (chat completions only).
+        status: the status sent, ``None`` until the headers are sent.
+        tokens_sent: content tokens sent.
+        token_times: when each token-carrying chunk was sent.
+        first_token_at: when the first content token was sent, or ``None``.
+        finished_at: when the replica stopped working on the request, whatever the reason.
+        disconnected_at: when the replica saw the client go away before the answer was
+            complete (socket EOF/reset, HTTP/2 RST_STREAM or GOAWAY, mock stream closed),
+            else ``None``.
+        completed: whether the whole answer was sent.
+    """
+
+    index: int
+    received_at: float
+    method: str
+    path: str
+    headers: dict[str, str] = attrs.field(factory=dict, repr=_redacted)
+    json: Any = None
+    http_version: str = "1.1"
+    replica: str = ""
+    behaviour: Behaviour | None = None
+    status: int | None = None
+    tokens_sent: int = 0
+    token_times: list[float] = attrs.field(factory=list)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    disconnected_at: float | None = None
+    completed: bool = False
+    _finished: trio.Event = attrs.field(factory=trio.Event, init=False, repr=False)
+
+    @property
+    def stream(self) -> bool:
+        """Whether the body asked for a stream (OpenAI's default is no stream)."""
+        return isinstance(self.json, dict) and bool(self.json.get("stream", False))
+
+    @property
+    def finished(self) -> bool:
+        """Whether the replica is done with this request."""
+        return self.finished_at is not None
+
+    def note_sent(self, tokens: int) -> None:
+        """Record that a chunk carrying ``tokens`` content tokens was just sent."""
+        if tokens:
+            now = trio.current_time()
+            self.tokens_sent += tokens
+            self.token_times.append(now)
+            if self.first_token_at is None:
+                self.first_token_at = now
+
+    def note_finished(self, *, completed: bool = False, disconnected: bool = False) -> None:
+        """Record the end of the request; only the first call counts."""
+        if self.finished_at is not None:
+            return
+        now = trio.current_time()
+        self.finished_at = now
+        self.completed = completed
+        if disconnected:
+            self.disconnected_at = now
+        self._finished.set()
+
+    async def wait_finished(self) -> None:
+        """Wait until the replica is done with this request."""
+        await self._finished.wait()
+
+
+BehaviourSource: TypeAlias = "Behaviour | Callable[[RequestRecord], Behaviour]"
+"""A fixed behaviour, or a function choosing one per request (by index, header, body…)."""
+
+
+class RequestLog:
+    """The requests one replica received, with helpers to wait for them."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.records: list[RequestRecord] = []
+        self._changed = trio.Event()
+
+    def new(
+        self,
+        *,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        body: bytes,
+        http_version: str,
+    ) -> RequestRecord:
+        try:
+            parsed: Any = json.loads(body) if body else None
+        except ValueError:
+            parsed = None
+        record = RequestRecord(
+            index=len(self.records),
+            received_at=trio.current_time(),
+            method=method,
+            path=path,
+            headers=headers,
+            json=parsed,
+            http_version=http_version,
+            replica=self.name,
+        )
+        self.records.append(record)
+        self._changed.set()
+        self._changed = trio.Event()
+        return record
+
+    async def wait_request(self, index: int) -> RequestRecord:
+        """Wait until request ``index`` has arrived; return its record."""
+        while len(self.records) <= index:
+            await self._changed.wait()
+        return self.records[index]
+
+    async def wait_finished(self, index: int) -> RequestRecord:
+        """Wait until the replica is done with request ``index``."""
+        record = await self.wait_request(index)
+        await record.wait_finished()
+        return record
+
+    async def wait_disconnected(self, index: int) -> RequestRecord:
+        """Wait until request ``index`` ends; raise ``AssertionError`` if it ended without a
+        client disconnect (completed, cut, or server shut down). Wrap in ``trio.fail_after``."""
+        record = await self.wait_finished(index)
+        if record.disconnected_at is None:
+            raise AssertionError(
+                f"request {index} to {self.name!r} finished without a client disconnect "
+                f"(completed={record.completed}, tokens_sent={record.tokens_sent})"
+            )
+        return record
+
+
+# --------------------------------------------------------------------------------------------
+# Steps and rendering
+
+
+@attrs.frozen
+class Wait:
+    """Sleep ``seconds``."""
+
+    seconds: float
+
+
+@attrs.frozen
+class Head:
+    """Send the status line and headers (names lower-case)."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+
+
+@attrs.frozen
+class Chunk:
+    """Send ``data`` as one write (one SSE event, or a whole JSON body); it carries
+    ``tokens`` content tokens."""
+
+    data: bytes
+    tokens: int = 0
+
+
+@attrs.frozen
+class Stall:
+    """Send nothing more, forever; if headers were sent and ``keepalive_interval`` is set,
+    send :data:`KEEPALIVE` every ``keepalive_interval`` seconds."""
+
+    keepalive_interval: float | None
+
+
+@attrs.frozen
+class Cut:
+    """Close the connection (HTTP/2: reset the stream) without finishing the answer."""
+
+
+Step: TypeAlias = "Wait | Head | Chunk | Stall | Cut"
+"""One step of an answer; after the last step the answer is complete."""
+
+
+def _dumps(obj: object) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def sse_event(payload: object) -> bytes:
+    """One SSE data event: ``data: <compact JSON>`` and a blank line."""
+    return b"data: " + _dumps(payload) + b"\n\n"
+
+
+def _json_answer(status: int, payload: object, extra: Sequence[tuple[str, str]] = ()) -> list[Step]:
+    body = _dumps(payload)
+    headers = (
+        ("content-type", "application/json"),
+        ("content-length", str(len(body))),
+        *extra,
+    )
+    return [Head(status, headers), Chunk(body)]
+
+
+def _error_payload(status: int, message: str) -> dict[str, Any]:
+    kind, code = {
+        401: ("invalid_request_error", "invalid_api_key"),
+        403: ("permission_error", None),
+        404: ("invalid_request_error", "not_found"),
+        429: ("requests", "rate_limit_exceeded"),
+        503: ("server_error", "overloaded"),
+    }.get(status, ("invalid_request_error" if status < 500 else "server_error", None))
+    try:
+        phrase = http.HTTPStatus(status).phrase
+    except ValueError:
+        phrase = f"HTTP {status}"
+    return {
+        "error": {
+            "message": message or f"{phrase} (fake replica)",
+            "type": kind,
+            "param": None,
+            "code": code,
+        }
+    }
+
+
+def _seconds_header(value: float) -> str:
+    return str(int(value)) if value == int(value) else repr(value)
+
+
+def _prompt_tokens(body: Any) -> int:
+    """A rough prompt size (words in the messages), for the usage object."""
+    if not isinstance(body, dict):
+        return 0
+    words = 0
+    for message in body.get("messages") or ():
+        if isinstance(message, dict) and isinstance(message.get("content"), str):
+            words += len(message["content"].split())
+    return words
+
+
+def render_response(
+    record: RequestRecord,
+    behaviour: BehaviourSource,
+    *,
+    model: str = "fake-model",
+    created: int = 0,
+) -> list[Step]:
+    """The steps that answer ``record`` (routing included), pure but for calling
+    ``behaviour`` when it is a function.
+
+    Routes: ``POST /v1/chat/completions`` (per the behaviour; it is stored in
+    ``record.behaviour``), ``GET /health``, ``GET /v1/models``; others get 404/405.
+    """
+    path = record.path.split("?", 1)[0]
+    routes = {"/v1/chat/completions": "POST", "/health": "GET", "/v1/models": "GET"}
+    if path not in routes:
+        return _json_answer(404, _error_payload(404, f"no route {path}"))
+    if record.method != routes[path]:
+        return _json_answer(405, _error_payload(405, f"{record.method} not allowed on {path}"))
+    if path == "/health":
+        return _json_answer(200, {"status": "ok"})
+    if path == "/v1/models":
+        return _json_answer(
+            200,
+            {
+                "object": "list",
+                "data": [{"id": model, "object": "model", "created": created, "owned_by": "fake"}],
+            },
+        )
+    if not isinstance(record.json, dict):
+        return _json_answer(400, _error_payload(400, "the body must be a JSON object"))
+    chosen = behaviour if isinstance(behaviour, Behaviour) else behaviour(record)
+    record.behaviour = chosen
+    requested_model = record.json.get("model")
+    return _render_chat(
+        chosen,
+        record,
+        model=requested_model if isinstance(requested_model, str) else model,
+        created=created,
+    )
+
+
+def _render_chat(b: Behaviour, record: RequestRecord, *, model: str, created: int) -> list[Step]:
+    if b.is_error:
+        extra = () if b.retry_after is None else (("retry-after", _seconds_header(b.retry_after)),)
+        steps: list[Step] = [Wait(b.error_delay)] if b.error_delay else []
+        return steps + _json_answer(b.status, _error_payload(b.status, b.error_message), extra)
+
+    texts = b.token_texts
+    prompt = _prompt_tokens(record.json)
+    ident = f"chatcmpl-{record.replica or 'fake'}-{record.index}"
+    usage = {
+        "prompt_tokens": prompt,
+        "completion_tokens": len(texts),
+        "total_tokens": prompt + len(texts),
+    }
+    if not record.stream:
+        return _render_whole(b, texts, ident, model, created, usage)
+
+    def chunk(delta: dict[str, str], finish: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        return sse_event(
+            {
+                "id": ident,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [choice],
+            }
+        )
+
+    head = Head(b.status, (("content-type", "text/event-stream"), ("cache-control", "no-cache")))
+    # Headers and the role-only chunk go out at once: a queued request already has them.
+    steps = [head, Chunk(chunk({"role": "assistant"}))]
+    for i, text in enumerate(texts):
+        gap = b.ttft if i == 0 else b.token_delay
+        if b.stall_after == i:
+            return [*steps, Stall(b.keepalive_interval)]
+        if gap:
+            steps.append(Wait(gap))
+        if b.cut_after == i:
+            return [*steps, Cut()]
+        steps.append(Chunk(chunk({"content": text}), tokens=1))
+    if b.stall_after is not None:  # stall_after >= number of tokens: stall before finishing
+        return [*steps, Stall(b.keepalive_interval)]
+    if not texts and b.ttft:
+        steps.append(Wait(b.ttft))
+    if b.cut_after is not None:
+        return [*steps, Cut()]
+    steps.append(Chunk(chunk({}, b.finish_reason)))
+    if b.usage:
+        usage_chunk = {
+            "id": ident,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [],
+            "usage": usage,
+        }
+        steps.append(Chunk(sse_event(usage_chunk)))
+    if b.send_done:
+        steps.append(Chunk(b"data: [DONE]\n\n"))
+    return steps
+
+
+def _render_whole(
+    b: Behaviour,
+    texts: tuple[str, ...],
+    ident: str,
+    model: str,
+    created: int,
+    usage: dict[str, int],
+) -> list[Step]:
+    """A non-stream answer: nothing until the last token is due, then the whole JSON."""
+
+    def due(n: int) -> float:  # when token n (0-based) is due
+        return b.ttft + n * b.token_delay
+
+    if b.stall_after is not None:
+        return [Stall(None)]  # no answer ever comes, so when the stall starts is moot
+    if b.cut_after is not None:
+        return [Wait(due(min(b.cut_after, len(texts)))), Cut()]
+    wait = due(max(len(texts) - 1, 0))
+    body = {
+        "id": ident,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "".join(texts)},
+                "finish_reason": b.finish_reason,
+            }
+        ],
+    }
+    if b.usage:
+        body["usage"] = usage
+    head, whole = _json_answer(b.status, body)
+    assert isinstance(whole, Chunk)
+    return [*([Wait(wait)] if wait else []), head, Chunk(whole.data, tokens=len(texts))]
