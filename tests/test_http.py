@@ -255,6 +255,44 @@ async def test_stall_timeout_over_http_with_keepalives(
     assert mock.requests["primary"][0].disconnected_at == t0 + 2.5
 
 
+class _TokenThenErrorThenSilence(httpx.AsyncByteStream):
+    """One read carrying a token and an in-band error, then a connection left open."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self._sent = False
+
+    async def __aiter__(self):  # type: ignore[no-untyped-def]
+        yield (
+            b'data: {"choices":[{"index":0,"delta":{"content":"tok"}}]}\n\n'
+            b'data: {"error":{"message":"model crashed","type":"server_error"}}\n\n'
+        )
+        await trio.sleep_forever()
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_in_band_error_behind_a_token_is_raised_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    body = _TokenThenErrorThenSilence()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=body)
+
+    t0 = trio.current_time()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        with pytest.raises(th.StreamInterrupted) as info:
+            async with th.hedged_stream(REQUEST, [th.Replica("http://x.test/v1")],
+                                        client=client) as s:
+                [t async for t in s]
+    assert info.value.text == "tok"
+    assert info.value.error.kind is ErrorKind.SERVER_ERROR
+    assert trio.current_time() == t0  # not after a read that never comes
+    assert body.closed
+
+
 # -- real sockets ------------------------------------------------------------------------------
 
 

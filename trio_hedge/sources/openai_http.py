@@ -242,6 +242,10 @@ class HTTPAttempt:
         decoder = self._decoder
         chunks = self._chunks
         while True:
+            if decoder.error is not None:
+                # An in-band error that arrived behind tokens in the last read: raise it now
+                # rather than wait for a read that may never come.
+                raise decoder.error
             try:
                 chunk = await chunks.__anext__()
             except StopAsyncIteration:
