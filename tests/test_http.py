@@ -48,20 +48,68 @@ FAST = Behaviour(ttft=0.5, token_delay=0.1, tokens=3)
 HTTP_CASES = [
     HttpCase("backup wins", SLOW, FAST, 2, (0.0, 1.0), (O.CANCELLED, O.WON), 1.5),
     HttpCase("primary wins", FAST, SLOW, 1, (0.0,), (O.WON,), 0.5),
-    HttpCase("500 fails over at once", Behaviour(status=500, error_delay=0.1), FAST, 2,
-             (0.0, 0.1), (O.FAILED, O.WON), 0.6, kinds=(ErrorKind.SERVER_ERROR,)),
-    HttpCase("503 fails over at once", Behaviour(status=503, error_delay=0.2), FAST, 2,
-             (0.0, 0.2), (O.FAILED, O.WON), 0.7, kinds=(ErrorKind.OVERLOADED,)),
-    HttpCase("408 fails over at once", Behaviour(status=408, error_delay=0.2), FAST, 2,
-             (0.0, 0.2), (O.FAILED, O.WON), 0.7, kinds=(ErrorKind.TIMEOUT,)),
-    HttpCase("429 fails over at once", Behaviour(status=429, retry_after=3), FAST, 2,
-             (0.0, 0.0), (O.FAILED, O.WON), 0.5, kinds=(ErrorKind.RATE_LIMIT,)),
-    HttpCase("cut before the first token fails over",
-             Behaviour(ttft=0.3, cut_after=0), FAST, 2, (0.0, 0.3), (O.FAILED, O.WON), 0.8,
-             kinds=(ErrorKind.STREAM_TRUNCATED,)),  # the role chunk was data: truncated
+    HttpCase(
+        "500 fails over at once",
+        Behaviour(status=500, error_delay=0.1),
+        FAST,
+        2,
+        (0.0, 0.1),
+        (O.FAILED, O.WON),
+        0.6,
+        kinds=(ErrorKind.SERVER_ERROR,),
+    ),
+    HttpCase(
+        "503 fails over at once",
+        Behaviour(status=503, error_delay=0.2),
+        FAST,
+        2,
+        (0.0, 0.2),
+        (O.FAILED, O.WON),
+        0.7,
+        kinds=(ErrorKind.OVERLOADED,),
+    ),
+    HttpCase(
+        "408 fails over at once",
+        Behaviour(status=408, error_delay=0.2),
+        FAST,
+        2,
+        (0.0, 0.2),
+        (O.FAILED, O.WON),
+        0.7,
+        kinds=(ErrorKind.TIMEOUT,),
+    ),
+    HttpCase(
+        "429 fails over at once",
+        Behaviour(status=429, retry_after=3),
+        FAST,
+        2,
+        (0.0, 0.0),
+        (O.FAILED, O.WON),
+        0.5,
+        kinds=(ErrorKind.RATE_LIMIT,),
+    ),
+    HttpCase(
+        "cut before the first token fails over",
+        Behaviour(ttft=0.3, cut_after=0),
+        FAST,
+        2,
+        (0.0, 0.3),
+        (O.FAILED, O.WON),
+        0.8,
+        kinds=(ErrorKind.STREAM_TRUNCATED,),
+    ),  # the role chunk was data: truncated
     *[
-        HttpCase(f"{status} is fatal", Behaviour(status=status, error_delay=0.1), FAST, None,
-                 (0.0,), (O.FAILED,), None, th.FatalAttemptError, (kind,))
+        HttpCase(
+            f"{status} is fatal",
+            Behaviour(status=status, error_delay=0.1),
+            FAST,
+            None,
+            (0.0,),
+            (O.FAILED,),
+            None,
+            th.FatalAttemptError,
+            (kind,),
+        )
         for status, kind in [
             (400, ErrorKind.INVALID_REQUEST),
             (401, ErrorKind.AUTH),
@@ -71,9 +119,17 @@ HTTP_CASES = [
             (422, ErrorKind.INVALID_REQUEST),
         ]
     ],
-    HttpCase("both fail", Behaviour(status=500, error_delay=0.1),
-             Behaviour(status=502, error_delay=0.1), None, (0.0, 0.1), (O.FAILED, O.FAILED),
-             None, th.AllAttemptsFailed, (ErrorKind.SERVER_ERROR, ErrorKind.SERVER_ERROR)),
+    HttpCase(
+        "both fail",
+        Behaviour(status=500, error_delay=0.1),
+        Behaviour(status=502, error_delay=0.1),
+        None,
+        (0.0, 0.1),
+        (O.FAILED, O.FAILED),
+        None,
+        th.AllAttemptsFailed,
+        (ErrorKind.SERVER_ERROR, ErrorKind.SERVER_ERROR),
+    ),
 ]
 
 
@@ -129,8 +185,12 @@ async def test_headers_body_and_overrides(autojump_clock: trio.testing.MockClock
     mock = MockReplicas({"primary": SLOW, "backup": FAST})
     replicas = [
         th.Replica(mock.url("primary"), name="primary", api_key=SECRET),
-        th.Replica(mock.url("backup"), name="backup", overrides={"model": "small"},
-                   headers={"X-Extra": "1"}),
+        th.Replica(
+            mock.url("backup"),
+            name="backup",
+            overrides={"model": "small"},
+            headers={"X-Extra": "1"},
+        ),
     ]
     async with httpx.AsyncClient(transport=mock.transport) as client:
         async with th.hedged_stream(REQUEST, replicas, client=client) as stream:
@@ -173,8 +233,9 @@ async def test_secrets_never_leak(
     caplog.set_level(logging.DEBUG)
     mock = MockReplicas({"primary": Behaviour(status=401), "backup": FAST})
     replicas = [
-        th.Replica(mock.url("primary"), name="primary", api_key=SECRET,
-                   headers={"api-key": SECRET}),
+        th.Replica(
+            mock.url("primary"), name="primary", api_key=SECRET, headers={"api-key": SECRET}
+        ),
         th.Replica(mock.url("backup"), name="backup", api_key=SECRET),
     ]
     async with httpx.AsyncClient(transport=mock.transport) as client:
@@ -183,9 +244,16 @@ async def test_secrets_never_leak(
             async with stream:
                 pass
     seen = [
-        repr(replicas), str(replicas), repr(stream.report), str(stream.report.to_dict()),
-        str(info.value), repr(info.value), repr(info.value.errors), str(info.value.__cause__),
-        caplog.text, repr(mock.requests["primary"][0]),
+        repr(replicas),
+        str(replicas),
+        repr(stream.report),
+        str(stream.report.to_dict()),
+        str(info.value),
+        repr(info.value),
+        repr(info.value.errors),
+        str(info.value.__cause__),
+        caplog.text,
+        repr(mock.requests["primary"][0]),
     ]
     for text in seen:
         assert SECRET not in text
@@ -230,8 +298,9 @@ async def test_keepalives_and_role_chunks_are_not_a_first_token(
     primary = Behaviour(ttft=5.0, tokens=3)
     mock = MockReplicas({"primary": primary, "backup": FAST})
     async with httpx.AsyncClient(transport=mock.transport) as client:
-        async with th.hedged_stream(REQUEST, _replicas(mock, "primary", "backup"),
-                                    client=client) as s:
+        async with th.hedged_stream(
+            REQUEST, _replicas(mock, "primary", "backup"), client=client
+        ) as s:
             [t async for t in s]
     assert s.report.winner == 2
     assert s.report.ttft == 1.5
@@ -246,8 +315,12 @@ async def test_stall_timeout_over_http_with_keepalives(
     t0 = trio.current_time()
     async with httpx.AsyncClient(transport=mock.transport) as client:
         with pytest.raises(th.StreamInterrupted) as info:
-            async with th.hedged_stream(REQUEST, _replicas(mock, "primary"), client=client,
-                                        policy=HedgePolicy(stall_timeout=2.0)) as s:
+            async with th.hedged_stream(
+                REQUEST,
+                _replicas(mock, "primary"),
+                client=client,
+                policy=HedgePolicy(stall_timeout=2.0),
+            ) as s:
                 [t async for t in s]
     assert info.value.error.kind is ErrorKind.STALL
     assert info.value.text == "tok0 tok1 "
@@ -284,8 +357,9 @@ async def test_in_band_error_behind_a_token_is_raised_at_once(
     t0 = trio.current_time()
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
         with pytest.raises(th.StreamInterrupted) as info:
-            async with th.hedged_stream(REQUEST, [th.Replica("http://x.test/v1")],
-                                        client=client) as s:
+            async with th.hedged_stream(
+                REQUEST, [th.Replica("http://x.test/v1")], client=client
+            ) as s:
                 [t async for t in s]
     assert info.value.text == "tok"
     assert info.value.error.kind is ErrorKind.SERVER_ERROR
@@ -383,4 +457,3 @@ def test_sources_validate_their_input() -> None:
     with pytest.raises(ValueError, match="header"):
         th.HeaderNames(request_id="bad:name")
     assert SECRET not in repr(th.Replica("http://x/v1", api_key=SECRET, headers={"k": SECRET}))
-

@@ -47,9 +47,10 @@ async def test_httpcore_alone_does_not_reset() -> None:
 
 
 async def test_hedged_loser_is_reset_and_the_connection_survives() -> None:
-    async with fake_replicas(
-        Behaviour(ttft=30.0), Behaviour(ttft=0.05, tokens=3), http2=True
-    ) as (primary, backup):
+    async with fake_replicas(Behaviour(ttft=30.0), Behaviour(ttft=0.05, tokens=3), http2=True) as (
+        primary,
+        backup,
+    ):
         replicas = [th.Replica(primary.url, name="primary"), th.Replica(backup.url, name="b")]
         async with _h2_client() as client:
             stream = th.hedged_stream(

@@ -36,8 +36,10 @@ def _free_port() -> int:
 def _start_llmock() -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     proc = subprocess.Popen(
-        [str(LLMOCK), "serve", "--host", "127.0.0.1", "--port", str(port)]
-        + ["--log-level", "warning", "--stream-chunk-delay-ms", "20"],
+        [
+            *(str(LLMOCK), "serve", "--host", "127.0.0.1", "--port", str(port)),
+            *("--log-level", "warning", "--stream-chunk-delay-ms", "20"),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -128,9 +130,11 @@ def test_cli_stream_against_llmock(fresh: tuple[str, str]) -> None:
     primary, backup = fresh
     env = {**os.environ, "FAKE_KEY": "sk-secret-never-printed"}
     done = subprocess.run(
-        [sys.executable, "-m", "trio_hedge", "stream", "--replica", primary + "/v1"]
-        + ["--replica", backup + "/v1", "--model", "gpt-4o-mini", "--hedge-after", "1"]
-        + ["--api-key-env", "FAKE_KEY", "--json", "Say hi"],
+        [
+            *(sys.executable, "-m", "trio_hedge", "stream", "--replica", primary + "/v1"),
+            *("--replica", backup + "/v1", "--model", "gpt-4o-mini", "--hedge-after", "1"),
+            *("--api-key-env", "FAKE_KEY", "--json", "Say hi"),
+        ],
         capture_output=True,
         text=True,
         env=env,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import attrs
 import pytest
 import trio
@@ -12,6 +14,9 @@ from trio_hedge import AttemptOutcome as O
 from trio_hedge import ErrorKind, HedgePolicy
 
 from .scripted import Ledger, Script, sources
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import ExceptionGroup
 
 
 @attrs.frozen
@@ -32,45 +37,163 @@ FAST = Script(ttft=0.5)
 P1 = HedgePolicy(hedge_after=1.0)
 
 CASES = [
-    Case("primary wins before the hedge", (FAST, FAST), P1, 1, (0.0,), (O.WON,), 0.5,
-         ("primary",)),
-    Case("backup wins after the hedge", (SLOW, FAST), P1, 2, (0.0, 1.0), (O.CANCELLED, O.WON),
-         1.5, ("primary", "hedge")),
-    Case("primary still wins after the hedge", (Script(ttft=1.2), SLOW), P1, 1, (0.0, 1.0),
-         (O.WON, O.CANCELLED), 1.2, ("primary", "hedge")),
-    Case("primary fails at 0.1: backup starts at 0.1, not at hedge_after",
-         (Script(fail_at=0.1), FAST), P1, 2, (0.0, 0.1), (O.FAILED, O.WON), 0.6,
-         ("primary", "failover")),
-    Case("connection error fails over at once",
-         (Script(fail_at=0.0, fail_kind=ErrorKind.CONNECTION), FAST), P1, 2, (0.0, 0.0),
-         (O.FAILED, O.WON), 0.5, ("primary", "failover")),
-    Case("fatal 400: no backup", (Script(fail_at=0.1, fail_kind=ErrorKind.INVALID_REQUEST), FAST),
-         P1, None, (0.0,), (O.FAILED,), None, ("primary",), th.FatalAttemptError),
-    Case("fatal error on the backup cancels the primary",
-         (SLOW, Script(fail_at=0.2, fail_kind=ErrorKind.AUTH)), P1, None, (0.0, 1.0),
-         (O.CANCELLED, O.FAILED), None, ("primary", "hedge"), th.FatalAttemptError),
-    Case("all fail", (Script(fail_at=0.1), Script(fail_at=0.3)), P1, None, (0.0, 0.1),
-         (O.FAILED, O.FAILED), None, ("primary", "failover"), th.AllAttemptsFailed),
-    Case("first token exactly at hedge_after wins without a hedge", (Script(ttft=1.0), FAST), P1,
-         1, (0.0,), (O.WON,), 1.0, ("primary",)),
-    Case("three replicas staggered", (SLOW, SLOW, FAST), P1, 3, (0.0, 1.0, 2.0),
-         (O.CANCELLED, O.CANCELLED, O.WON), 2.5, ("primary", "hedge", "hedge")),
-    Case("backup failure starts the third at once", (SLOW, Script(fail_at=0.25), FAST), P1, 3,
-         (0.0, 1.0, 1.25), (O.CANCELLED, O.FAILED, O.WON), 1.75,
-         ("primary", "hedge", "failover")),
-    Case("hedge_after=None is a plain failover", (SLOW, FAST), HedgePolicy(hedge_after=None), 1,
-         (0.0,), (O.WON,), 5.0, ("primary",)),
-    Case("hedge=False never hedges on time", (SLOW, FAST), HedgePolicy(hedge=False), 1,
-         (0.0,), (O.WON,), 5.0, ("primary",)),
-    Case("max_attempts=1 caps the race", (Script(fail_at=0.1), FAST),
-         HedgePolicy(max_attempts=1), None, (0.0,), (O.FAILED,), None, ("primary",),
-         th.AllAttemptsFailed),
-    Case("attempts_per_replica=2 retries the same replica after failures",
-         (Script(fail_at=0.1),), HedgePolicy(attempts_per_replica=2), None, (0.0, 0.1),
-         (O.FAILED, O.FAILED), None, ("primary", "failover"), th.AllAttemptsFailed),
-    Case("first_token_timeout over all attempts", (SLOW, SLOW),
-         HedgePolicy(first_token_timeout=3.0), None, (0.0, 1.0), (O.CANCELLED, O.CANCELLED),
-         None, ("primary", "hedge"), th.AllAttemptsFailed),
+    Case("primary wins before the hedge", (FAST, FAST), P1, 1, (0.0,), (O.WON,), 0.5, ("primary",)),
+    Case(
+        "backup wins after the hedge",
+        (SLOW, FAST),
+        P1,
+        2,
+        (0.0, 1.0),
+        (O.CANCELLED, O.WON),
+        1.5,
+        ("primary", "hedge"),
+    ),
+    Case(
+        "primary still wins after the hedge",
+        (Script(ttft=1.2), SLOW),
+        P1,
+        1,
+        (0.0, 1.0),
+        (O.WON, O.CANCELLED),
+        1.2,
+        ("primary", "hedge"),
+    ),
+    Case(
+        "primary fails at 0.1: backup starts at 0.1, not at hedge_after",
+        (Script(fail_at=0.1), FAST),
+        P1,
+        2,
+        (0.0, 0.1),
+        (O.FAILED, O.WON),
+        0.6,
+        ("primary", "failover"),
+    ),
+    Case(
+        "connection error fails over at once",
+        (Script(fail_at=0.0, fail_kind=ErrorKind.CONNECTION), FAST),
+        P1,
+        2,
+        (0.0, 0.0),
+        (O.FAILED, O.WON),
+        0.5,
+        ("primary", "failover"),
+    ),
+    Case(
+        "fatal 400: no backup",
+        (Script(fail_at=0.1, fail_kind=ErrorKind.INVALID_REQUEST), FAST),
+        P1,
+        None,
+        (0.0,),
+        (O.FAILED,),
+        None,
+        ("primary",),
+        th.FatalAttemptError,
+    ),
+    Case(
+        "fatal error on the backup cancels the primary",
+        (SLOW, Script(fail_at=0.2, fail_kind=ErrorKind.AUTH)),
+        P1,
+        None,
+        (0.0, 1.0),
+        (O.CANCELLED, O.FAILED),
+        None,
+        ("primary", "hedge"),
+        th.FatalAttemptError,
+    ),
+    Case(
+        "all fail",
+        (Script(fail_at=0.1), Script(fail_at=0.3)),
+        P1,
+        None,
+        (0.0, 0.1),
+        (O.FAILED, O.FAILED),
+        None,
+        ("primary", "failover"),
+        th.AllAttemptsFailed,
+    ),
+    Case(
+        "first token exactly at hedge_after wins without a hedge",
+        (Script(ttft=1.0), FAST),
+        P1,
+        1,
+        (0.0,),
+        (O.WON,),
+        1.0,
+        ("primary",),
+    ),
+    Case(
+        "three replicas staggered",
+        (SLOW, SLOW, FAST),
+        P1,
+        3,
+        (0.0, 1.0, 2.0),
+        (O.CANCELLED, O.CANCELLED, O.WON),
+        2.5,
+        ("primary", "hedge", "hedge"),
+    ),
+    Case(
+        "backup failure starts the third at once",
+        (SLOW, Script(fail_at=0.25), FAST),
+        P1,
+        3,
+        (0.0, 1.0, 1.25),
+        (O.CANCELLED, O.FAILED, O.WON),
+        1.75,
+        ("primary", "hedge", "failover"),
+    ),
+    Case(
+        "hedge_after=None is a plain failover",
+        (SLOW, FAST),
+        HedgePolicy(hedge_after=None),
+        1,
+        (0.0,),
+        (O.WON,),
+        5.0,
+        ("primary",),
+    ),
+    Case(
+        "hedge=False never hedges on time",
+        (SLOW, FAST),
+        HedgePolicy(hedge=False),
+        1,
+        (0.0,),
+        (O.WON,),
+        5.0,
+        ("primary",),
+    ),
+    Case(
+        "max_attempts=1 caps the race",
+        (Script(fail_at=0.1), FAST),
+        HedgePolicy(max_attempts=1),
+        None,
+        (0.0,),
+        (O.FAILED,),
+        None,
+        ("primary",),
+        th.AllAttemptsFailed,
+    ),
+    Case(
+        "attempts_per_replica=2 retries the same replica after failures",
+        (Script(fail_at=0.1),),
+        HedgePolicy(attempts_per_replica=2),
+        None,
+        (0.0, 0.1),
+        (O.FAILED, O.FAILED),
+        None,
+        ("primary", "failover"),
+        th.AllAttemptsFailed,
+    ),
+    Case(
+        "first_token_timeout over all attempts",
+        (SLOW, SLOW),
+        HedgePolicy(first_token_timeout=3.0),
+        None,
+        (0.0, 1.0),
+        (O.CANCELLED, O.CANCELLED),
+        None,
+        ("primary", "hedge"),
+        th.AllAttemptsFailed,
+    ),
 ]
 
 
@@ -194,7 +317,9 @@ async def test_caller_exception_passes_through_unwrapped(
     assert ledger.open_now == 0
 
 
-async def test_error_after_commit_keeps_partial_text(autojump_clock: trio.testing.MockClock) -> None:
+async def test_error_after_commit_keeps_partial_text(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     ledger = Ledger()
     script = Script(ttft=0.5, tokens=5, fail_after_tokens=2)
     got: list[str] = []

@@ -80,7 +80,7 @@ async def _run_stream(stream: HedgedStream, *, live: TextIO | None) -> Report:
 
 
 async def _demo(as_json: bool, out: TextIO) -> int:
-    from .testing import Behaviour, FakeReplica  # noqa: PLC0415 - only the demo needs them
+    from .testing import Behaviour, FakeReplica  # only the demo needs them
 
     words = tuple(w + " " for w in DEMO_ANSWER.split())
     policy = HedgePolicy(hedge_after=1.0)

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Union
 
 from .._events import Delta
 from ._base import AttemptInfo
 
 __all__ = ["IteratorSource", "iterator_source"]
 
-Item = Union[str, Delta]
-Factory = Callable[[AttemptInfo], Union[AsyncIterator[Item], Awaitable[AsyncIterator[Item]]]]
+Item = str | Delta
+Factory = Callable[[AttemptInfo], AsyncIterator[Item] | Awaitable[AsyncIterator[Item]]]
 
 
 class _IteratorAttempt:

@@ -172,7 +172,9 @@ class OpenAIChatSource:
             headers[names.attempt] = str(info.number)
         if info.idempotency_key is not None:
             headers["Idempotency-Key"] = info.idempotency_key
-        request = self._client.build_request("POST", self._url, content=self._content, headers=headers)
+        request = self._client.build_request(
+            "POST", self._url, content=self._content, headers=headers
+        )
         try:
             response = await self._client.send(request, stream=True)
         except httpx.TimeoutException as exc:
@@ -213,7 +215,9 @@ async def _attempt_for(response: httpx.Response) -> HTTPAttempt:
     if content_type.startswith("application/json"):
         body = await _read_bounded(response, JSON_BODY_LIMIT + 1)
         if len(body) > JSON_BODY_LIMIT:
-            raise AttemptError(ErrorKind.PROTOCOL, f"JSON answer larger than {JSON_BODY_LIMIT} bytes")
+            raise AttemptError(
+                ErrorKind.PROTOCOL, f"JSON answer larger than {JSON_BODY_LIMIT} bytes"
+            )
         return HTTPAttempt(response, decode_json_body(status, response.headers, body))
     return HTTPAttempt(response, None)
 
@@ -294,12 +298,12 @@ async def _reset_http2_stream(response: httpx.Response) -> None:
     request = getattr(stream, "_request", None)
     if h2_state is not None and write is not None and isinstance(stream_id, int):
         try:
-            import h2.errors  # noqa: PLC0415 - only with HTTP/2, which needs h2 anyway
+            import h2.errors  # only with HTTP/2, which needs h2 anyway
 
             h2_state.reset_stream(stream_id, error_code=h2.errors.ErrorCodes.CANCEL)
             await write(request)
             return
-        except Exception:  # noqa: S110 - fall through to closing the connection
+        except Exception:  # fall through to closing the connection
             pass
     network_stream = response.extensions.get("network_stream")
     if network_stream is not None:
