@@ -37,7 +37,7 @@ def shared_ssl_context() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
-def _check_header_name(_inst: object, attribute: attrs.Attribute[object], value: object) -> None:
+def _check_header_name(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is None:
         return
     if not isinstance(value, str) or not value or not value.isascii() or ":" in value:
@@ -64,7 +64,7 @@ def _strip_slash(url: object) -> str:
     return url.rstrip("/")
 
 
-def _check_url(_inst: object, attribute: attrs.Attribute[object], value: object) -> None:
+def _check_url(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     assert isinstance(value, str)  # _strip_slash checked it
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -75,6 +75,12 @@ def _check_url(_inst: object, attribute: attrs.Attribute[object], value: object)
 
 def _default_name(replica: Replica) -> str:
     return urlsplit(replica.base_url).netloc
+
+
+def _as_dict(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(mapping, Mapping):
+        raise TypeError(f"expected a mapping, not {type(mapping).__name__}")
+    return dict(mapping)
 
 
 def _redacted_headers(headers: Mapping[str, str]) -> str:
@@ -107,11 +113,9 @@ class Replica:
         validator=attrs.validators.instance_of(str),
         kw_only=True,
     )
-    overrides: Mapping[str, Any] = attrs.field(
-        factory=dict, converter=lambda m: dict(m), kw_only=True
-    )
+    overrides: Mapping[str, Any] = attrs.field(factory=dict, converter=_as_dict, kw_only=True)
     headers: Mapping[str, str] = attrs.field(
-        factory=dict, converter=lambda m: dict(m), repr=_redacted_headers, kw_only=True
+        factory=dict, converter=_as_dict, repr=_redacted_headers, kw_only=True
     )
     path: str = attrs.field(default="/chat/completions", kw_only=True)
 
