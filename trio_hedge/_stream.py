@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from types import TracebackType
 from typing import Any, NoReturn
 
@@ -242,25 +242,28 @@ class HedgedStream:
                 self._take(batch, trio.current_time())
         return tokens.popleft()
 
-    async def events(self) -> AsyncIterator[Delta]:
-        """Yield every :class:`~trio_hedge.Delta` of the winner (content, reasoning, tool-call
-        fragments, usage, finish reason), starting with those read before the commit.
-        An alternative to iterating the stream for ``str`` tokens; do not mix the two."""
+    def events(self) -> _EventIterator:
+        """An async iterator of every :class:`~trio_hedge.Delta` of the winner (content,
+        reasoning, tool-call fragments, usage, finish reason), starting with those read
+        before the commit. An alternative to iterating the stream for ``str`` tokens; do not
+        mix the two. It holds nothing between items, so leaving it early is safe."""
         self._events_mode = True
         self._tokens.clear()
+        return _EventIterator(self)
+
+    async def _next_event(self) -> Delta:
         pending = self._pending
-        while True:
-            while pending:
-                yield pending.popleft()
+        while not pending:
             if self._ended:
                 self._finish()
-                return
+                raise StopAsyncIteration
             batch = await self._receive()
             if batch is None:
                 self._ended = True
             else:
                 self._take(batch, trio.current_time())
                 pending.extend(batch)
+        return pending.popleft()
 
     def _finish(self) -> None:
         rec = self._recorder
@@ -268,6 +271,19 @@ class HedgedStream:
             rec.ended_at = trio.current_time()
             if self._winner_number:
                 rec.attempt(self._winner_number).ended_at = rec.ended_at
+
+
+class _EventIterator:
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: HedgedStream) -> None:
+        self._stream = stream
+
+    def __aiter__(self) -> _EventIterator:
+        return self
+
+    def __anext__(self) -> Coroutine[Any, Any, Delta]:
+        return self._stream._next_event()
 
 
 def hedged_stream(
