@@ -5,6 +5,8 @@ seconds, send it to a backup; the first stream to produce a token wins and is re
 other attempt is cancelled at once.
 """
 
+from ._budget import HedgeBudget, RetryThrottle
+from ._delay import LearnedDelay, SizeClasses, empirical_quantile, km_quantile
 from ._errors import (
     AllAttemptsFailed,
     AttemptError,
@@ -15,10 +17,15 @@ from ._errors import (
     StreamInterrupted,
 )
 from ._events import Delta, FirstToken, ToolCallDelta
+from ._health import OutlierDetection
+from ._hooks import EventKind, HedgeEvent
 from ._plan import Planner, StaticPlanner
 from ._policy import HedgePolicy
 from ._report import AttemptOutcome, AttemptRecord, Report
+from ._sizing import estimate_prompt_tokens
+from ._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
 from ._stream import HedgedStream, hedged_stream
+from .hedger import Hedger, HedgerConfig
 from .sources import (
     AttemptInfo,
     AttemptStream,
@@ -38,24 +45,39 @@ __all__ = [
     "AttemptOutcome",
     "AttemptRecord",
     "AttemptStream",
+    "DelayStatistics",
     "Delta",
     "ErrorKind",
+    "EventKind",
     "FatalAttemptError",
     "FirstToken",
     "HeaderNames",
+    "HedgeBudget",
     "HedgeError",
+    "HedgeEvent",
     "HedgePolicy",
     "HedgedStream",
+    "Hedger",
+    "HedgerConfig",
+    "HedgerStatistics",
     "IteratorSource",
+    "LearnedDelay",
+    "OutlierDetection",
     "Planner",
     "Replica",
+    "ReplicaStatistics",
     "Report",
     "RequestFailed",
+    "RetryThrottle",
+    "SizeClasses",
     "Source",
     "StaticPlanner",
     "StreamInterrupted",
     "ToolCallDelta",
     "__version__",
+    "empirical_quantile",
+    "estimate_prompt_tokens",
     "hedged_stream",
     "iterator_source",
+    "km_quantile",
 ]

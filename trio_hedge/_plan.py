@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from ._policy import HedgePolicy
-from ._report import AttemptRecord
+from ._report import AttemptRecord, Report
 from .sources._base import Source
 
 __all__ = ["Planner", "StaticPlanner"]
@@ -39,6 +39,11 @@ class Planner(Protocol):
         """An attempt started, got its first token, failed or was cancelled."""
         ...
 
+    def request_finished(self, report: Report) -> None:
+        """The request ended (its stream closed, or the race failed or was cancelled): the
+        final :class:`~trio_hedge.Report`. Called at most once, never before the race began."""
+        ...
+
 
 class StaticPlanner:
     """Replicas in the given order, each up to ``policy.attempts_per_replica`` times (round
@@ -61,4 +66,7 @@ class StaticPlanner:
         return True
 
     def attempt_changed(self, source: Source, record: AttemptRecord) -> None:
+        pass
+
+    def request_finished(self, report: Report) -> None:
         pass

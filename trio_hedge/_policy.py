@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import attrs
 
@@ -11,7 +12,7 @@ from ._events import FirstToken
 __all__ = ["HedgePolicy"]
 
 
-def _seconds_or_none(_inst: object, attribute: attrs.Attribute[object], value: object) -> None:
+def _seconds_or_none(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -21,14 +22,14 @@ def _seconds_or_none(_inst: object, attribute: attrs.Attribute[object], value: o
 
 
 def _positive_seconds_or_none(
-    inst: object, attribute: attrs.Attribute[object], value: object
+    inst: object, attribute: attrs.Attribute[Any], value: object
 ) -> None:
     _seconds_or_none(inst, attribute, value)
     if value is not None and value == 0:
         raise ValueError(f"{attribute.name} must be > 0 seconds, not {value!r}")
 
 
-def _positive_int_or_none(_inst: object, attribute: attrs.Attribute[object], value: object) -> None:
+def _positive_int_or_none(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
@@ -37,7 +38,7 @@ def _positive_int_or_none(_inst: object, attribute: attrs.Attribute[object], val
         raise ValueError(f"{attribute.name} must be >= 1, not {value!r}")
 
 
-def _positive_int(_inst: object, attribute: attrs.Attribute[object], value: object) -> None:
+def _positive_int(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{attribute.name} must be an int, not {value!r}")
     if value < 1:
@@ -86,7 +87,9 @@ class HedgePolicy:
     attempts_per_replica: int = attrs.field(default=1, validator=_positive_int)
     hedge: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     first_token: FirstToken = attrs.field(
-        default=FirstToken.CONTENT, converter=FirstToken, validator=attrs.validators.in_(FirstToken)
+        default=FirstToken.CONTENT,
+        converter=FirstToken,
+        validator=attrs.validators.in_(tuple(FirstToken)),
     )
     first_token_timeout: float | None = attrs.field(
         default=None, validator=_positive_seconds_or_none

@@ -12,6 +12,7 @@ open, and the caller's task reads it directly afterwards (no task switch per tok
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 
@@ -54,13 +55,11 @@ def classify_exception(exc: Exception) -> AttemptError:
     return err
 
 
-async def close_quietly(stream: AttemptStream, timeout: float) -> None:
-    """Close ``stream`` even inside a cancelled scope, bounded by ``timeout`` seconds."""
-    with trio.CancelScope(shield=True), trio.move_on_after(timeout):
-        try:
-            await stream.aclose()
-        except Exception:  # noqa: S110 - a failing close must not mask the race's outcome
-            pass
+async def close_quietly(stream: AttemptStream, limit: float) -> None:
+    """Close ``stream`` even inside a cancelled scope, bounded by ``limit`` seconds."""
+    # A failing close must not mask the race's outcome.
+    with trio.CancelScope(shield=True), trio.move_on_after(limit), contextlib.suppress(Exception):
+        await stream.aclose()
 
 
 class _Race:
@@ -141,7 +140,12 @@ class _Race:
         self._recorder.attempts.append(state)
         self._sources[number] = source
         self._changed(state)
-        info = AttemptInfo(request_id=self._recorder.request_id, number=number, trigger=trigger)
+        info = AttemptInfo(
+            request_id=self._recorder.request_id,
+            number=number,
+            trigger=trigger,
+            idempotency_key=self._recorder.idempotency_key,
+        )
         nursery.start_soon(self._attempt, state, source, info, name=f"trio_hedge attempt {number}")
 
     async def _attempt(self, state: _AttemptState, source: Source, info: AttemptInfo) -> None:

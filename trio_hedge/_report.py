@@ -97,6 +97,9 @@ class Report:
         text: the text relayed so far (the partial answer, when the stream failed).
         finished: whether the stream has ended (normally or not).
         error: the error that ended the request, or ``None``.
+        prompt_tokens: the request's prompt size in tokens (given by the caller or estimated
+            at ~4 characters per token), when known; used for cost accounting.
+        idempotency_key: the idempotency key every attempt carried, or ``None``.
     """
 
     request_id: str
@@ -112,6 +115,26 @@ class Report:
     text: str
     finished: bool
     error: BaseException | None = attrs.field(default=None, eq=False)
+    prompt_tokens: int | None = None
+    idempotency_key: str | None = None
+
+    @property
+    def attempts_sent(self) -> int:
+        """Attempts started (primary included): the number of times the prompt was sent."""
+        return len(self.attempts)
+
+    @property
+    def backups_sent(self) -> int:
+        """Attempts started after the primary (hedges and failovers)."""
+        return max(0, len(self.attempts) - 1)
+
+    @property
+    def prompt_tokens_resent(self) -> int | None:
+        """Prompt tokens sent again by backups (``prompt_tokens × backups_sent``): the extra
+        prefill the hedging cost, or ``None`` when the prompt size is unknown."""
+        if self.prompt_tokens is None:
+            return None
+        return self.prompt_tokens * self.backups_sent
 
     @property
     def winner_replica(self) -> str | None:
@@ -146,6 +169,9 @@ class Report:
             "tpot_mean": self.tpot_mean,
             "max_gap": self.max_gap,
             "wasted_tokens": self.wasted_tokens,
+            "attempts_sent": self.attempts_sent,
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens_resent": self.prompt_tokens_resent,
             "finished": self.finished,
             "text": self.text,
             "attempts": [a.to_dict() for a in self.attempts],
@@ -197,6 +223,8 @@ class _Recorder:
     max_gap: float | None = None
     chunks: list[str] = attrs.Factory(list)
     error: BaseException | None = None
+    prompt_tokens: int | None = None
+    idempotency_key: str | None = None
 
     def attempt(self, number: int) -> _AttemptState:
         return self.attempts[number - 1]
@@ -228,4 +256,6 @@ class _Recorder:
             text="".join(self.chunks),
             finished=self.ended_at is not None,
             error=self.error,
+            prompt_tokens=self.prompt_tokens,
+            idempotency_key=self.idempotency_key,
         )

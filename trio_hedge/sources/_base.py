@@ -25,11 +25,15 @@ class AttemptInfo:
         number: 1 for the primary, 2 for the first backup, and so on.
         trigger: why it started: ``"primary"``, ``"hedge"`` (the hedge delay passed with no
             first token) or ``"failover"`` (an earlier attempt failed before its first token).
+        idempotency_key: the caller's idempotency key, sent unchanged on every attempt of a
+            request with side effects (so the server runs it once), or ``None``. Sources that
+            talk to an API should forward it (the HTTP source sends ``Idempotency-Key``).
     """
 
     request_id: str
     number: int
     trigger: str
+    idempotency_key: str | None = None
 
 
 @runtime_checkable

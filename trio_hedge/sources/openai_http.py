@@ -29,6 +29,11 @@ __all__ = ["HeaderNames", "OpenAIChatSource", "Replica", "shared_ssl_context"]
 ERROR_BODY_LIMIT = 4096
 #: The largest non-streamed JSON answer accepted (bytes).
 JSON_BODY_LIMIT = 8 * 1024 * 1024
+#: After ``[DONE]``, how long (seconds) and how many bytes closing an attempt may read to reach
+#: the end of the HTTP body, so an HTTP/1.1 connection goes back to the pool (see
+#: :meth:`HTTPAttempt.aclose`).
+DRAIN_TIMEOUT = 0.05
+DRAIN_LIMIT = 65536
 
 
 @functools.cache
@@ -229,7 +234,15 @@ async def _attempt_for(response: httpx.Response) -> HTTPAttempt:
 class HTTPAttempt:
     """One open HTTP attempt: reads SSE bytes, yields batches of :class:`Delta`."""
 
-    __slots__ = ("_chunks", "_decoder", "_finished", "_ready", "_response", "_saw_data")
+    __slots__ = (
+        "_chunks",
+        "_decoder",
+        "_exhausted",
+        "_finished",
+        "_ready",
+        "_response",
+        "_saw_data",
+    )
 
     def __init__(self, response: httpx.Response, whole: Sequence[Delta] | None) -> None:
         self._response = response
@@ -238,6 +251,7 @@ class HTTPAttempt:
         # A non-streamed JSON answer arrives whole: one batch, then the end.
         self._ready: Sequence[Delta] | None = whole
         self._finished = whole is not None
+        self._exhausted = whole is not None  # the body was read to its end
         self._saw_data = False
 
     async def receive(self) -> Sequence[Delta] | None:
@@ -257,7 +271,7 @@ class HTTPAttempt:
             try:
                 chunk = await chunks.__anext__()
             except StopAsyncIteration:
-                self._finished = True
+                self._finished = self._exhausted = True
                 return decoder.end() or None
             except httpx.TimeoutException as exc:
                 raise _transport_error(ErrorKind.TIMEOUT, exc) from exc
@@ -273,7 +287,30 @@ class HTTPAttempt:
                 return deltas
 
     async def aclose(self) -> None:
+        if self._finished and not self._exhausted:
+            await self._drain()
         await _close_response(self._response, finished=self._finished)
+
+    async def _drain(self) -> None:
+        """Read what follows ``[DONE]`` (normally just the body's last chunk, often already
+        received) to the end of the body, within :data:`DRAIN_TIMEOUT` / :data:`DRAIN_LIMIT`.
+
+        Why: closing a response before its end makes httpcore close the connection (no
+        keep-alive: a new TCP and TLS handshake for the next request) and leaves httpx's
+        nested async generators unfinished, for Trio's finaliser to close one task each.
+        ``benchmarks/scale.py`` measured 1,284 µs of client CPU per 5-token stream without
+        this against 474 µs for plain httpx reading to the end.
+        """
+        self._exhausted = True
+        read = 0
+        with trio.move_on_after(DRAIN_TIMEOUT):
+            try:
+                async for chunk in self._chunks:
+                    read += len(chunk)
+                    if read > DRAIN_LIMIT:
+                        return
+            except httpx.HTTPError:
+                return
 
 
 async def _close_response(response: httpx.Response, *, finished: bool) -> None:

@@ -1,0 +1,243 @@
+"""The learned hedge delay: the Kaplan–Meier estimator, size classes, convergence in virtual
+time, the low bias of ignoring censored attempts, and size-awareness."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import trio
+import trio.testing
+
+import trio_hedge as th
+from trio_hedge import EventKind, LearnedDelay, SizeClasses
+from trio_hedge._delay import DelayModel
+
+from .fleet import Fleet, run
+from .scripted import Script
+
+# -- the estimator -----------------------------------------------------------------------------
+
+KM_CASES = [
+    # (name, observations (time, observed), q, expected)
+    ("no censoring is the nearest-rank quantile", [(t, True) for t in (1, 2, 3, 4, 5)], 0.5, 3),
+    ("no censoring, P90 of 10", [(float(t), True) for t in range(1, 11)], 0.9, 9.0),
+    # S(1) = 4/5; S(3) = 4/5 · 2/3 = 8/15 (F = 0.467); S(5) = 0
+    ("textbook: 1, 2+, 3, 4+, 5 at q=0.2", [(1, True), (2, False), (3, True), (4, False),
+                                             (5, True)], 0.2, 1),
+    ("textbook at q=0.4", [(1, True), (2, False), (3, True), (4, False), (5, True)], 0.4, 3),
+    ("textbook at q=0.5", [(1, True), (2, False), (3, True), (4, False), (5, True)], 0.5, 5),
+    ("censored tail: the largest time is a lower bound", [(1, True), (2, False), (3, False)],
+     0.9, 3),
+    ("a tie: the event counts before the censoring", [(2, False), (2, True), (4, True)], 0.3, 2),
+    ("nothing observed", [], 0.9, None),
+]
+
+
+@pytest.mark.parametrize(("name", "obs", "q", "expected"), KM_CASES, ids=[c[0] for c in KM_CASES])
+def test_km_quantile(name: str, obs: list[tuple[float, bool]], q: float, expected: float) -> None:
+    assert th.km_quantile(obs, q) == expected
+
+
+def test_km_without_censoring_equals_empirical() -> None:
+    rng = random.Random(7)
+    values = [rng.expovariate(1.0) for _ in range(501)]
+    for q in (0.1, 0.5, 0.9, 0.99):
+        assert th.km_quantile([(v, True) for v in values], q) == th.empirical_quantile(values, q)
+
+
+SIZE_CASES = [
+    (0, 0), (255, 0), (256, 1), (511, 1), (512, 2), (1023, 2), (1024, 3), (8000, 5),
+    (131_071, 9), (131_072, 10), (10**9, 10),
+]
+
+
+@pytest.mark.parametrize(("tokens", "index"), SIZE_CASES)
+def test_size_classes(tokens: int, index: int) -> None:
+    classes = SizeClasses()
+    assert classes.of(tokens) == index
+    low, high = classes.bounds(index)
+    assert low <= tokens and (high is None or tokens < high)
+
+
+def test_validation() -> None:
+    with pytest.raises(ValueError, match="percentile"):
+        LearnedDelay(percentile=1.0)
+    with pytest.raises(ValueError, match="percentile"):
+        LearnedDelay(percentile=0)
+    with pytest.raises(TypeError, match="window"):
+        LearnedDelay(window="60")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="min_delay"):
+        LearnedDelay(min_delay=5, max_delay=1)
+    with pytest.raises(ValueError, match="min_samples"):
+        LearnedDelay(min_samples=0)
+    with pytest.raises(ValueError, match="base"):
+        SizeClasses(base=1.0)
+    with pytest.raises(ValueError, match="max_extra_load"):
+        LearnedDelay.for_extra_load(1.5)
+    assert LearnedDelay.for_extra_load(0.05).percentile == pytest.approx(0.95)
+
+
+async def test_fallback_window_clamp_and_monotone(autojump_clock: trio.testing.MockClock) -> None:
+    config = LearnedDelay(min_samples=3, fallback=1.0, window=10, refresh=0, max_delay=4.0,
+                          min_delay=0.2)
+    model = DelayModel(config)
+    t0 = trio.current_time()
+    assert model.delay("g", 0, t0) == 1.0  # no data: the fallback
+    for v in (0.01, 0.02):
+        model.observe("g", 0, t0, v, True)
+    assert model.delay("g", 0, t0) == 1.0  # two samples < min_samples
+    model.observe("g", 0, t0, 0.03, True)
+    assert model.delay("g", 0, t0) == 0.2  # learned 0.03, clamped up to min_delay
+    for v in (7.0, 8.0, 9.0):
+        model.observe("g", 3, t0, v, True)
+    assert model.delay("g", 3, t0) == 4.0  # clamped down to max_delay
+    for v in (2.0, 2.5, 3.0):
+        model.observe("g", 1, t0, v, True)
+    # class 2 has no data of its own: the fallback (1.0), raised to class 1's delay (3.0)
+    assert model.delay("g", 2, t0) == 3.0
+    # ten seconds later the window has rotated: back to the fallback
+    assert model.delay("g", 1, t0 + 10.5) == 1.0
+
+
+# -- convergence in virtual time ---------------------------------------------------------------
+
+MU, SIGMA = math.log(0.5), 0.6  # lognormal TTFT: median 0.5 s
+TRUE_P90 = math.exp(MU + SIGMA * 1.2815515655446004)  # 1.0787 s
+N = 1500
+
+
+def _ttfts(seed: int, n: int) -> dict[str, tuple[float, float]]:
+    rng = random.Random(seed)
+    return {
+        f"r{i}": (rng.lognormvariate(MU, SIGMA), rng.lognormvariate(MU, SIGMA)) for i in range(n)
+    }
+
+
+async def _learn(censoring: bool) -> tuple[th.HedgerStatistics, list[th.HedgeEvent]]:
+    """N requests, one after another, to two replicas whose every attempt draws its TTFT
+    from the same lognormal (a table indexed by request and attempt, so runs are exact)."""
+    draws = _ttfts(1, N)
+    fleet = Fleet(
+        ["a", "b"],
+        lambda _name, info: Script(ttft=draws[info.request_id][info.number - 1], tokens=1),
+    )
+    config = th.HedgerConfig(
+        hedge_after=LearnedDelay(window=10_000, max_samples=4096, refresh=0,
+                                 censoring=censoring),
+        budget=None,
+        throttle=None,
+        outlier_detection=None,
+    )
+    events: list[th.HedgeEvent] = []
+    hedger = th.Hedger(fleet.sources(), config, on_event=[events.append])
+    for i in range(N):
+        await run(hedger.stream(None, request_id=f"r{i}"))
+    return hedger.statistics(), events
+
+
+async def test_learned_delay_converges_and_censoring_removes_the_low_bias(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    stats, events = await _learn(censoring=True)
+    (row,) = stats.delays
+    assert row.learned
+    assert row.censored == stats.hedges_sent == 148  # each hedge leaves one loser: censored
+    # The Kaplan-Meier delay: 1.0872 s against the true P90 of 1.0787 s (+0.8%).
+    assert row.delay == pytest.approx(TRUE_P90, rel=0.05)
+    assert row.delay == pytest.approx(1.0872, abs=1e-4)
+    # On the very same attempts, ignoring the cancelled ones (tower's estimator) gives
+    # 0.9583 s: 11% low, because the slow attempts are exactly the ones that get cancelled.
+    won = [e.record.ttft for e in events if e.kind is EventKind.COMMITTED and e.record]
+    naive = th.empirical_quantile([t for t in won if t is not None], 0.9)
+    assert naive == pytest.approx(0.9583, abs=1e-4)
+    assert naive is not None and naive < 0.9 * TRUE_P90
+    assert stats.hedges_sent / N == pytest.approx(0.0987, abs=1e-4)  # ~ 1 - 0.9
+
+    # A hedger that learns from successes only drifts low and hedges 40% more than planned.
+    naive_stats, _ = await _learn(censoring=False)
+    (naive_row,) = naive_stats.delays
+    assert naive_row.censored == 0
+    assert naive_row.delay == pytest.approx(0.9405, abs=1e-4)  # -12.8%
+    assert naive_stats.hedges_sent == 209
+    assert naive_stats.hedges_sent > 1.35 * stats.hedges_sent
+
+
+# -- size-awareness ----------------------------------------------------------------------------
+
+SHORT, LONG = 100, 8000  # prompt tokens: classes 0 and 5
+
+
+def _mixed(seed: int, n: int) -> list[tuple[int, float, float]]:
+    """(prompt tokens, ttft of attempt 1, ttft of attempt 2): 5% long prompts whose TTFT is
+    their prefill (8-12 s), the rest short (lognormal, median 0.3 s)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        if rng.random() < 0.05:
+            out.append((LONG, rng.uniform(8, 12), rng.uniform(8, 12)))
+        else:
+            out.append((SHORT, rng.lognormvariate(math.log(0.3), 0.5),
+                        rng.lognormvariate(math.log(0.3), 0.5)))
+    return out
+
+
+async def _mixed_run(classes: SizeClasses) -> tuple[dict[int, int], dict[int, int], th.Hedger]:
+    requests = _mixed(3, 1200)
+    fleet = Fleet(["a", "b"], lambda _n, info: Script(
+        ttft=requests[int(info.request_id[1:])][info.number], tokens=1))
+    config = th.HedgerConfig(
+        hedge_after=LearnedDelay(window=10_000, max_samples=4096, refresh=0, classes=classes),
+        budget=None, throttle=None, outlier_detection=None,
+    )
+    hedger = th.Hedger(fleet.sources(), config)
+    hedged = {SHORT: 0, LONG: 0}
+    seen = {SHORT: 0, LONG: 0}
+    for i, (tokens, _, _) in enumerate(requests):
+        report = await run(hedger.stream(None, request_id=f"r{i}", prompt_tokens=tokens))
+        if i >= 600:  # after warm-up
+            seen[tokens] += 1
+            hedged[tokens] += report.hedged
+    return hedged, seen, hedger
+
+
+async def test_long_prompts_are_not_hedged_at_the_short_delay(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    hedged, seen, hedger = await _mixed_run(SizeClasses())
+    short_delay = hedger.hedge_delay(prompt_tokens=SHORT)
+    long_delay = hedger.hedge_delay(prompt_tokens=LONG)
+    assert short_delay is not None and long_delay is not None
+    # Each class is hedged at its own P90: short 0.576 s (true P90 0.569 s), long 11.35 s
+    # (true P90 of the prefill 11.6 s): about 10% of each class sends a backup.
+    assert short_delay == pytest.approx(0.5763, abs=1e-4)
+    assert long_delay == pytest.approx(11.3525, abs=1e-4)
+    assert seen == {SHORT: 563, LONG: 37}
+    assert hedged == {SHORT: 56, LONG: 3}
+
+    # One global delay (a single size class) serves neither: the long prompts' attempts
+    # drag the P90 up to 8.19 s, so short prompts are never hedged (no tail cut), while
+    # nearly every long prompt still is (its backup repeats the whole prefill).
+    g_hedged, g_seen, g_hedger = await _mixed_run(SizeClasses(count=1))
+    assert g_seen == seen
+    g_delay = g_hedger.hedge_delay(prompt_tokens=LONG)
+    assert g_delay == g_hedger.hedge_delay(prompt_tokens=SHORT)
+    assert g_delay == pytest.approx(8.1913, abs=1e-4)
+    assert g_hedged == {SHORT: 1, LONG: 36}
+
+
+def test_prompt_size_estimate() -> None:
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "x" * 400},
+            {"role": "user", "content": [{"type": "text", "text": "y" * 40},
+                                         {"type": "image_url", "image_url": {"url": "u"}}]},
+        ],
+    }
+    assert th.estimate_prompt_tokens(body) == 110 + 2 * 4  # 440 chars / 4 + framing
+    assert th.estimate_prompt_tokens(body, chars_per_token=2.0) == 220 + 8
+    assert th.estimate_prompt_tokens(None) == 0
+    with pytest.raises(ValueError, match="chars_per_token"):
+        th.estimate_prompt_tokens(body, chars_per_token=0)

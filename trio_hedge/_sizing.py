@@ -1,0 +1,75 @@
+"""How big a request's prompt is, in tokens: given by the caller, or estimated.
+
+The estimate is deliberately crude (about 4 characters of text per token, the usual rule of
+thumb for English with BPE tokenizers, plus a few tokens of framing per message): it only has
+to put a prompt in the right *log-spaced* size class, where a factor of 1.5 rarely matters.
+Pass ``prompt_tokens`` to :meth:`trio_hedge.Hedger.stream` when you know better.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["estimate_prompt_tokens"]
+
+#: Tokens of framing per chat message (role markers, separators).
+MESSAGE_OVERHEAD = 4
+
+
+def _text_chars(value: Any) -> int:
+    """Characters of text in a message's content: a string, or a list of parts (only the
+    ``text`` parts count; images and audio are not estimated)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        total = 0
+        for part in value:
+            if isinstance(part, str):
+                total += len(part)
+            elif isinstance(part, Mapping):
+                text = part.get("text")
+                if isinstance(text, str):
+                    total += len(text)
+        return total
+    return 0
+
+
+def estimate_prompt_tokens(
+    request: Mapping[str, Any] | None, *, chars_per_token: float = 4.0
+) -> int:
+    """Estimate a chat request's prompt size in tokens.
+
+    Counts the text of every message in ``request["messages"]`` (string contents and the
+    ``text`` of content parts), of ``request["prompt"]`` (completions API) and of tool
+    definitions (as JSON-ish text length), divides by ``chars_per_token`` and adds
+    :data:`MESSAGE_OVERHEAD` tokens per message.
+
+    Args:
+        request: the JSON body, or ``None`` (then 0).
+        chars_per_token: characters per token; default 4.0.
+
+    Returns:
+        the estimate, a non-negative int.
+
+    Raises:
+        ValueError: ``chars_per_token`` is not positive.
+    """
+    if not chars_per_token > 0:
+        raise ValueError(f"chars_per_token must be > 0, not {chars_per_token!r}")
+    if request is None:
+        return 0
+    chars = 0
+    messages = request.get("messages")
+    count = 0
+    if isinstance(messages, list):
+        for message in messages:
+            if isinstance(message, Mapping):
+                count += 1
+                chars += _text_chars(message.get("content"))
+    chars += _text_chars(request.get("prompt"))
+    tools = request.get("tools")
+    if isinstance(tools, list):
+        chars += len(repr(tools))
+    return math.ceil(chars / chars_per_token) + MESSAGE_OVERHEAD * count

@@ -1,0 +1,134 @@
+"""Frozen snapshots of a :class:`~trio_hedge.Hedger`'s shared state (``hedger.statistics()``).
+
+Counter names follow Finagle's ``BackupRequestFilter`` (``backups_sent``, ``backups_won``,
+``budget_exhausted``) where there is one.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+__all__ = ["DelayStatistics", "HedgerStatistics", "ReplicaStatistics"]
+
+
+@attrs.frozen
+class DelayStatistics:
+    """The hedge delay of one (group, prompt-size class) that has observations.
+
+    Attributes:
+        group: the group (model / replica group).
+        size_class: the class index (see :class:`~trio_hedge.SizeClasses`).
+        min_tokens, max_tokens: the class's prompt-token bounds (``max_tokens`` exclusive,
+            ``None`` for the open last class).
+        observations: TTFT observations in the window (exact and censored).
+        censored: of those, attempts cancelled before their first token.
+        delay: the delay, in seconds, a request of this class gets now.
+        learned: whether ``delay`` comes from the class's own data (else the fallback, or a
+            smaller class's delay).
+    """
+
+    group: str
+    size_class: int
+    min_tokens: int
+    max_tokens: int | None
+    observations: int
+    censored: int
+    delay: float
+    learned: bool
+
+
+@attrs.frozen
+class ReplicaStatistics:
+    """One replica's health.
+
+    Attributes:
+        name: the replica's name.
+        state: ``"healthy"``, ``"cooling"`` (server pushback) or ``"ejected"``.
+        in_flight: attempts running on it now (a committed winner counts until its stream
+            ends).
+        attempts, wins, failures: totals since the Hedger was created.
+        cooling_for, ejected_for: seconds left of cooldown / ejection (0 when none).
+        times_ejected: ejections since the Hedger was created.
+        consecutive_failures: failures in a row now.
+    """
+
+    name: str
+    state: str
+    in_flight: int
+    attempts: int
+    wins: int
+    failures: int
+    cooling_for: float
+    ejected_for: float
+    times_ejected: int
+    consecutive_failures: int
+
+
+@attrs.frozen
+class HedgerStatistics:
+    """A snapshot of a :class:`~trio_hedge.Hedger`. Counts are totals since it was created.
+
+    Attributes:
+        time: Trio's clock at the snapshot (seconds).
+        requests: requests whose primary attempt started.
+        finished: requests that ended (stream closed, failed or cancelled).
+        failed: requests that ended with an error.
+        attempts: attempts started (primaries and backups).
+        hedges_sent: backups sent because the hedge delay passed (Finagle ``backups_sent``).
+        failovers: attempts started because an earlier attempt failed.
+        backup_wins: requests won by a hedge (Finagle ``backups_won``).
+        hedges_refused: hedges not sent, for any reason (sum of the three below).
+        budget_refusals: refused by the :class:`~trio_hedge.HedgeBudget`
+            (Finagle ``budget_exhausted``).
+        throttle_refusals: refused by the :class:`~trio_hedge.RetryThrottle`.
+        no_replica_refusals: refused because every remaining replica was ejected.
+        throttle_tokens: the throttle's token count now (``None`` without a throttle).
+        budget_window: ``(requests, backups)`` counted in the budget's window now.
+        prompt_tokens_sent: prompt tokens sent, over all attempts (estimated).
+        prompt_tokens_resent: of those, sent again by backups.
+        wasted_tokens: content tokens received by losing attempts.
+        ttft_p50, ttft_p90, ttft_p99: caller-visible TTFT percentiles (seconds) over the
+            statistics window, or ``None`` before the first commit.
+        delays: the current hedge delay of every (group, size class) with data.
+        replicas: every replica's health, in the order given to the Hedger.
+    """
+
+    time: float
+    requests: int
+    finished: int
+    failed: int
+    attempts: int
+    hedges_sent: int
+    failovers: int
+    backup_wins: int
+    hedges_refused: int
+    budget_refusals: int
+    throttle_refusals: int
+    no_replica_refusals: int
+    throttle_tokens: float | None
+    budget_window: tuple[int, int] | None
+    prompt_tokens_sent: int
+    prompt_tokens_resent: int
+    wasted_tokens: int
+    ttft_p50: float | None
+    ttft_p90: float | None
+    ttft_p99: float | None
+    delays: tuple[DelayStatistics, ...]
+    replicas: tuple[ReplicaStatistics, ...]
+
+    @property
+    def ejected(self) -> tuple[str, ...]:
+        """Names of the replicas ejected now."""
+        return tuple(r.name for r in self.replicas if r.state == "ejected")
+
+    @property
+    def cooling(self) -> tuple[str, ...]:
+        """Names of the replicas cooling now."""
+        return tuple(r.name for r in self.replicas if r.state == "cooling")
+
+    def delay(self, group: str, size_class: int) -> float | None:
+        """The current delay of one (group, class), or ``None`` if it has no data."""
+        for d in self.delays:
+            if d.group == group and d.size_class == size_class:
+                return d.delay
+        return None

@@ -1,0 +1,711 @@
+"""`Hedger`: the long-lived, shared hedging policy for production.
+
+An application creates one :class:`Hedger` and opens every request through it. Unlike
+:func:`~trio_hedge.hedged_stream` (one request, a fixed plan), the Hedger keeps state across
+requests and consults it at each decision of the race (through the :class:`~trio_hedge.Planner`
+protocol; the race and stream code are the same):
+
+* **when to hedge** — a delay learned per group and prompt-size class from observed TTFTs,
+  censoring-aware (:class:`~trio_hedge.LearnedDelay`), or a fixed number;
+* **whether a hedge may be sent** — a ratio budget (:class:`~trio_hedge.HedgeBudget`) and a
+  failure throttle (:class:`~trio_hedge.RetryThrottle`), checked at the moment;
+* **where an attempt goes** — not to a replica this request already used, not to one cooling
+  after server pushback (``Retry-After``), not to one ejected by outlier detection
+  (:class:`~trio_hedge.OutlierDetection`); the least loaded of the rest. If every replica is
+  cooling, the attempt waits for the earliest; if every one is ejected, it goes to the
+  least bad: a request never fails without an attempt.
+
+Trio is single-threaded, so the shared state needs no locks; every structure is bounded
+(sliding windows with a sample cap, a capped number of groups), so thousands of concurrent
+streams over a long run do not grow it.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Literal
+
+import attrs
+import httpx
+import trio
+
+from ._budget import BudgetState, HedgeBudget, RetryThrottle, ThrottleState
+from ._delay import DelayModel, LearnedDelay, _number, empirical_quantile
+from ._errors import AttemptError, StreamInterrupted
+from ._events import FirstToken
+from ._health import OutlierDetection, ReplicaState, counts_against_replica
+from ._hooks import EventHook, EventKind, HedgeEvent, emit
+from ._policy import (
+    HedgePolicy,
+    _positive_int,
+    _positive_int_or_none,
+    _positive_seconds_or_none,
+)
+from ._report import AttemptOutcome, AttemptRecord, Report
+from ._sizing import estimate_prompt_tokens
+from ._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
+from ._stream import _DEFAULT_TIMEOUT, HedgedStream
+from .sources._base import Source
+from .sources.openai_http import HeaderNames, Replica, shared_ssl_context
+
+__all__ = ["Hedger", "HedgerConfig"]
+
+#: Commits kept for the caller-visible TTFT percentiles in ``statistics()``.
+_TTFT_SAMPLES = 4096
+
+
+def _check_hedge_after(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None or isinstance(value, LearnedDelay):
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"hedge_after must be seconds (a number), a LearnedDelay or None, not {value!r}"
+        )
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"hedge_after must be >= 0 seconds, not {value!r}")
+
+
+def _optional(kind: type) -> Any:
+    return attrs.validators.optional(attrs.validators.instance_of(kind))
+
+
+@attrs.frozen
+class HedgerConfig:
+    """How a :class:`Hedger` hedges. Durations in seconds.
+
+    Attributes:
+        hedge_after: a :class:`~trio_hedge.LearnedDelay` (default: P90 of the last 60 s of
+            TTFTs per group and prompt-size class, 1.0 s until 20 observations), a fixed
+            number of seconds, or ``None`` to never hedge on time (failover only).
+        max_attempts: attempts per request, primary included; ``None`` (default) allows one
+            per replica times ``attempts_per_replica``. gRPC caps it at 5 (gRFC A6).
+        attempts_per_replica: attempts of one request a replica may take. Default 1.
+        first_token: what counts as the first token (:class:`~trio_hedge.FirstToken`).
+        first_token_timeout: seconds over all attempts to wait for a first token, else
+            :class:`~trio_hedge.AllAttemptsFailed` (``kind="timeout"``). Default ``None``
+            (the caller's own cancel scope is the deadline).
+        stall_timeout: after commit, seconds the winner may go without content before
+            :class:`~trio_hedge.StreamInterrupted` (``kind="stall"``); it counts against the
+            replica's health. Default ``None``.
+        close_timeout: seconds a loser's close may take. Default 1.0.
+        budget: a :class:`~trio_hedge.HedgeBudget` (default 10% + 0.5/s over 10 s) or
+            ``None`` for no budget.
+        throttle: a :class:`~trio_hedge.RetryThrottle` (default 10 tokens, ratio 0.1) or
+            ``None``.
+        outlier_detection: an :class:`~trio_hedge.OutlierDetection` (default 5 failures in
+            a row, 10 s doubling up to 300 s) or ``None`` to never eject.
+        pick: ``"least_loaded"`` (default: the eligible replica with the fewest attempts in
+            flight, ties in the given order) or ``"in_order"`` (the first eligible one, for
+            a preferred primary and fallback providers).
+        chars_per_token: for estimating prompt tokens from the messages. Default 4.0.
+        stats_window: seconds of commits behind the TTFT percentiles in ``statistics()``.
+            Default 60.
+
+    Raises:
+        TypeError, ValueError: on a badly typed or out-of-range field.
+    """
+
+    hedge_after: float | LearnedDelay | None = attrs.field(
+        factory=LearnedDelay, validator=_check_hedge_after
+    )
+    max_attempts: int | None = attrs.field(default=None, validator=_positive_int_or_none)
+    attempts_per_replica: int = attrs.field(default=1, validator=_positive_int)
+    first_token: FirstToken = attrs.field(
+        default=FirstToken.CONTENT,
+        converter=FirstToken,
+        validator=attrs.validators.in_(tuple(FirstToken)),
+    )
+    first_token_timeout: float | None = attrs.field(
+        default=None, validator=_positive_seconds_or_none
+    )
+    stall_timeout: float | None = attrs.field(default=None, validator=_positive_seconds_or_none)
+    close_timeout: float = attrs.field(default=1.0, validator=_positive_seconds_or_none)
+    budget: HedgeBudget | None = attrs.field(factory=HedgeBudget, validator=_optional(HedgeBudget))
+    throttle: RetryThrottle | None = attrs.field(
+        factory=RetryThrottle, validator=_optional(RetryThrottle)
+    )
+    outlier_detection: OutlierDetection | None = attrs.field(
+        factory=OutlierDetection, validator=_optional(OutlierDetection)
+    )
+    pick: Literal["least_loaded", "in_order"] = attrs.field(
+        default="least_loaded", validator=attrs.validators.in_(("least_loaded", "in_order"))
+    )
+    chars_per_token: float = attrs.field(default=4.0, validator=_number(0.0, open_lo=True))
+    stats_window: float = attrs.field(default=60.0, validator=_number(0.0, open_lo=True))
+
+    def stream_policy(self) -> HedgePolicy:
+        """The per-stream part (timeouts, first-token rule) as a :class:`HedgePolicy`."""
+        return HedgePolicy(
+            hedge_after=None,
+            first_token=self.first_token,
+            first_token_timeout=self.first_token_timeout,
+            stall_timeout=self.stall_timeout,
+            close_timeout=self.close_timeout,
+        )
+
+
+def _check_idempotency_key(key: object) -> None:
+    if key is None:
+        return
+    if not isinstance(key, str):
+        raise TypeError(f"idempotency_key must be a str or None, not {type(key).__name__}")
+    if not key or not key.isascii() or not key.isprintable():
+        raise ValueError("idempotency_key must be a non-empty printable ASCII string")
+
+
+class Hedger:
+    """One long-lived hedging policy shared by every request of an application.
+
+    Create it once (``async with Hedger(replicas) as hedger:``, or call :meth:`aclose`
+    yourself) and open each request with :meth:`stream`.
+
+    Args:
+        replicas: where attempts go: :class:`~trio_hedge.Replica` endpoints and/or any
+            :class:`~trio_hedge.Source`; names must be unique. Their order is the tie-break
+            (and the preference with ``pick="in_order"``).
+        config: a :class:`HedgerConfig`; default ``HedgerConfig()``.
+        client: an ``httpx.AsyncClient`` for the HTTP replicas, used as given and never
+            closed by the Hedger. Without one, the Hedger creates one on first use (one
+            pool and SSL context for all requests) and closes it in :meth:`aclose`.
+        headers: which headers carry the request id and attempt number
+            (:class:`~trio_hedge.HeaderNames`).
+        on_event: callbacks receiving a :class:`~trio_hedge.HedgeEvent` for every attempt
+            started, committed, failed or cancelled, every hedge refused, replica cooled or
+            ejected, and request finished. Also the mutable list :attr:`on_event`.
+
+    Raises:
+        TypeError, ValueError: bad replicas (empty, wrong type, duplicate names) or config.
+    """
+
+    def __init__(
+        self,
+        replicas: Sequence[Replica | Source],
+        config: HedgerConfig | None = None,
+        *,
+        client: httpx.AsyncClient | None = None,
+        headers: HeaderNames | None = None,
+        on_event: Iterable[EventHook] = (),
+    ) -> None:
+        config = HedgerConfig() if config is None else config
+        if not isinstance(config, HedgerConfig):
+            raise TypeError(f"config must be a HedgerConfig, not {type(config).__name__}")
+        if isinstance(replicas, (str, bytes)) or not isinstance(replicas, Sequence):
+            raise TypeError("replicas must be a sequence of Replica or Source objects")
+        if not replicas:
+            raise ValueError("replicas must not be empty")
+        states: list[ReplicaState] = []
+        for index, r in enumerate(replicas):
+            if not isinstance(r, (Replica, Source)):
+                raise TypeError(
+                    f"replicas must be Replica or Source objects, not {type(r).__name__}"
+                )
+            states.append(ReplicaState(index=index, name=r.name, source=r))
+        names = [s.name for s in states]
+        if len(set(names)) != len(names):
+            raise ValueError(f"replica names must be unique, got {names!r}")
+        if client is not None and not isinstance(client, httpx.AsyncClient):
+            raise TypeError(f"client must be an httpx.AsyncClient, not {type(client).__name__}")
+        if headers is not None and not isinstance(headers, HeaderNames):
+            raise TypeError(f"headers must be HeaderNames or None, not {type(headers).__name__}")
+        self.on_event: list[EventHook] = list(on_event)
+        self._config = config
+        self._policy = config.stream_policy()
+        self._replicas = states
+        self._needs_http = any(isinstance(r, Replica) for r in replicas)
+        self._client = client
+        self._owned_client: httpx.AsyncClient | None = None
+        self._headers = headers
+        self._closed = False
+        delay = config.hedge_after
+        self._model = DelayModel(delay) if isinstance(delay, LearnedDelay) else None
+        self._budget = BudgetState(config.budget) if config.budget is not None else None
+        self._throttle = ThrottleState(config.throttle) if config.throttle is not None else None
+        self._ttfts: deque[tuple[float, float]] = deque(maxlen=_TTFT_SAMPLES)
+        self._counts: dict[str, int] = dict.fromkeys(
+            (
+                "requests", "finished", "failed", "attempts", "hedges_sent", "failovers",
+                "backup_wins", "budget", "throttle", "no_replica", "prompt_sent",
+                "prompt_resent", "wasted",
+            ),
+            0,
+        )  # fmt: skip
+
+    @property
+    def config(self) -> HedgerConfig:
+        """The :class:`HedgerConfig`."""
+        return self._config
+
+    @property
+    def replica_names(self) -> tuple[str, ...]:
+        """The replicas' names, in the given order."""
+        return tuple(r.name for r in self._replicas)
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Hedger:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the client the Hedger created (not one you passed). Streams opened later
+        raise ``RuntimeError``. Idempotent."""
+        self._closed = True
+        client, self._owned_client = self._owned_client, None
+        if client is not None:
+            with trio.CancelScope(shield=True), trio.move_on_after(self._config.close_timeout):
+                await client.aclose()
+
+    def _http_client(self) -> httpx.AsyncClient:
+        if self._client is not None:
+            return self._client
+        if self._owned_client is None:
+            self._owned_client = httpx.AsyncClient(
+                verify=shared_ssl_context(), timeout=_DEFAULT_TIMEOUT
+            )
+        return self._owned_client
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def stream(
+        self,
+        request: Mapping[str, Any] | None,
+        *,
+        hedge: bool = True,
+        side_effects: bool = False,
+        idempotency_key: str | None = None,
+        prompt_tokens: int | None = None,
+        group: str | None = None,
+        request_id: str | None = None,
+    ) -> HedgedStream:
+        """Open one hedged request: ``async with hedger.stream(body) as s: async for t in s``.
+
+        Args:
+            request: the chat-completions JSON body (``model``, ``messages``, …); may be
+                ``None`` when every replica is a generic :class:`~trio_hedge.Source`.
+            hedge: ``False`` never sends a backup on time for this request (a failed attempt
+                still fails over). Default ``True``.
+            side_effects: the request does something besides generating text (a tool that
+                acts, a billed action). Such a request is never hedged on time unless it has an
+                ``idempotency_key``. Default ``False``.
+            idempotency_key: sent unchanged on every attempt (HTTP header ``Idempotency-Key``;
+                ``AttemptInfo.idempotency_key`` for other sources) so the server can run the
+                request once; makes a ``side_effects`` request hedgeable.
+            prompt_tokens: the prompt's size in tokens, if known; default estimated from the
+                messages at ``chars_per_token`` characters per token.
+            group: what the delay is learned per (a model or replica group); default the
+                request's ``"model"``, else ``"default"``.
+            request_id: the id every attempt carries; default a fresh UUID4.
+
+        Returns:
+            a :class:`~trio_hedge.HedgedStream` (see there for what it raises).
+
+        Raises:
+            RuntimeError: the Hedger was closed.
+            TypeError, ValueError: bad arguments (raised here, before any I/O).
+        """
+        if self._closed:
+            raise RuntimeError("this Hedger was closed")
+        if request is not None and not isinstance(request, Mapping):
+            raise TypeError("request must be the chat-completions JSON body (a mapping) or None")
+        if request is None and self._needs_http:
+            raise TypeError("request must be the chat-completions JSON body for HTTP replicas")
+        for name, flag in (("hedge", hedge), ("side_effects", side_effects)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, not {flag!r}")
+        _check_idempotency_key(idempotency_key)
+        if prompt_tokens is not None:
+            if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int):
+                raise TypeError(f"prompt_tokens must be an int or None, not {prompt_tokens!r}")
+            if prompt_tokens < 0:
+                raise ValueError(f"prompt_tokens must be >= 0, not {prompt_tokens!r}")
+        if group is None:
+            model = request.get("model") if request is not None else None
+            group = model if isinstance(model, str) and model else "default"
+        elif not isinstance(group, str) or not group:
+            raise TypeError(f"group must be a non-empty str or None, not {group!r}")
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise TypeError(f"request_id must be a non-empty str or None, not {request_id!r}")
+        tokens = prompt_tokens
+        if tokens is None and request is not None:
+            tokens = estimate_prompt_tokens(request, chars_per_token=self._config.chars_per_token)
+        size_class = 0
+        if self._model is not None and tokens is not None:
+            size_class = self._model.config.classes.of(tokens)
+        hedgeable = (
+            hedge
+            and (not side_effects or idempotency_key is not None)
+            and self._config.hedge_after is not None
+        )
+        request_id = request_id or str(uuid.uuid4())
+        planner = _RequestPlanner(
+            self,
+            request,
+            request_id=request_id,
+            group=group,
+            size_class=size_class,
+            tokens=tokens,
+            hedgeable=hedgeable,
+        )
+        return HedgedStream(
+            planner,
+            self._policy,
+            request_id=request_id,
+            prompt_tokens=tokens,
+            idempotency_key=idempotency_key,
+        )
+
+    def hedge_delay(self, *, prompt_tokens: int = 0, group: str = "default") -> float | None:
+        """The hedge delay, in seconds, a request of this size and group would get now
+        (``None``: never hedged on time)."""
+        delay = self._config.hedge_after
+        if delay is None:
+            return None
+        if self._model is None:
+            assert isinstance(delay, (int, float))
+            return float(delay)
+        size_class = self._model.config.classes.of(prompt_tokens)
+        return self._model.delay(group, size_class, trio.current_time())
+
+    # -- statistics --------------------------------------------------------------------------
+
+    def statistics(self) -> HedgerStatistics:
+        """A frozen :class:`~trio_hedge.HedgerStatistics` snapshot (call inside Trio)."""
+        now = trio.current_time()
+        c = self._counts
+        horizon = now - self._config.stats_window
+        ttfts = [v for t, v in self._ttfts if t >= horizon]
+        delays: list[DelayStatistics] = []
+        if self._model is not None:
+            classes = self._model.config.classes
+            for group, index, observations, censored, delay, learned in self._model.describe(now):
+                low, high = classes.bounds(index)
+                delays.append(
+                    DelayStatistics(
+                        group=group,
+                        size_class=index,
+                        min_tokens=low,
+                        max_tokens=high,
+                        observations=observations,
+                        censored=censored,
+                        delay=delay,
+                        learned=learned,
+                    )
+                )
+        replicas = tuple(
+            ReplicaStatistics(
+                name=r.name,
+                state="ejected" if r.ejected(now) else "cooling" if r.cooling(now) else "healthy",
+                in_flight=r.in_flight,
+                attempts=r.attempts,
+                wins=r.wins,
+                failures=r.failures,
+                cooling_for=max(0.0, r.cooling_until - now),
+                ejected_for=max(0.0, r.ejected_until - now),
+                times_ejected=r.times_ejected,
+                consecutive_failures=r.consecutive,
+            )
+            for r in self._replicas
+        )
+        return HedgerStatistics(
+            time=now,
+            requests=c["requests"],
+            finished=c["finished"],
+            failed=c["failed"],
+            attempts=c["attempts"],
+            hedges_sent=c["hedges_sent"],
+            failovers=c["failovers"],
+            backup_wins=c["backup_wins"],
+            hedges_refused=c["budget"] + c["throttle"] + c["no_replica"],
+            budget_refusals=c["budget"],
+            throttle_refusals=c["throttle"],
+            no_replica_refusals=c["no_replica"],
+            throttle_tokens=None if self._throttle is None else self._throttle.tokens,
+            budget_window=None if self._budget is None else self._budget.counts(now),
+            prompt_tokens_sent=c["prompt_sent"],
+            prompt_tokens_resent=c["prompt_resent"],
+            wasted_tokens=c["wasted"],
+            ttft_p50=empirical_quantile(ttfts, 0.5),
+            ttft_p90=empirical_quantile(ttfts, 0.9),
+            ttft_p99=empirical_quantile(ttfts, 0.99),
+            delays=tuple(delays),
+            replicas=replicas,
+        )
+
+    # -- shared decisions (used by the per-request planners) ---------------------------------
+
+    def _pick(self, eligible: list[ReplicaState]) -> ReplicaState:
+        if self._config.pick == "in_order":
+            return eligible[0]
+        return min(eligible, key=lambda r: (r.in_flight, r.index))
+
+    def _emit(self, event: HedgeEvent) -> None:
+        if self.on_event:
+            emit(self.on_event, event)
+
+
+class _RequestPlanner:
+    """The :class:`~trio_hedge.Planner` of one request, backed by its Hedger's shared state."""
+
+    def __init__(
+        self,
+        hedger: Hedger,
+        request: Mapping[str, Any] | None,
+        *,
+        request_id: str,
+        group: str,
+        size_class: int,
+        tokens: int | None,
+        hedgeable: bool,
+    ) -> None:
+        self._h = hedger
+        self._request = request
+        self._request_id = request_id
+        self._group = group
+        self._class = size_class
+        self._tokens = tokens
+        self._hedgeable = hedgeable
+        config = hedger._config
+        self._per_replica = config.attempts_per_replica
+        self._max_attempts = config.max_attempts
+        self._used = [0] * len(hedger._replicas)
+        self._bound: dict[int, Source] = {}  # replica index -> this request's source
+        self._by_source: dict[int, ReplicaState] = {}  # id(source) -> replica
+        self._running: dict[int, ReplicaState] = {}  # attempt number -> replica
+        self._winner: ReplicaState | None = None
+        self._started = 0
+        self._finished = False
+
+    # -- where -------------------------------------------------------------------------------
+
+    def _candidates(self) -> list[ReplicaState]:
+        if self._max_attempts is not None and self._started >= self._max_attempts:
+            return []
+        used, limit = self._used, self._per_replica
+        return [r for r in self._h._replicas if used[r.index] < limit]
+
+    def _bind(self, replica: ReplicaState) -> Source:
+        source = self._bound.get(replica.index)
+        if source is None:
+            target = replica.source
+            if isinstance(target, Replica):
+                assert self._request is not None
+                source = target.bind(
+                    self._request, self._h._http_client(), headers=self._h._headers
+                )
+            else:
+                source = target
+            self._bound[replica.index] = source
+            self._by_source[id(source)] = replica
+        return source
+
+    async def next_source(self, number: int, trigger: str) -> Source | None:
+        h = self._h
+        while True:
+            candidates = self._candidates()
+            if not candidates:
+                return None
+            now = trio.current_time()
+            healthy = [r for r in candidates if not r.ejected(now) and not r.cooling(now)]
+            if healthy:
+                return self._bind(h._pick(healthy))
+            cooling = [r for r in candidates if not r.ejected(now)]
+            if cooling:
+                # Every usable replica asked us to back off: wait for the first to be free
+                # (the caller's cancel scope and first_token_timeout bound the wait).
+                await trio.sleep_until(min(r.cooling_until for r in cooling))
+                continue
+            # Every remaining replica is ejected: try the least bad rather than fail without
+            # an attempt (Envoy's panic mode), still honouring its cooldown if it has one.
+            least_bad = min(candidates, key=lambda r: (r.available_at(), r.index))
+            if least_bad.cooling(now):
+                await trio.sleep_until(least_bad.cooling_until)
+                continue
+            return self._bind(least_bad)
+
+    # -- when --------------------------------------------------------------------------------
+
+    def hedge_delay(self, number: int) -> float | None:
+        if not self._hedgeable:
+            return None
+        model = self._h._model
+        if model is None:
+            delay = self._h._config.hedge_after
+            assert isinstance(delay, (int, float))
+            return float(delay)
+        return model.delay(self._group, self._class, trio.current_time())
+
+    def may_hedge(self) -> bool:
+        h = self._h
+        candidates = self._candidates()
+        if not candidates:
+            return True  # nothing left to send: next_source ends the plan; not a refusal
+        now = trio.current_time()
+        if all(r.ejected(now) for r in candidates):
+            return self._refuse("no_replica", now)
+        if h._throttle is not None and not h._throttle.allows:
+            return self._refuse("throttle", now)
+        if h._budget is not None and not h._budget.try_backup(now):
+            return self._refuse("budget", now)
+        return True
+
+    def _refuse(self, reason: str, now: float) -> bool:
+        self._h._counts[reason] += 1
+        self._h._emit(
+            HedgeEvent(
+                EventKind.HEDGE_REFUSED, now, self._request_id, self._group, reason=reason
+            )
+        )
+        return False
+
+    # -- what happened -----------------------------------------------------------------------
+
+    def attempt_changed(self, source: Source, record: AttemptRecord) -> None:
+        h = self._h
+        replica = self._by_source[id(source)]
+        now = trio.current_time()
+        outcome = record.outcome
+        kind: EventKind
+        if outcome is AttemptOutcome.RUNNING:
+            kind = EventKind.ATTEMPT_STARTED
+            self._start(replica, record, now)
+        elif outcome is AttemptOutcome.WON:
+            kind = EventKind.COMMITTED
+            self._winner = replica
+            replica.success()
+            if h._throttle is not None:
+                h._throttle.success()
+            assert record.ttft is not None
+            if h._model is not None:
+                h._model.observe(self._group, self._class, now, record.ttft, True)
+            if record.started_at is not None:
+                h._ttfts.append((now, record.started_at + record.ttft))
+            if record.trigger == "hedge":
+                h._counts["backup_wins"] += 1
+        elif outcome is AttemptOutcome.FAILED:
+            kind = EventKind.ATTEMPT_FAILED
+            self._end(record.number)
+            if record.error is not None:
+                self._failed(replica, record.error, now)
+        elif outcome is AttemptOutcome.CANCELLED:
+            kind = EventKind.ATTEMPT_CANCELLED
+            self._end(record.number)
+            if (
+                h._model is not None
+                and record.ttft is None
+                and record.started_at is not None
+                and record.ended_at is not None
+            ):
+                # Right-censored: its TTFT is at least the time it ran.
+                ran = record.ended_at - record.started_at
+                h._model.observe(self._group, self._class, now, ran, False)
+        else:  # pragma: no cover - the race reports no other outcome
+            return
+        h._emit(
+            HedgeEvent(kind, now, self._request_id, self._group, replica.name, record=record)
+        )
+
+    def _start(self, replica: ReplicaState, record: AttemptRecord, now: float) -> None:
+        h = self._h
+        counts = h._counts
+        self._started += 1
+        self._used[replica.index] += 1
+        self._running[record.number] = replica
+        replica.in_flight += 1
+        replica.attempts += 1
+        counts["attempts"] += 1
+        counts["prompt_sent"] += self._tokens or 0
+        if record.number == 1:
+            counts["requests"] += 1
+            if h._budget is not None:
+                h._budget.request(now)
+        if record.trigger == "hedge":
+            counts["hedges_sent"] += 1
+            # The attempt just hedged had no first token within the delay: a first-token
+            # timeout, which counts against its replica.
+            slow = self._running.get(record.number - 1)
+            outlier = h._config.outlier_detection
+            if slow is not None and outlier is not None and outlier.count_slow:
+                self._health_failure(slow, now, "slow")
+        elif record.trigger == "failover":
+            counts["failovers"] += 1
+
+    def _end(self, number: int) -> None:
+        replica = self._running.pop(number, None)
+        if replica is not None:
+            replica.in_flight -= 1
+
+    def _failed(self, replica: ReplicaState, error: AttemptError, now: float) -> None:
+        h = self._h
+        if error.retry_after is not None and error.retry_after > 0:
+            replica.push_back(now, error.retry_after)
+            h._emit(
+                HedgeEvent(
+                    EventKind.REPLICA_COOLING,
+                    now,
+                    self._request_id,
+                    self._group,
+                    replica.name,
+                    reason=error.kind.value,
+                    until=replica.cooling_until,
+                )
+            )
+        if counts_against_replica(error):
+            self._health_failure(replica, now, error.kind.value)
+        if error.retryable and h._throttle is not None:
+            h._throttle.failure()
+
+    def _health_failure(self, replica: ReplicaState, now: float, reason: str) -> None:
+        if replica.failure(now, self._h._config.outlier_detection):
+            self._h._emit(
+                HedgeEvent(
+                    EventKind.REPLICA_EJECTED,
+                    now,
+                    self._request_id,
+                    self._group,
+                    replica.name,
+                    reason=reason,
+                    until=replica.ejected_until,
+                )
+            )
+
+    def request_finished(self, report: Report) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        h = self._h
+        counts = h._counts
+        for replica in self._running.values():
+            replica.in_flight -= 1
+        self._running.clear()
+        if not report.attempts:
+            return  # cancelled before anything was sent (e.g. while every replica cooled)
+        now = trio.current_time()
+        counts["finished"] += 1
+        if report.error is not None:
+            counts["failed"] += 1
+        error = report.error
+        if (
+            isinstance(error, StreamInterrupted)
+            and self._winner is not None
+            and counts_against_replica(error.error)
+        ):
+            # The winner failed after commit (a stall, a cut): its replica's health suffers.
+            self._health_failure(self._winner, now, error.error.kind.value)
+        counts["wasted"] += report.wasted_tokens
+        counts["prompt_resent"] += report.prompt_tokens_resent or 0
+        h._emit(
+            HedgeEvent(
+                EventKind.REQUEST_FINISHED, now, self._request_id, self._group, report=report
+            )
+        )
