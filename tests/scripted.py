@@ -72,3 +72,20 @@ def scripted(name: str, script: Script, ledger: Ledger) -> IteratorSource:
 def sources(ledger: Ledger, *scripts: Script) -> Sequence[IteratorSource]:
     names = ["primary", "backup", "third", "fourth"]
     return [scripted(names[i], s, ledger) for i, s in enumerate(scripts)]
+
+
+class _Interrupting(_ScriptedIterator):
+    """Raises KeyboardInterrupt ``at`` seconds after opening, as Trio delivers a Ctrl-C to
+    whichever task is running."""
+
+    def __init__(self, at: float, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self._at = at
+
+    async def __anext__(self) -> str:
+        await trio.sleep_until(self._start + self._at)
+        raise KeyboardInterrupt
+
+
+def interrupting(name: str, at: float, ledger: Ledger) -> IteratorSource:
+    return iterator_source(lambda info: _Interrupting(at, name, Script(), info, ledger), name=name)

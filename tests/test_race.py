@@ -13,7 +13,7 @@ import trio_hedge as th
 from trio_hedge import AttemptOutcome as O
 from trio_hedge import ErrorKind, HedgePolicy
 
-from .scripted import Ledger, Script, sources
+from .scripted import Ledger, Script, interrupting, sources
 
 if sys.version_info < (3, 11):
     from exceptiongroup import ExceptionGroup
@@ -397,3 +397,23 @@ async def test_policy_validation() -> None:
         th.hedged_stream(None, [])
     with pytest.raises(TypeError, match="Replica or Source"):
         th.hedged_stream(None, ["http://x"])  # type: ignore[list-item]
+
+
+async def test_keyboard_interrupt_during_the_race(autojump_clock: trio.testing.MockClock) -> None:
+    ledger = Ledger()
+    replicas = [*sources(ledger, SLOW), interrupting("backup", 0.2, ledger)]
+    with pytest.raises(KeyboardInterrupt):  # as itself, not wrapped in a group
+        async with th.hedged_stream(None, replicas, P1):
+            pytest.fail("entered")
+    assert len(ledger.opened) == 2
+    assert ledger.open_now == 0
+
+
+async def test_keyboard_interrupt_after_commit(autojump_clock: trio.testing.MockClock) -> None:
+    ledger = Ledger()
+    with pytest.raises(KeyboardInterrupt):
+        async with th.hedged_stream(None, sources(ledger, SLOW, FAST), P1) as stream:
+            async for _ in stream:
+                raise KeyboardInterrupt
+    assert ledger.open_now == 0
+    assert stream.report.finished

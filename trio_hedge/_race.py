@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
 
 import attrs
 import httpx
@@ -25,6 +26,9 @@ from ._events import Delta, FirstToken, counts_as_first_token
 from ._plan import Planner
 from ._report import AttemptOutcome, _AttemptState, _Recorder
 from .sources._base import AttemptInfo, AttemptStream, Source
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["Committed", "close_quietly", "race"]
 
@@ -62,6 +66,25 @@ async def close_quietly(stream: AttemptStream, limit: float) -> None:
         await stream.aclose()
 
 
+def _sole_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """Attempts turn every ``Exception`` into data, so what escapes the race's nursery is a
+    ``KeyboardInterrupt``, a bug, or cancellation. Raise a lone non-``Cancelled`` error as
+    itself (as ``open_tcp_stream`` raises a plain ``OSError``), not wrapped in a group the
+    caller never asked for; leave groups of ``Cancelled`` to Trio."""
+    _, rest = group.split(trio.Cancelled)
+    if rest is not None and len(leaves := list(_leaves(rest))) == 1:
+        return leaves[0]
+    return group
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
+
+
 class _Race:
     def __init__(
         self,
@@ -92,9 +115,12 @@ class _Race:
         self._planner.attempt_changed(self._sources[state.number], record)
 
     async def run(self) -> Committed:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            await self._stagger(nursery)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await self._stagger(nursery)
+        except BaseExceptionGroup as group:
+            raise _sole_error(group) from None
         if self._winner is not None:
             return self._winner
         errors = tuple(self._errors)
