@@ -175,10 +175,14 @@ class LearnedDelay:
     ``BackupRequestFilter`` couples the two: ``LearnedDelay.for_extra_load(0.05)`` hedges at
     the percentile ``1 − 0.05``.
 
-    Until a class has ``min_samples`` observations in the window its delay is ``fallback``;
-    with ``monotone`` (default) a class's delay is never below that of a smaller class with
-    enough data, so a long prompt is not hedged at the short prompts' delay before its own
-    class has learned anything.
+    Until a class has ``min_samples`` observations in the window, it borrows the estimate of
+    the nearest smaller class that has them, scaled by the ratio of the classes' sizes
+    (``base ** k`` for classes ``k`` apart: prefill cost grows about linearly with prompt
+    tokens); only when no smaller class has learned anything is its delay ``fallback``. Rare
+    long prompts rarely fill their own class, and hedging them at the short prompts' delay, or
+    at a fixed fallback, makes the tail worse (field notes; ``benchmarks/tail.py`` showed
+    P99 TTFT 11.4 s against 10.1 s without hedging before this rule). With ``monotone``
+    (default) a class's delay is also never below that of a smaller class with enough data.
 
     Attributes:
         percentile: the TTFT quantile to hedge at, in ``(0, 1)``. Default 0.9 (P90).
@@ -335,9 +339,25 @@ class DelayModel:
                         estimate = smaller.estimate(now)
                         if estimate is not None and estimate > floor:
                             floor = estimate
-        value = config.fallback if own is None else own
+        if own is None:
+            borrowed = None if windows is None else self._extrapolate(windows, size_class, now)
+            value = config.fallback if borrowed is None else borrowed
+        else:
+            value = own
         value = max(value, floor)
         return min(max(value, config.min_delay), config.max_delay)
+
+    def _extrapolate(
+        self, windows: list[TTFTWindow | None], size_class: int, now: float
+    ) -> float | None:
+        """The nearest smaller learned class's estimate, scaled up to ``size_class``."""
+        base = self.config.classes.base
+        for smaller in range(size_class - 1, -1, -1):
+            window = windows[smaller]
+            estimate = None if window is None else window.estimate(now)
+            if estimate is not None:
+                return float(estimate * base ** (size_class - smaller))
+        return None
 
     def describe(self, now: float) -> list[tuple[str, int, int, int, float, bool]]:
         """``(group, class, observations, censored, delay, learned)`` for every class with
