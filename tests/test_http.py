@@ -457,3 +457,85 @@ def test_sources_validate_their_input() -> None:
     with pytest.raises(ValueError, match="header"):
         th.HeaderNames(request_id="bad:name")
     assert SECRET not in repr(th.Replica("http://x/v1", api_key=SECRET, headers={"k": SECRET}))
+
+
+# -- every error class over real sockets: next attempt at once, or fatal -----------------------
+
+QUOTA = "You exceeded your current quota, please check your plan and billing details."
+CONTEXT = "This model's maximum context length is 8192 tokens. Please reduce the length."
+
+SOCKET_ERRORS = [
+    # (name, primary behaviour, expected kind, fatal?)
+    ("429 rate limit", Behaviour(status=429, retry_after=1), ErrorKind.RATE_LIMIT, False),
+    ("429 quota", Behaviour(status=429, error_message=QUOTA), ErrorKind.QUOTA_EXCEEDED, True),
+    ("500", Behaviour(status=500), ErrorKind.SERVER_ERROR, False),
+    ("502", Behaviour(status=502), ErrorKind.SERVER_ERROR, False),
+    ("503", Behaviour(status=503), ErrorKind.OVERLOADED, False),
+    ("529", Behaviour(status=529), ErrorKind.OVERLOADED, False),
+    ("408", Behaviour(status=408), ErrorKind.TIMEOUT, False),
+    ("400", Behaviour(status=400), ErrorKind.INVALID_REQUEST, True),
+    (
+        "400 context length",
+        Behaviour(status=400, error_message=CONTEXT),
+        ErrorKind.CONTEXT_LENGTH_EXCEEDED,
+        True,
+    ),
+    ("401", Behaviour(status=401), ErrorKind.AUTH, True),
+    ("403", Behaviour(status=403), ErrorKind.AUTH, True),
+    ("404", Behaviour(status=404), ErrorKind.INVALID_REQUEST, True),
+    ("413", Behaviour(status=413), ErrorKind.INVALID_REQUEST, True),
+    ("422", Behaviour(status=422), ErrorKind.INVALID_REQUEST, True),
+    (
+        "in-band server error before the first token",
+        Behaviour(inband_error_after=0),
+        ErrorKind.SERVER_ERROR,
+        False,
+    ),
+    (
+        "in-band rate limit before the first token",
+        Behaviour(inband_error_after=0, inband_error_status=429),
+        ErrorKind.RATE_LIMIT,
+        False,
+    ),
+    (
+        "in-band context length before the first token",
+        Behaviour(inband_error_after=0, inband_error_status=400, error_message=CONTEXT),
+        ErrorKind.CONTEXT_LENGTH_EXCEEDED,
+        True,
+    ),
+    ("cut before the first token", Behaviour(cut_after=0), ErrorKind.STREAM_TRUNCATED, False),
+    (
+        "a role chunk, then the end",
+        Behaviour(tokens=0, send_done=False, usage=False, finish_reason=""),
+        ErrorKind.STREAM_TRUNCATED,
+        False,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "primary", "kind", "fatal"), SOCKET_ERRORS, ids=[c[0] for c in SOCKET_ERRORS]
+)
+async def test_error_classes_over_real_sockets(
+    name: str, primary: Behaviour, kind: ErrorKind, fatal: bool
+) -> None:
+    backup = Behaviour(ttft=0.01, tokens=2)
+    async with fake_replicas(primary, backup) as (p, b):
+        replicas = [th.Replica(p.url, name="p"), th.Replica(b.url, name="b")]
+        async with httpx.AsyncClient() as client:
+            # A long hedge delay: any backup that starts does so because of the failure.
+            stream = th.hedged_stream(REQUEST, replicas, HedgePolicy(hedge_after=30), client=client)
+            if fatal:
+                with pytest.raises(th.FatalAttemptError) as info:
+                    async with stream:
+                        pass
+                assert info.value.error.kind is kind
+                assert len(b.requests) == 0  # a backup would fail the same way: none was sent
+            else:
+                async with stream:
+                    assert "".join([t async for t in stream]) == "tok0 tok1 "
+                first, second = stream.report.attempts
+                assert second.trigger == "failover"
+                assert first.error is not None
+                assert first.error.kind is kind
+                assert second.started_at is not None and second.started_at < 5  # not at 30 s

@@ -100,6 +100,12 @@ class Behaviour:
         cut_after: send that many tokens, then close the connection abruptly (no finish, no
             ``[DONE]``) at the moment the next token was due (``ttft`` for 0). On HTTP/2 the
             stream is reset instead; the mock raises ``httpx.RemoteProtocolError``.
+        inband_error_after: send that many tokens, then (when the next token was due) an
+            in-band error event ``data: {"error": {...}}`` with ``error_message`` and the
+            error ``type``/``code`` that ``inband_error_status`` implies, and end the body, as
+            servers do when generation fails after the 200 was sent. ``None``: never.
+        inband_error_status: the status whose OpenAI error shape the in-band error takes
+            (e.g. 429 for a rate limit, 500 for a server error). Default 500.
         send_done: end a complete stream with ``data: [DONE]``.
         finish_reason: the finish reason of the last chunk.
         usage: send a final usage chunk (``"choices": []``), as with
@@ -116,6 +122,8 @@ class Behaviour:
     stall_after: int | None = attrs.field(default=None, validator=_non_negative_count)
     keepalive_interval: float | None = attrs.field(default=None)
     cut_after: int | None = attrs.field(default=None, validator=_non_negative_count)
+    inband_error_after: int | None = attrs.field(default=None, validator=_non_negative_count)
+    inband_error_status: int = 500
     send_done: bool = True
     finish_reason: str = "stop"
     usage: bool = True
@@ -485,6 +493,9 @@ def _render_chat(b: Behaviour, record: RequestRecord, *, model: str, created: in
             steps.append(Wait(gap))
         if b.cut_after == i:
             return [*steps, Cut()]
+        if b.inband_error_after == i:
+            error = _error_payload(b.inband_error_status, b.error_message)
+            return [*steps, Chunk(sse_event(error))]
         steps.append(Chunk(chunk({"content": text}), tokens=1))
     if b.stall_after is not None:  # stall_after >= number of tokens: stall before finishing
         return [*steps, Stall(b.keepalive_interval)]
