@@ -78,7 +78,7 @@ class HedgerConfig:
     """How a :class:`Hedger` hedges. Durations in seconds.
 
     Attributes:
-        hedge_after: a :class:`~trio_hedge.LearnedDelay` (default: P90 of the last 60 s of
+        hedge_after: a :class:`~trio_hedge.LearnedDelay` (default: P90 of the last 300 s of
             TTFTs per group and prompt-size class, 1.0 s until 20 observations), a fixed
             number of seconds, or ``None`` to never hedge on time (failover only).
         max_attempts: attempts per request, primary included; ``None`` (default) allows one
@@ -92,7 +92,7 @@ class HedgerConfig:
             :class:`~trio_hedge.StreamInterrupted` (``kind="stall"``); it counts against the
             replica's health. Default ``None``.
         close_timeout: seconds a loser's close may take. Default 1.0.
-        budget: a :class:`~trio_hedge.HedgeBudget` (default 10% + 0.5/s over 10 s) or
+        budget: a :class:`~trio_hedge.HedgeBudget` (default 10% + 0.5/s over 60 s) or
             ``None`` for no budget.
         throttle: a :class:`~trio_hedge.RetryThrottle` (default 10 tokens, ratio 0.1) or
             ``None``.
