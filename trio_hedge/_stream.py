@@ -286,6 +286,19 @@ class _EventIterator:
         return self._stream._next_event()
 
 
+def check_replicas(replicas: object) -> None:
+    """Raise ``TypeError``/``ValueError`` unless ``replicas`` is a non-empty sequence of
+    :class:`~trio_hedge.Replica` or :class:`~trio_hedge.Source` objects (checked before any
+    client is created, so a bad list leaks nothing)."""
+    if isinstance(replicas, (str, bytes)) or not isinstance(replicas, Sequence):
+        raise TypeError("replicas must be a sequence of Replica or Source objects")
+    if not replicas:
+        raise ValueError("replicas must not be empty")
+    for r in replicas:
+        if not isinstance(r, (Replica, Source)):
+            raise TypeError(f"replicas must be Replica or Source objects, not {type(r).__name__}")
+
+
 def hedged_stream(
     request: Mapping[str, Any] | None,
     replicas: Sequence[Replica | Source],
@@ -322,10 +335,7 @@ def hedged_stream(
     policy = HedgePolicy() if policy is None else policy
     if not isinstance(policy, HedgePolicy):
         raise TypeError(f"policy must be a HedgePolicy, not {type(policy).__name__}")
-    if isinstance(replicas, (str, bytes)) or not isinstance(replicas, Sequence):
-        raise TypeError("replicas must be a sequence of Replica or Source objects")
-    if not replicas:
-        raise ValueError("replicas must not be empty")
+    check_replicas(replicas)
     needs_http = any(isinstance(r, Replica) for r in replicas)
     if needs_http:
         if request is None or not isinstance(request, Mapping):
@@ -340,10 +350,8 @@ def hedged_stream(
         if isinstance(r, Replica):
             assert client is not None and request is not None
             sources.append(r.bind(request, client, headers=headers))
-        elif isinstance(r, Source):
-            sources.append(r)
         else:
-            raise TypeError(f"replicas must be Replica or Source objects, not {type(r).__name__}")
+            sources.append(r)
     return HedgedStream(
         StaticPlanner(sources, policy), policy, request_id=request_id, owned_client=owned
     )

@@ -48,7 +48,7 @@ from ._policy import (
 from ._report import AttemptOutcome, AttemptRecord, Report
 from ._sizing import estimate_prompt_tokens
 from ._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
-from ._stream import _DEFAULT_TIMEOUT, HedgedStream
+from ._stream import _DEFAULT_TIMEOUT, HedgedStream, check_replicas
 from .sources._base import Source
 from .sources.openai_http import HeaderNames, Replica, shared_ssl_context
 
@@ -193,16 +193,9 @@ class Hedger:
         config = HedgerConfig() if config is None else config
         if not isinstance(config, HedgerConfig):
             raise TypeError(f"config must be a HedgerConfig, not {type(config).__name__}")
-        if isinstance(replicas, (str, bytes)) or not isinstance(replicas, Sequence):
-            raise TypeError("replicas must be a sequence of Replica or Source objects")
-        if not replicas:
-            raise ValueError("replicas must not be empty")
+        check_replicas(replicas)
         states: list[ReplicaState] = []
         for index, r in enumerate(replicas):
-            if not isinstance(r, (Replica, Source)):
-                raise TypeError(
-                    f"replicas must be Replica or Source objects, not {type(r).__name__}"
-                )
             states.append(ReplicaState(index=index, name=r.name, source=r))
         names = [s.name for s in states]
         if len(set(names)) != len(names):
