@@ -42,9 +42,7 @@ class _Failing:
 
     async def __anext__(self) -> str:
         await trio.sleep_until(self._start + self._fail.at)
-        raise AttemptError(
-            self._fail.kind, "scripted failure", retry_after=self._fail.retry_after
-        )
+        raise AttemptError(self._fail.kind, "scripted failure", retry_after=self._fail.retry_after)
 
     async def aclose(self) -> None:
         self._ledger.closed.append((self._name, self._info.number, trio.current_time()))

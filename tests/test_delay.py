@@ -24,12 +24,20 @@ KM_CASES = [
     ("no censoring is the nearest-rank quantile", [(t, True) for t in (1, 2, 3, 4, 5)], 0.5, 3),
     ("no censoring, P90 of 10", [(float(t), True) for t in range(1, 11)], 0.9, 9.0),
     # S(1) = 4/5; S(3) = 4/5 · 2/3 = 8/15 (F = 0.467); S(5) = 0
-    ("textbook: 1, 2+, 3, 4+, 5 at q=0.2", [(1, True), (2, False), (3, True), (4, False),
-                                             (5, True)], 0.2, 1),
+    (
+        "textbook: 1, 2+, 3, 4+, 5 at q=0.2",
+        [(1, True), (2, False), (3, True), (4, False), (5, True)],
+        0.2,
+        1,
+    ),
     ("textbook at q=0.4", [(1, True), (2, False), (3, True), (4, False), (5, True)], 0.4, 3),
     ("textbook at q=0.5", [(1, True), (2, False), (3, True), (4, False), (5, True)], 0.5, 5),
-    ("censored tail: the largest time is a lower bound", [(1, True), (2, False), (3, False)],
-     0.9, 3),
+    (
+        "censored tail: the largest time is a lower bound",
+        [(1, True), (2, False), (3, False)],
+        0.9,
+        3,
+    ),
     ("a tie: the event counts before the censoring", [(2, False), (2, True), (4, True)], 0.3, 2),
     ("nothing observed", [], 0.9, None),
 ]
@@ -48,8 +56,17 @@ def test_km_without_censoring_equals_empirical() -> None:
 
 
 SIZE_CASES = [
-    (0, 0), (255, 0), (256, 1), (511, 1), (512, 2), (1023, 2), (1024, 3), (8000, 5),
-    (131_071, 9), (131_072, 10), (10**9, 10),
+    (0, 0),
+    (255, 0),
+    (256, 1),
+    (511, 1),
+    (512, 2),
+    (1023, 2),
+    (1024, 3),
+    (8000, 5),
+    (131_071, 9),
+    (131_072, 10),
+    (10**9, 10),
 ]
 
 
@@ -80,8 +97,9 @@ def test_validation() -> None:
 
 
 async def test_fallback_window_clamp_and_monotone(autojump_clock: trio.testing.MockClock) -> None:
-    config = LearnedDelay(min_samples=3, fallback=1.0, window=10, refresh=0, max_delay=4.0,
-                          min_delay=0.2)
+    config = LearnedDelay(
+        min_samples=3, fallback=1.0, window=10, refresh=0, max_delay=4.0, min_delay=0.2
+    )
     model = DelayModel(config)
     t0 = trio.current_time()
     assert model.delay("g", 0, t0) == 1.0  # no data: the fallback
@@ -140,8 +158,7 @@ async def _learn(censoring: bool) -> tuple[th.HedgerStatistics, list[th.HedgeEve
         lambda _name, info: Script(ttft=draws[info.request_id][info.number - 1], tokens=1),
     )
     config = th.HedgerConfig(
-        hedge_after=LearnedDelay(window=10_000, max_samples=4096, refresh=0,
-                                 censoring=censoring),
+        hedge_after=LearnedDelay(window=10_000, max_samples=4096, refresh=0, censoring=censoring),
         budget=None,
         throttle=None,
         outlier_detection=None,
@@ -194,18 +211,27 @@ def _mixed(seed: int, n: int) -> list[tuple[int, float, float]]:
         if rng.random() < 0.05:
             out.append((LONG, rng.uniform(8, 12), rng.uniform(8, 12)))
         else:
-            out.append((SHORT, rng.lognormvariate(math.log(0.3), 0.5),
-                        rng.lognormvariate(math.log(0.3), 0.5)))
+            out.append(
+                (
+                    SHORT,
+                    rng.lognormvariate(math.log(0.3), 0.5),
+                    rng.lognormvariate(math.log(0.3), 0.5),
+                )
+            )
     return out
 
 
 async def _mixed_run(classes: SizeClasses) -> tuple[dict[int, int], dict[int, int], th.Hedger]:
     requests = _mixed(3, 1200)
-    fleet = Fleet(["a", "b"], lambda _n, info: Script(
-        ttft=requests[int(info.request_id[1:])][info.number], tokens=1))
+    fleet = Fleet(
+        ["a", "b"],
+        lambda _n, info: Script(ttft=requests[int(info.request_id[1:])][info.number], tokens=1),
+    )
     config = th.HedgerConfig(
         hedge_after=LearnedDelay(window=10_000, max_samples=4096, refresh=0, classes=classes),
-        budget=None, throttle=None, outlier_detection=None,
+        budget=None,
+        throttle=None,
+        outlier_detection=None,
     )
     hedger = th.Hedger(fleet.sources(), config)
     hedged = {SHORT: 0, LONG: 0}
@@ -248,8 +274,13 @@ def test_prompt_size_estimate() -> None:
         "model": "m",
         "messages": [
             {"role": "system", "content": "x" * 400},
-            {"role": "user", "content": [{"type": "text", "text": "y" * 40},
-                                         {"type": "image_url", "image_url": {"url": "u"}}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "y" * 40},
+                    {"type": "image_url", "image_url": {"url": "u"}},
+                ],
+            },
         ],
     }
     assert th.estimate_prompt_tokens(body) == 110 + 2 * 4  # 440 chars / 4 + framing

@@ -31,16 +31,12 @@ def _config(**changes: Any) -> HedgerConfig:
 
 def _by_request(default: Script | Fail, **cases: Script | Fail) -> Fleet:
     """Replicas a, b; ``cases["<replica>_<request id>"]`` overrides one attempt's script."""
-    return Fleet(
-        ["a", "b"], lambda name, info: cases.get(f"{name}_{info.request_id}", default)
-    )
+    return Fleet(["a", "b"], lambda name, info: cases.get(f"{name}_{info.request_id}", default))
 
 
 def _closed_at(fleet: Fleet, replica: str, request_id: str) -> float:
     """When the attempt of ``request_id`` on ``replica`` was closed (Trio time)."""
-    for (name, info, _), (cname, cnumber, at) in zip(
-        fleet.infos, fleet.ledger.opened, strict=True
-    ):
+    for (name, info, _), (cname, cnumber, at) in zip(fleet.infos, fleet.ledger.opened, strict=True):
         assert name == cname
         if name == replica and info.request_id == request_id:
             for n, number, closed in fleet.ledger.closed:
@@ -60,7 +56,8 @@ async def test_retry_after_is_honoured_to_the_millisecond(
     hedger = th.Hedger(fleet.sources(), PLAIN, on_event=[events.append])
     report = await run(hedger.stream(None, request_id="r0"))
     assert [(a.replica, a.trigger, a.outcome) for a in report.attempts] == [
-        ("a", "primary", O.FAILED), ("b", "failover", O.WON)
+        ("a", "primary", O.FAILED),
+        ("b", "failover", O.WON),
     ]
     failed_at = _closed_at(fleet, "a", "r0")
     (cooling,) = [e for e in events if e.kind is EventKind.REPLICA_COOLING]
@@ -100,7 +97,6 @@ async def test_all_cooling_waits_for_the_earliest(autojump_clock: trio.testing.M
     assert stream.started_at + attempt.started_at == pytest.approx(t0 + 0.95, abs=1e-9)
     assert report.ttft is not None
     assert report.ttft == pytest.approx(0.65 + 0.5, abs=1e-9)
-
 
 
 async def test_all_cooling_wait_is_bounded_by_the_caller(
@@ -183,8 +179,11 @@ async def test_ejection_and_return(autojump_clock: trio.testing.MockClock) -> No
     assert [await primary() for _ in range(2)] == ["a", "a"]
     a = hedger.statistics().replicas[0]
     assert (a.state, a.times_ejected, a.consecutive_failures, a.failures) == ("healthy", 2, 0, 6)
-    kinds = [(e.kind, e.replica, e.until is not None) for e in events
-             if e.kind is EventKind.REPLICA_EJECTED]
+    kinds = [
+        (e.kind, e.replica, e.until is not None)
+        for e in events
+        if e.kind is EventKind.REPLICA_EJECTED
+    ]
     assert kinds == [(EventKind.REPLICA_EJECTED, "a", True)] * 2
 
 
@@ -197,7 +196,8 @@ async def test_slow_attempts_count_against_their_replica(
     for _ in range(2):
         report = await run(hedger.stream(None))
         assert [(a.replica, a.outcome) for a in report.attempts] == [
-            ("a", O.CANCELLED), ("b", O.WON)
+            ("a", O.CANCELLED),
+            ("b", O.WON),
         ]
     assert hedger.statistics().ejected == ("a",)  # two first-token timeouts in a row
     report = await run(hedger.stream(None))
@@ -217,7 +217,8 @@ async def test_never_zero_attempts(autojump_clock: trio.testing.MockClock) -> No
     # first), and fails over to b.
     report = await run(hedger.stream(None))
     assert [(a.replica, a.trigger) for a in report.attempts] == [
-        ("a", "primary"), ("b", "failover")
+        ("a", "primary"),
+        ("b", "failover"),
     ]
     # A hedge, though, is not sent to an ejected replica: refused, the primary goes on.
     phase["a"] = Script(ttft=3.0, tokens=1)
@@ -362,7 +363,8 @@ async def test_cost_accounting_and_statistics(autojump_clock: trio.testing.MockC
     assert (stats.prompt_tokens_sent, stats.prompt_tokens_resent) == (1004 * 2 + 10, 1004)
     assert (stats.ttft_p50, stats.ttft_p90) == (1.5, 5.0)
     assert [(r.name, r.attempts, r.wins, r.in_flight) for r in stats.replicas] == [
-        ("a", 2, 1, 0), ("b", 1, 1, 0)
+        ("a", 2, 1, 0),
+        ("b", 1, 1, 0),
     ]
 
 

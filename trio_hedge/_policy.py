@@ -21,9 +21,7 @@ def _seconds_or_none(_inst: object, attribute: attrs.Attribute[Any], value: obje
         raise ValueError(f"{attribute.name} must be >= 0 seconds, not {value!r}")
 
 
-def _positive_seconds_or_none(
-    inst: object, attribute: attrs.Attribute[Any], value: object
-) -> None:
+def _positive_seconds_or_none(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
     _seconds_or_none(inst, attribute, value)
     if value is not None and value == 0:
         raise ValueError(f"{attribute.name} must be > 0 seconds, not {value!r}")

@@ -555,9 +555,7 @@ class _RequestPlanner:
     def _refuse(self, reason: str, now: float) -> bool:
         self._h._counts[reason] += 1
         self._h._emit(
-            HedgeEvent(
-                EventKind.HEDGE_REFUSED, now, self._request_id, self._group, reason=reason
-            )
+            HedgeEvent(EventKind.HEDGE_REFUSED, now, self._request_id, self._group, reason=reason)
         )
         return False
 
@@ -604,9 +602,7 @@ class _RequestPlanner:
                 h._model.observe(self._group, self._class, now, ran, False)
         else:  # pragma: no cover - the race reports no other outcome
             return
-        h._emit(
-            HedgeEvent(kind, now, self._request_id, self._group, replica.name, record=record)
-        )
+        h._emit(HedgeEvent(kind, now, self._request_id, self._group, replica.name, record=record))
 
     def _start(self, replica: ReplicaState, record: AttemptRecord, now: float) -> None:
         h = self._h
