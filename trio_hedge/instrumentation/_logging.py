@@ -1,0 +1,59 @@
+"""Log every :class:`~trio_hedge.HedgeEvent` with the standard library's ``logging``."""
+
+from __future__ import annotations
+
+import logging
+
+from .._hooks import EventKind, HedgeEvent
+
+__all__ = ["LoggingHook"]
+
+#: Events worth an operator's attention by default; the rest are DEBUG.
+_INFO = frozenset(
+    {
+        EventKind.ATTEMPT_FAILED,
+        EventKind.HEDGE_REFUSED,
+        EventKind.REPLICA_COOLING,
+        EventKind.REPLICA_EJECTED,
+    }
+)
+
+
+class LoggingHook:
+    """An ``on_event`` hook that logs one line per event on ``logger`` (default the
+    ``trio_hedge`` logger): failures, refusals, cooldowns and ejections at INFO, the rest at
+    DEBUG. Lines carry the event's fields (request id, replica, attempt, error kind, TTFT in
+    seconds) as text and as ``extra`` attributes; never a credential (events hold none)."""
+
+    def __init__(self, logger: logging.Logger | None = None) -> None:
+        self._logger = logger or logging.getLogger("trio_hedge")
+
+    def __call__(self, event: HedgeEvent) -> None:
+        level = logging.INFO if event.kind in _INFO else logging.DEBUG
+        if not self._logger.isEnabledFor(level):
+            return
+        fields: dict[str, object] = {
+            "request_id": event.request_id,
+            "replica": event.replica,
+            "group": event.group,
+        }
+        record = event.record
+        if record is not None:
+            fields["attempt"] = record.number
+            fields["trigger"] = record.trigger
+            fields["outcome"] = record.outcome.value
+            if record.ttft is not None:
+                fields["ttft"] = round(record.ttft, 6)
+            if record.error is not None:
+                fields["error"] = record.error.kind.value
+        if event.reason is not None:
+            fields["reason"] = event.reason
+        if event.until is not None:
+            fields["until"] = round(event.until, 6)
+        report = event.report
+        if report is not None:
+            fields.update(winner=report.winner, hedged=report.hedged, ttft=report.ttft)
+        text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+        self._logger.log(
+            level, "trio_hedge %s %s", event.kind.value, text, extra={"trio_hedge": fields}
+        )

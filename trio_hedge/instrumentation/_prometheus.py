@@ -1,0 +1,88 @@
+"""Prometheus metrics from :class:`~trio_hedge.HedgeEvent` s (needs ``prometheus-client``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._hooks import EventKind, HedgeEvent
+
+__all__ = ["PrometheusHook"]
+
+
+class PrometheusHook:
+    """An ``on_event`` hook that keeps Prometheus metrics, named after Finagle's backup
+    request counters:
+
+    - ``trio_hedge_requests_total{hedged,outcome}``: finished requests (``outcome`` is
+      ``ok`` or the error type);
+    - ``trio_hedge_attempts_total{replica,trigger,outcome}``: attempts by how they ended;
+    - ``trio_hedge_backups_won_total{replica}``: backups that won (Finagle ``backups_won``);
+    - ``trio_hedge_hedges_refused_total{reason}``: Finagle ``budget_exhausted``, by reason;
+    - ``trio_hedge_replica_events_total{replica,kind}``: cooldowns and ejections;
+    - ``trio_hedge_ttft_seconds``: caller-visible time to first token (histogram).
+
+    Args:
+        registry: a ``prometheus_client.CollectorRegistry``; default the global one.
+        prefix: metric name prefix. Default ``"trio_hedge"``.
+
+    Raises:
+        ImportError: ``prometheus-client`` is not installed.
+    """
+
+    def __init__(self, registry: Any = None, *, prefix: str = "trio_hedge") -> None:
+        try:
+            import prometheus_client as prom
+        except ImportError as exc:  # pragma: no cover - exercised without the package
+            raise ImportError(
+                "PrometheusHook needs prometheus-client: pip install prometheus-client"
+            ) from exc
+        kw: dict[str, Any] = {} if registry is None else {"registry": registry}
+        self._requests = prom.Counter(
+            f"{prefix}_requests", "Finished hedged requests.", ["hedged", "outcome"], **kw
+        )
+        self._attempts = prom.Counter(
+            f"{prefix}_attempts",
+            "Attempts by how they ended.",
+            ["replica", "trigger", "outcome"],
+            **kw,
+        )
+        self._backups_won = prom.Counter(
+            f"{prefix}_backups_won", "Backups that won the race.", ["replica"], **kw
+        )
+        self._refused = prom.Counter(
+            f"{prefix}_hedges_refused", "Backups not sent.", ["reason"], **kw
+        )
+        self._replica_events = prom.Counter(
+            f"{prefix}_replica_events",
+            "Replica cooldowns and ejections.",
+            ["replica", "kind"],
+            **kw,
+        )
+        self._ttft = prom.Histogram(
+            f"{prefix}_ttft_seconds",
+            "Caller-visible time to first token (seconds).",
+            buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64),
+            **kw,
+        )
+
+    def __call__(self, event: HedgeEvent) -> None:
+        kind = event.kind
+        record = event.record
+        if record is not None and kind in (
+            EventKind.COMMITTED,
+            EventKind.ATTEMPT_FAILED,
+            EventKind.ATTEMPT_CANCELLED,
+        ):
+            self._attempts.labels(record.replica, record.trigger, record.outcome.value).inc()
+            if kind is EventKind.COMMITTED and record.number > 1:
+                self._backups_won.labels(record.replica).inc()
+        elif kind is EventKind.HEDGE_REFUSED:
+            self._refused.labels(event.reason or "unknown").inc()
+        elif kind in (EventKind.REPLICA_COOLING, EventKind.REPLICA_EJECTED):
+            self._replica_events.labels(event.replica or "", kind.value).inc()
+        elif kind is EventKind.REQUEST_FINISHED and event.report is not None:
+            report = event.report
+            outcome = "ok" if report.error is None else type(report.error).__name__
+            self._requests.labels(str(report.hedged).lower(), outcome).inc()
+            if report.ttft is not None:
+                self._ttft.observe(report.ttft)
