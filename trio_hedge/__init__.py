@@ -6,6 +6,7 @@ other attempt is cancelled at once.
 """
 
 from ._budget import HedgeBudget, RetryThrottle
+from ._client import ShardedTransport, make_client
 from ._delay import LearnedDelay, SizeClasses, empirical_quantile, km_quantile
 from ._errors import (
     AllAttemptsFailed,
@@ -69,6 +70,7 @@ __all__ = [
     "Report",
     "RequestFailed",
     "RetryThrottle",
+    "ShardedTransport",
     "SizeClasses",
     "Source",
     "StaticPlanner",
@@ -80,4 +82,5 @@ __all__ = [
     "hedged_stream",
     "iterator_source",
     "km_quantile",
+    "make_client",
 ]

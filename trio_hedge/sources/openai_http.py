@@ -287,19 +287,24 @@ class HTTPAttempt:
                 return deltas
 
     async def aclose(self) -> None:
-        if self._finished and not self._exhausted:
-            await self._drain()
-        await _close_response(self._response, finished=self._finished)
+        finished = self._finished
+        if finished and not self._exhausted:
+            # After [DONE]: if the body does not end in time, the HTTP/2 stream is reset.
+            finished = await self._drain()
+        await _close_response(self._response, finished=finished)
 
-    async def _drain(self) -> None:
+    async def _drain(self) -> bool:
         """Read what follows ``[DONE]`` (normally just the body's last chunk, often already
         received) to the end of the body, within :data:`DRAIN_TIMEOUT` / :data:`DRAIN_LIMIT`.
 
         Why: closing a response before its end makes httpcore close the connection (no
         keep-alive: a new TCP and TLS handshake for the next request) and leaves httpx's
         nested async generators unfinished, for Trio's finaliser to close one task each.
-        ``benchmarks/scale.py`` measured 1,284 µs of client CPU per 5-token stream without
-        this against 474 µs for plain httpx reading to the end.
+        Measured (sequential 5-token streams, server in another process): 1,284 µs of client
+        CPU per stream without this, ~720 µs with it, 474 µs for plain httpx reading to the
+        end (``docs/benchmarks.md``).
+
+        Returns whether the body's end was reached. Runs once (a later close skips it).
         """
         self._exhausted = True
         read = 0
@@ -308,9 +313,11 @@ class HTTPAttempt:
                 async for chunk in self._chunks:
                     read += len(chunk)
                     if read > DRAIN_LIMIT:
-                        return
+                        return False
             except httpx.HTTPError:
-                return
+                return False
+            return True
+        return False
 
 
 async def _close_response(response: httpx.Response, *, finished: bool) -> None:

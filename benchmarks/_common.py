@@ -1,0 +1,186 @@
+"""Shared helpers for the benchmarks: an out-of-process SSE server, statistics, tables.
+
+The server (``python benchmarks/_common.py serve``) is deliberately minimal and cheap: plain
+blocking sockets, one thread per connection, HTTP/1.1 keep-alive with chunked transfer
+encoding, and **one SSE event per HTTP chunk, each written with its own ``sendall``** (as LLM
+servers flush one event per token). Its events are rendered once per token count, so its own
+CPU cost per token is a few microseconds, and it runs in another process, so none of it is
+counted in the client's ``time.process_time()``.
+
+Requests choose their answer by path: ``POST /d{ms}/n{tokens}/v1/chat/completions`` sends the
+headers and a role-only chunk at once, waits ``ms`` milliseconds, then sends ``tokens``
+content chunks, a finish chunk and ``data: [DONE]``. A client that goes away is noticed at the
+next write (the thread ends).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+_PATH = re.compile(rb"^/d(\d+)/n(\d+)/v1/chat/completions$")
+_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+    b"transfer-encoding: chunked\r\n\r\n"
+)
+_NOT_FOUND = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
+_WORDS = ("The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", ".")
+
+
+def _event(delta: dict[str, str], finish: str | None = None) -> bytes:
+    # The shape (and ~230 bytes) of an OpenAI chat-completion chunk.
+    payload = {
+        "id": "chatcmpl-9zQ3bWc7m1kTz0aYfX2rL8pNvE4sHdJq",
+        "object": "chat.completion.chunk",
+        "created": 1718000000,
+        "model": "gpt-4o-mini-2024-07-18",
+        "system_fingerprint": "fp_0123456789",
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
+    data = b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def token_text(i: int) -> str:
+    """The text of content token ``i`` the server sends."""
+    return _WORDS[i % len(_WORDS)]
+
+
+@functools.cache
+def _events(tokens: int) -> tuple[bytes, list[bytes], bytes]:
+    first = _event({"role": "assistant", "content": ""})
+    body = [_event({"content": token_text(i)}) for i in range(tokens)]
+    done = b"data: [DONE]\n\n"
+    tail = _event({}, "stop") + b"%x\r\n%s\r\n" % (len(done), done) + b"0\r\n\r\n"
+    return first, body, tail
+
+
+def _read_request(sock: socket.socket, buf: bytearray) -> bytes | None:
+    """Read one request; return its path (``None`` at EOF). Leaves extra bytes in ``buf``."""
+    while b"\r\n\r\n" not in buf:
+        more = sock.recv(65536)
+        if not more:
+            return None
+        buf += more
+    end = buf.index(b"\r\n\r\n") + 4
+    head = bytes(buf[:end])
+    del buf[:end]
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    while len(buf) < length:
+        more = sock.recv(65536)
+        if not more:
+            return None
+        buf += more
+    del buf[:length]
+    return head.split(b" ", 2)[1]
+
+
+def _serve_connection(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = bytearray()
+    try:
+        with sock:
+            while (path := _read_request(sock, buf)) is not None:
+                match = _PATH.match(path)
+                if match is None:
+                    sock.sendall(_NOT_FOUND)
+                    continue
+                delay_ms, tokens = int(match[1]), int(match[2])
+                first, body, tail = _events(tokens)
+                sock.sendall(_HEAD + first)
+                if delay_ms:
+                    time.sleep(delay_ms / 1000)
+                send = sock.sendall
+                for chunk in body:
+                    send(chunk)
+                send(tail)
+    except OSError:
+        pass  # the client went away
+
+
+def serve(port: int = 0) -> None:
+    """Run the server forever; print the port on stdout."""
+    listener = socket.create_server(("127.0.0.1", port), backlog=4096)
+    print(listener.getsockname()[1], flush=True)
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=_serve_connection, args=(conn,), daemon=True).start()
+
+
+@contextmanager
+def server_process() -> Iterator[int]:
+    """Start the SSE server in another process; yield its port; stop it on exit."""
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "serve"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=5)
+
+
+def url(port: int, *, delay_ms: int = 0, tokens: int) -> str:
+    """The OpenAI base URL for an answer of ``tokens`` tokens after ``delay_ms``."""
+    return f"http://127.0.0.1:{port}/d{delay_ms}/n{tokens}/v1"
+
+
+# -- statistics --------------------------------------------------------------------------------
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100), nearest-rank on sorted values."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[rank]
+
+
+def rss_bytes() -> int:
+    """This process's resident set size (Linux ``/proc``)."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    import os
+
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def open_fds() -> int:
+    """File descriptors open in this process (Linux ``/proc``)."""
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+def verdict(ok: bool, text: str) -> str:
+    return f"{'PASS' if ok else 'FAIL'}: {text}"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["serve"]:
+        serve()
+    else:
+        raise SystemExit("usage: python benchmarks/_common.py serve")

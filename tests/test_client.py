@@ -1,0 +1,75 @@
+"""make_client / ShardedTransport, and keep-alive after a stream read to [DONE]."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import trio
+
+import trio_hedge as th
+from trio_hedge import ShardedTransport, make_client
+from trio_hedge.testing import Behaviour, FakeReplica, fake_replicas
+
+REQUEST = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def _read(client: httpx.AsyncClient, replica: FakeReplica) -> str:
+    async with th.hedged_stream(REQUEST, [th.Replica(replica.url)], client=client) as stream:
+        return "".join([t async for t in stream])
+
+
+async def test_connection_is_reused_after_done() -> None:
+    """Closing at [DONE] reads the body's last chunk, so HTTP/1.1 keep-alive works."""
+    async with FakeReplica(Behaviour(tokens=3)) as replica, httpx.AsyncClient() as client:
+        for _ in range(3):
+            assert await _read(client, replica) == "tok0 tok1 tok2 "
+        assert replica.open_connections == 1
+        assert len(replica.requests) == 3
+
+
+async def test_make_client_adds_pools_and_counts_down() -> None:
+    async with FakeReplica(Behaviour(tokens=2, token_delay=0.01)) as replica:
+        async with make_client(per_shard=2) as client:
+            transport = client._transport
+            assert isinstance(transport, ShardedTransport)
+            gate = trio.Event()
+            opened = 0
+
+            async def one() -> None:
+                nonlocal opened
+                pair = [th.Replica(replica.url)]
+                async with th.hedged_stream(REQUEST, pair, client=client) as stream:
+                    opened += 1
+                    if opened == 7:
+                        gate.set()
+                    await gate.wait()
+                    assert "".join([t async for t in stream]) == "tok0 tok1 "
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(7):
+                    nursery.start_soon(one)
+            assert transport.shards == 4  # 7 open responses, at most 2 per pool
+            assert transport.in_flight == 0
+        with trio.fail_after(2):
+            await replica.wait_connections(0)
+
+
+async def test_make_client_http2_loser_is_reset() -> None:
+    pytest.importorskip("h2")
+    async with fake_replicas(Behaviour(ttft=30.0), Behaviour(tokens=3), http2=True) as (slow, fast):
+        replicas = [th.Replica(slow.url, name="slow"), th.Replica(fast.url, name="fast")]
+        async with make_client(http1=False, http2=True) as client:
+            policy = th.HedgePolicy(hedge_after=0.01)
+            async with th.hedged_stream(REQUEST, replicas, policy, client=client) as stream:
+                assert "".join([t async for t in stream]) == "tok0 tok1 tok2 "
+            with trio.fail_after(2):
+                record = await slow.wait_disconnected(0)
+            assert record.http_version == "2"
+            assert slow.open_connections == 1  # RST_STREAM, not a closed connection
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="per_shard"):
+        ShardedTransport(0)
+    with pytest.raises(TypeError, match="transport"):
+        make_client(transport=httpx.AsyncHTTPTransport())

@@ -1,0 +1,207 @@
+"""A shared ``httpx.AsyncClient`` for many concurrent streams: :func:`make_client`.
+
+Why: httpcore 1.0.9's connection pool does work proportional to the number of connections it
+holds on every request it starts or finishes (``AsyncConnectionPool.
+_assign_requests_to_connections`` rescans every connection: ``is_closed()``,
+``has_expired()`` -- a ``poll`` syscall per idle connection -- and, for each idle connection,
+counts all connections again; then, for each queued request, filters every connection by
+origin twice). Opening *n* concurrent streams through one pool therefore costs O(n²):
+``benchmarks/scale.py`` measured 1,000 concurrent hedged streams through one
+``httpx.AsyncClient`` (unlimited pool) at 2.5-3x the time of 1,000 raw Trio sockets doing the
+same requests, growing ~2.2x per doubling of *n* (see ``docs/benchmarks.md``). httpx's default
+``Limits(max_connections=100)`` is worse for streaming: a stream holds its connection while the
+caller reads it, so the 101st concurrent stream waits for the pool (forever, with the
+library's ``pool=None`` timeout).
+
+The workaround: :class:`ShardedTransport` spreads requests over independent pools, each
+given at most ``per_shard`` (default 4) open responses, adding pools as concurrency grows, so
+every pool's scans stay short and opening *n* streams costs O(n). No pool has a connection
+limit. All pools share one SSL context (building one costs ~16-50 ms). Round-robin over a
+fixed number of pools was not enough: with 16 pools, a second wave of 1,000 streams (reusing
+1,000 idle keep-alive connections) took 5.7 s against 0.9 s raw, as a pool's cost per event
+is quadratic in its *idle* connections (the ``len([... for connection in
+self._connections])`` inside the loop over connections); with at most 16 open responses per
+pool, 2.4 s; with 4, 1.7-1.8 s (wave 1: 1.7-1.8 s).
+"""
+
+from __future__ import annotations
+
+import collections
+import ssl
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from .sources.openai_http import shared_ssl_context
+
+__all__ = ["DEFAULT_LIMITS", "DEFAULT_PER_SHARD", "ShardedTransport", "make_client"]
+
+#: Connections per pool before :class:`ShardedTransport` adds another pool.
+DEFAULT_PER_SHARD = 4
+#: Per-pool limits: no cap on connections (a stream holds one while it is read; a cap would
+#: make extra concurrent streams wait for the pool), idle connections kept 5 s.
+DEFAULT_LIMITS = httpx.Limits(
+    max_connections=None, max_keepalive_connections=None, keepalive_expiry=5.0
+)
+
+# Connect fast (a dead replica must fail over quickly); never time out a read: TTFT and
+# inter-token gaps are the hedge delay's and the stall timeout's business.
+_DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
+
+
+class ShardedTransport(httpx.AsyncBaseTransport):
+    """An ``httpx`` transport that spreads requests over independent
+    ``httpx.AsyncHTTPTransport`` pools, each kept to about ``per_shard`` connections.
+
+    Each request goes to the next pool (in FIFO order) with fewer than ``per_shard`` open
+    responses; when none has room, a new pool is added (pools are never removed; their idle
+    connections expire after ``keepalive_expiry``). So however many streams are
+    open, each pool scans at most ~``per_shard`` connections per request event, and opening
+    *n* streams costs O(n), not O(n²) (see the module docstring).
+
+    Args:
+        per_shard: connections per pool before another pool is added (>= 1).
+        verify: an ``ssl.SSLContext`` shared by every pool, or ``True``/``False``; default
+            the library's shared context.
+        **kwargs: passed to each ``httpx.AsyncHTTPTransport`` (``http1``, ``http2``,
+            ``limits``, ``retries``, ``local_address``, ``socket_options``…); ``limits``
+            defaults to :data:`DEFAULT_LIMITS` (per pool).
+    """
+
+    def __init__(
+        self,
+        per_shard: int = DEFAULT_PER_SHARD,
+        *,
+        verify: ssl.SSLContext | bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(per_shard, bool) or not isinstance(per_shard, int) or per_shard < 1:
+            raise ValueError(f"per_shard must be a positive int, not {per_shard!r}")
+        if verify is None or verify is True:
+            verify = shared_ssl_context()
+        kwargs.setdefault("limits", DEFAULT_LIMITS)
+        self._per_shard = per_shard
+        self._verify = verify
+        self._kwargs = kwargs
+        self._shards: list[_Shard] = []
+        self._room: collections.deque[_Shard] = collections.deque()  # shards with room
+        self._closed = False
+
+    @property
+    def shards(self) -> int:
+        """How many pools exist so far."""
+        return len(self._shards)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent whose response is not closed yet."""
+        return sum(shard.in_flight for shard in self._shards)
+
+    def _pick(self) -> _Shard:
+        # O(1): the first shard in the queue of shards with room (FIFO, so load spreads
+        # evenly and every pool's idle connections get reused), else a new shard.
+        room = self._room
+        while room:
+            shard = room.popleft()
+            if shard.in_flight < self._per_shard:
+                break
+        else:
+            shard = _Shard(httpx.AsyncHTTPTransport(verify=self._verify, **self._kwargs), self)
+            self._shards.append(shard)
+        shard.in_flight += 1
+        if shard.in_flight < self._per_shard:
+            room.append(shard)
+        return shard
+
+    def _release(self, shard: _Shard) -> None:
+        shard.in_flight -= 1
+        if shard.in_flight == self._per_shard - 1:  # it was full: it has room again
+            self._room.append(shard)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._closed:
+            raise RuntimeError("the transport is closed")
+        shard = self._pick()
+        try:
+            response = await shard.transport.handle_async_request(request)
+        except BaseException:
+            self._release(shard)
+            raise
+        assert isinstance(response.stream, httpx.AsyncByteStream)
+        response.stream = _CountedStream(response.stream, shard)
+        return response
+
+    async def aclose(self) -> None:
+        self._closed = True
+        shards, self._shards = self._shards, []
+        self._room.clear()
+        for shard in shards:
+            await shard.transport.aclose()
+
+
+class _Shard:
+    __slots__ = ("in_flight", "owner", "transport")
+
+    def __init__(self, transport: httpx.AsyncHTTPTransport, owner: ShardedTransport) -> None:
+        self.transport = transport
+        self.owner = owner
+        self.in_flight = 0
+
+
+class _CountedStream(httpx.AsyncByteStream):
+    """The pool's response stream, counting the shard's open responses down on close.
+
+    Iteration is the inner stream's own (no extra generator per chunk). ``_httpcore_stream``
+    mirrors httpx's ``AsyncResponseStream`` so the HTTP/2 reset in ``sources.openai_http``
+    (``response.stream._stream._httpcore_stream._stream``) finds the h2 stream.
+    """
+
+    def __init__(self, inner: httpx.AsyncByteStream, shard: _Shard) -> None:
+        self._inner = inner
+        self._shard: _Shard | None = shard
+        self._httpcore_stream = getattr(inner, "_httpcore_stream", None)
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._inner.__aiter__()
+
+    async def aclose(self) -> None:
+        shard, self._shard = self._shard, None
+        if shard is not None:
+            shard.owner._release(shard)
+        await self._inner.aclose()
+
+
+def make_client(
+    *,
+    per_shard: int = DEFAULT_PER_SHARD,
+    http1: bool = True,
+    http2: bool = False,
+    limits: httpx.Limits = DEFAULT_LIMITS,
+    timeout: httpx.Timeout | float | None = _DEFAULT_TIMEOUT,
+    **client_kwargs: Any,
+) -> httpx.AsyncClient:
+    """An ``httpx.AsyncClient`` for many concurrent hedged streams (share one per process).
+
+    It sends requests through a :class:`ShardedTransport` (pools of about ``per_shard``
+    open responses each, added as needed, no connection cap), with the library's timeouts
+    (connect 5 s, no read timeout, no pool timeout). Use it as
+    ``async with make_client() as client:`` and pass ``client=client`` to
+    :func:`~trio_hedge.hedged_stream`.
+
+    Args:
+        per_shard: connections per pool before another pool is added (see the module
+            docstring for why).
+        http1, http2: protocols (``http2=True`` needs the ``h2`` package; with
+            ``http1=False`` it speaks HTTP/2 with prior knowledge to ``http://`` URLs).
+        limits: per-shard ``httpx.Limits``.
+        timeout: the client's timeout.
+        **client_kwargs: passed to ``httpx.AsyncClient`` (``headers``, ``base_url``,
+            ``event_hooks``…; not ``transport``).
+    """
+    if "transport" in client_kwargs or "verify" in client_kwargs:
+        raise TypeError(
+            "make_client builds its own transport; pass TLS options to ShardedTransport"
+        )
+    transport = ShardedTransport(per_shard, http1=http1, http2=http2, limits=limits)
+    return httpx.AsyncClient(transport=transport, timeout=timeout, **client_kwargs)
