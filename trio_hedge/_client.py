@@ -47,7 +47,7 @@ DEFAULT_LIMITS = httpx.Limits(
 
 # Connect fast (a dead replica must fail over quickly); never time out a read: TTFT and
 # inter-token gaps are the hedge delay's and the stall timeout's business.
-_DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
+DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
 
 
 class ShardedTransport(httpx.AsyncBaseTransport):
@@ -178,7 +178,7 @@ def make_client(
     http1: bool = True,
     http2: bool = False,
     limits: httpx.Limits = DEFAULT_LIMITS,
-    timeout: httpx.Timeout | float | None = _DEFAULT_TIMEOUT,
+    timeout: httpx.Timeout | float | None = DEFAULT_TIMEOUT,
     **client_kwargs: Any,
 ) -> httpx.AsyncClient:
     """An ``httpx.AsyncClient`` for many concurrent hedged streams (share one per process).

@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 import httpx
 import trio
 
+from ._client import make_client
 from ._errors import AllAttemptsFailed, AttemptError, ErrorKind, HedgeError, StreamInterrupted
 from ._events import Delta
 from ._plan import Planner, StaticPlanner
@@ -23,7 +24,7 @@ from ._policy import HedgePolicy
 from ._race import Committed, classify_exception, close_quietly, race
 from ._report import Report, _Recorder
 from .sources._base import AttemptStream, Source
-from .sources.openai_http import HeaderNames, Replica, shared_ssl_context
+from .sources.openai_http import HeaderNames, Replica
 
 __all__ = ["HedgedStream", "hedged_stream"]
 
@@ -344,7 +345,7 @@ def hedged_stream(
             raise TypeError(f"client must be an httpx.AsyncClient, not {type(client).__name__}")
     owned = None
     if needs_http and client is None:
-        owned = client = httpx.AsyncClient(verify=shared_ssl_context(), timeout=_DEFAULT_TIMEOUT)
+        owned = client = make_client()
     sources: list[Source] = []
     for r in replicas:
         if isinstance(r, Replica):
@@ -355,8 +356,3 @@ def hedged_stream(
     return HedgedStream(
         StaticPlanner(sources, policy), policy, request_id=request_id, owned_client=owned
     )
-
-
-# Connect fast (a dead replica must fail over quickly); never time out a read: TTFT and
-# inter-token gaps are the hedge delay's and the stall timeout's business.
-_DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)

@@ -34,6 +34,7 @@ import httpx
 import trio
 
 from ._budget import BudgetState, HedgeBudget, RetryThrottle, ThrottleState
+from ._client import make_client
 from ._delay import DelayModel, LearnedDelay, _number, empirical_quantile
 from ._errors import AttemptError, StreamInterrupted
 from ._events import FirstToken
@@ -48,9 +49,9 @@ from ._policy import (
 from ._report import AttemptOutcome, AttemptRecord, Report
 from ._sizing import estimate_prompt_tokens
 from ._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
-from ._stream import _DEFAULT_TIMEOUT, HedgedStream, check_replicas
+from ._stream import HedgedStream, check_replicas
 from .sources._base import Source
-from .sources.openai_http import HeaderNames, Replica, shared_ssl_context
+from .sources.openai_http import HeaderNames, Replica
 
 __all__ = ["Hedger", "HedgerConfig"]
 
@@ -263,9 +264,8 @@ class Hedger:
         if self._client is not None:
             return self._client
         if self._owned_client is None:
-            self._owned_client = httpx.AsyncClient(
-                verify=shared_ssl_context(), timeout=_DEFAULT_TIMEOUT
-            )
+            # Sharded pools: one httpx pool slows superlinearly with many streams (_client.py).
+            self._owned_client = make_client()
         return self._owned_client
 
     # -- requests ----------------------------------------------------------------------------
