@@ -259,6 +259,27 @@ async def test_secrets_never_leak(
         assert SECRET not in text
 
 
+async def test_a_key_echoed_by_the_server_is_masked(autojump_clock: trio.testing.MockClock) -> None:
+    echo = f"Incorrect API key provided: {SECRET}. You can find your API key at ..."
+    mock = MockReplicas(
+        {
+            "primary": Behaviour(status=401, error_message=echo),
+            "backup": Behaviour(inband_error_after=0, inband_error_status=401, error_message=echo),
+        }
+    )
+    for name in ("primary", "backup"):
+        async with httpx.AsyncClient(transport=mock.transport) as client:
+            stream = th.hedged_stream(REQUEST, _replicas(mock, name), client=client)
+            with pytest.raises(th.FatalAttemptError) as info:
+                async with stream:
+                    pass
+        error = info.value.error
+        assert error.kind is ErrorKind.AUTH
+        assert error.message == "Incorrect API key provided: ***. You can find your API key at ..."
+        for text in (str(info.value), repr(error), str(error.args), str(stream.report.to_dict())):
+            assert SECRET not in text
+
+
 async def test_owned_client_is_closed_and_callers_client_is_not(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

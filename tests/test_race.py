@@ -232,6 +232,8 @@ async def test_race_scenarios(case: Case, autojump_clock: trio.testing.MockClock
         name = report.winner_replica
         assert tokens == [f"{name}:{i} " for i in range(winner.tokens)]
         assert report.token_count == winner.tokens
+        assert report.attempts[case.winner - 1].tokens_received == winner.tokens
+        assert report.completed
         assert report.text == "".join(tokens)
         assert report.tpot_mean == pytest.approx(winner.gap)
         assert report.max_gap == pytest.approx(winner.gap)
@@ -248,6 +250,9 @@ async def test_all_failed_error_carries_each_cause(autojump_clock: trio.testing.
     with pytest.raises(th.AllAttemptsFailed) as info:
         async with th.hedged_stream(None, sources(ledger, *scripts)):
             pass
+    assert str(info.value) == (
+        "all 2 attempts failed: rate_limit at primary; server_error at backup"
+    )
     kinds = [e.kind for e in info.value.errors]
     assert kinds == [ErrorKind.RATE_LIMIT, ErrorKind.SERVER_ERROR]
     assert [e.replica for e in info.value.errors] == ["primary", "backup"]
@@ -304,6 +309,8 @@ async def test_caller_break_after_commit(autojump_clock: trio.testing.MockClock)
     assert ledger.open_now == 0
     assert stream.report.text == "backup:0 "
     assert stream.report.attempts[1].outcome is O.WON
+    assert stream.report.finished
+    assert not stream.report.completed  # the caller left early
 
 
 async def test_caller_exception_passes_through_unwrapped(

@@ -111,10 +111,19 @@ class AttemptError(Exception):
         self.status_code = status_code
         self.replica = replica
 
+    def brief(self) -> str:
+        """``"rate_limit (HTTP 429, retry after 2 s) at replica"``: the error without its
+        message."""
+        details = []
+        if self.status_code is not None:
+            details.append(f"HTTP {self.status_code}")
+        if self.retry_after is not None:
+            details.append(f"retry after {self.retry_after:g} s")
+        text = self.kind.value + (f" ({', '.join(details)})" if details else "")
+        return text + (f" at {self.replica}" if self.replica else "")
+
     def __str__(self) -> str:
-        where = f" from {self.replica}" if self.replica else ""
-        status = f" (HTTP {self.status_code})" if self.status_code is not None else ""
-        return f"{self.kind.value}{status}{where}: {self.message}"
+        return f"{self.brief()}: {self.message}"
 
     def __repr__(self) -> str:
         return (

@@ -66,6 +66,13 @@ async def close_quietly(stream: AttemptStream, limit: float) -> None:
         await stream.aclose()
 
 
+def _summary(errors: Sequence[AttemptError]) -> str:
+    """``"all 2 attempts failed: overloaded (HTTP 503) at a; connection at b"``."""
+    n = len(errors)
+    head = "the only attempt failed" if n == 1 else f"all {n} attempts failed"
+    return head + ": " + "; ".join(e.brief() for e in errors)
+
+
 def _sole_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
     """Attempts turn every ``Exception`` into data, so what escapes the race's nursery is a
     ``KeyboardInterrupt``, a bug, or cancellation. Raise a lone non-``Cancelled`` error as
@@ -128,7 +135,7 @@ class _Race:
             raise FatalAttemptError(f"fatal error, not retried: {self._fatal}", errors)
         if not errors:
             raise AllAttemptsFailed("no attempt could be started", errors)
-        raise AllAttemptsFailed(f"all {len(errors)} attempts failed", errors)
+        raise AllAttemptsFailed(_summary(errors), errors)
 
     async def _stagger(self, nursery: trio.Nursery) -> None:
         number = 0

@@ -96,6 +96,8 @@ class Report:
         max_gap: the largest inter-token gap after the first token (seconds), or ``None``.
         text: the text relayed so far (the partial answer, when the stream failed).
         finished: whether the stream has ended (normally or not).
+        completed: whether the winner's answer was read to its end (``False`` while it is
+            open, and when the caller left early or it failed).
         error: the error that ended the request, or ``None``.
         prompt_tokens: the request's prompt size in tokens (given by the caller or estimated
             at ~4 characters per token), when known; used for cost accounting.
@@ -114,6 +116,7 @@ class Report:
     max_gap: float | None
     text: str
     finished: bool
+    completed: bool
     error: BaseException | None = attrs.field(default=None, eq=False)
     prompt_tokens: int | None = None
     idempotency_key: str | None = None
@@ -173,6 +176,7 @@ class Report:
             "prompt_tokens": self.prompt_tokens,
             "prompt_tokens_resent": self.prompt_tokens_resent,
             "finished": self.finished,
+            "completed": self.completed,
             "text": self.text,
             "attempts": [a.to_dict() for a in self.attempts],
             "error": error,
@@ -223,6 +227,7 @@ class _Recorder:
     max_gap: float | None = None
     chunks: list[str] = attrs.Factory(list)
     error: BaseException | None = None
+    completed: bool = False
     prompt_tokens: int | None = None
     idempotency_key: str | None = None
 
@@ -255,6 +260,7 @@ class _Recorder:
             max_gap=self.max_gap,
             text="".join(self.chunks),
             finished=self.ended_at is not None,
+            completed=self.completed,
             error=self.error,
             prompt_tokens=self.prompt_tokens,
             idempotency_key=self.idempotency_key,

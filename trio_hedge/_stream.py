@@ -114,7 +114,8 @@ class HedgedStream:
         self._ended = committed.ended
         # Kept for events(); the str iterator reads only the queued tokens.
         self._pending.extend(committed.pending)
-        self._take(committed.pending, trio.current_time())
+        # The race already counted these in the winner's tokens_received.
+        self._take(committed.pending, trio.current_time(), count_for_attempt=False)
         return self
 
     async def _race(self) -> Committed:
@@ -167,7 +168,7 @@ class HedgedStream:
 
     # -- iterating: the hot path -------------------------------------------------------------
 
-    def _take(self, batch: Sequence[Delta], now: float) -> None:
+    def _take(self, batch: Sequence[Delta], now: float, *, count_for_attempt: bool = True) -> None:
         """Account one batch of the winner's deltas; queue content tokens (``str`` mode)."""
         rec = self._recorder
         tokens = self._tokens
@@ -190,7 +191,8 @@ class HedgedStream:
                     rec.max_gap = gap
             rec.last_token_time = now
             rec.token_count += count
-            rec.attempt(self._winner_number).tokens_received += count
+            if count_for_attempt:
+                rec.attempt(self._winner_number).tokens_received += count
 
     async def _receive(self) -> Sequence[Delta] | None:
         """The winner's next batch, under the stall timeout; errors become typed."""
@@ -267,7 +269,9 @@ class HedgedStream:
         return pending.popleft()
 
     def _finish(self) -> None:
+        """The winner's stream ended normally."""
         rec = self._recorder
+        rec.completed = rec.error is None
         if rec.ended_at is None:
             rec.ended_at = trio.current_time()
             if self._winner_number:

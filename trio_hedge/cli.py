@@ -54,7 +54,7 @@ def format_report(report: Report) -> str:
     for a in report.attempts:
         detail = f"TTFT {_format_seconds(a.ttft)}" if a.ttft is not None else ""
         if a.error is not None:
-            detail = f"error {a.error.kind.value}: {a.error.message}"
+            detail = f"error {a.error}"
         lines.append(
             f"  #{a.number} {a.replica:<22} {a.trigger:<8} start {a.started_at:.3f} s"
             f"  {a.outcome.value:<10} {detail}"

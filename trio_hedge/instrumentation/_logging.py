@@ -55,5 +55,5 @@ class LoggingHook:
             fields.update(winner=report.winner, hedged=report.hedged, ttft=report.ttft)
         text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
         self._logger.log(
-            level, "trio_hedge %s %s", event.kind.value, text, extra={"trio_hedge": fields}
+            level, "%s %s", event.kind.value, text, extra={"trio_hedge": fields}
         )

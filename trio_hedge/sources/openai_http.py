@@ -164,6 +164,11 @@ class OpenAIChatSource:
         if replica.api_key is not None:
             headers["authorization"] = f"Bearer {replica.api_key}"
         self._headers = headers
+        # What a server might echo back in an error message ("Incorrect API key provided:
+        # sk-…"): masked in every AttemptError this source raises.
+        self._secrets = tuple(
+            v for v in (replica.api_key, *replica.headers.values()) if v and len(v) >= 4
+        )
 
     @property
     def name(self) -> str:
@@ -191,11 +196,25 @@ class OpenAIChatSource:
         except httpx.TransportError as exc:
             raise _transport_error(ErrorKind.CONNECTION, exc) from exc
         try:
-            return await _attempt_for(response)
-        except BaseException:
+            return await _attempt_for(response, self._secrets)
+        except BaseException as exc:
             with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                 await _close_response(response, finished=False)
+            if isinstance(exc, AttemptError):
+                raise _redacted(exc, self._secrets) from exc.__cause__
             raise
+
+
+def _redacted(error: AttemptError, secrets: Sequence[str]) -> AttemptError:
+    """``error`` with every secret in its message replaced by ``***``."""
+    message = error.message
+    for secret in secrets:
+        if secret in message:
+            message = message.replace(secret, "***")
+    if message is not error.message:
+        error.message = message
+        error.args = (message,)
+    return error
 
 
 def _transport_error(kind: ErrorKind, exc: Exception) -> AttemptError:
@@ -212,7 +231,7 @@ async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
     return bytes(body[:limit])
 
 
-async def _attempt_for(response: httpx.Response) -> HTTPAttempt:
+async def _attempt_for(response: httpx.Response, secrets: Sequence[str]) -> HTTPAttempt:
     status = response.status_code
     if not 200 <= status < 300:
         try:
@@ -227,8 +246,8 @@ async def _attempt_for(response: httpx.Response) -> HTTPAttempt:
             raise AttemptError(
                 ErrorKind.PROTOCOL, f"JSON answer larger than {JSON_BODY_LIMIT} bytes"
             )
-        return HTTPAttempt(response, decode_json_body(status, response.headers, body))
-    return HTTPAttempt(response, None)
+        return HTTPAttempt(response, decode_json_body(status, response.headers, body), secrets)
+    return HTTPAttempt(response, None, secrets)
 
 
 class HTTPAttempt:
@@ -241,10 +260,12 @@ class HTTPAttempt:
         "_finished",
         "_ready",
         "_response",
-        "_saw_data",
+        "_secrets",
     )
 
-    def __init__(self, response: httpx.Response, whole: Sequence[Delta] | None) -> None:
+    def __init__(
+        self, response: httpx.Response, whole: Sequence[Delta] | None, secrets: Sequence[str] = ()
+    ) -> None:
         self._response = response
         self._decoder = ChunkDecoder()
         self._chunks: AsyncIterator[bytes] = response.aiter_bytes()
@@ -252,7 +273,7 @@ class HTTPAttempt:
         self._ready: Sequence[Delta] | None = whole
         self._finished = whole is not None
         self._exhausted = whole is not None  # the body was read to its end
-        self._saw_data = False
+        self._secrets = secrets
 
     async def receive(self) -> Sequence[Delta] | None:
         ready = self._ready
@@ -263,28 +284,34 @@ class HTTPAttempt:
             return None
         decoder = self._decoder
         chunks = self._chunks
-        while True:
-            if decoder.error is not None:
-                # An in-band error that arrived behind tokens in the last read: raise it now
-                # rather than wait for a read that may never come.
-                raise decoder.error
-            try:
-                chunk = await chunks.__anext__()
-            except StopAsyncIteration:
-                self._finished = self._exhausted = True
-                return decoder.end() or None
-            except httpx.TimeoutException as exc:
-                raise _transport_error(ErrorKind.TIMEOUT, exc) from exc
-            except httpx.TransportError as exc:
-                # A cut after data is a truncated stream; before any data, a connection error.
-                kind = ErrorKind.STREAM_TRUNCATED if decoder.data_events else ErrorKind.CONNECTION
-                raise _transport_error(kind, exc) from exc
-            deltas = decoder.feed(chunk)
-            if decoder.done:
-                self._finished = True
-                return deltas or None
-            if deltas:
-                return deltas
+        try:
+            while True:
+                if decoder.error is not None:
+                    # An in-band error that arrived behind tokens in the last read: raise it
+                    # now rather than wait for a read that may never come.
+                    raise decoder.error
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    self._finished = self._exhausted = True
+                    return decoder.end() or None
+                except httpx.TimeoutException as exc:
+                    raise _transport_error(ErrorKind.TIMEOUT, exc) from exc
+                except httpx.TransportError as exc:
+                    # A cut after data is a truncated stream; before any data, a connection
+                    # error.
+                    kind = (
+                        ErrorKind.STREAM_TRUNCATED if decoder.data_events else ErrorKind.CONNECTION
+                    )
+                    raise _transport_error(kind, exc) from exc
+                deltas = decoder.feed(chunk)
+                if decoder.done:
+                    self._finished = True
+                    return deltas or None
+                if deltas:
+                    return deltas
+        except AttemptError as exc:  # in-band errors quote the server, which may quote us
+            raise _redacted(exc, self._secrets) from exc.__cause__
 
     async def aclose(self) -> None:
         finished = self._finished
