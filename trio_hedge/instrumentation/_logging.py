@@ -54,6 +54,4 @@ class LoggingHook:
         if report is not None:
             fields.update(winner=report.winner, hedged=report.hedged, ttft=report.ttft)
         text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
-        self._logger.log(
-            level, "%s %s", event.kind.value, text, extra={"trio_hedge": fields}
-        )
+        self._logger.log(level, "%s %s", event.kind.value, text, extra={"trio_hedge": fields})
