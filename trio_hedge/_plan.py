@@ -19,7 +19,10 @@ __all__ = ["Planner", "StaticPlanner"]
 
 
 class Planner(Protocol):
-    """The race's advisor for one request."""
+    """The race's advisor for one request.
+
+    A planner may set a class attribute ``observes_attempts = False`` when its
+    :meth:`attempt_changed` ignores its calls: the race then skips building the records."""
 
     async def next_source(self, number: int, trigger: str) -> Source | None:
         """The source for attempt ``number`` (``trigger`` says why it starts), or ``None``
@@ -48,6 +51,9 @@ class Planner(Protocol):
 class StaticPlanner:
     """Replicas in the given order, each up to ``policy.attempts_per_replica`` times (round
     robin), capped at ``policy.max_attempts``; a fixed hedge delay; no budget."""
+
+    #: The race skips :meth:`attempt_changed` (and building its records) when ``False``.
+    observes_attempts = False
 
     def __init__(self, sources: Sequence[Source], policy: HedgePolicy) -> None:
         plan = [s for _ in range(policy.attempts_per_replica) for s in sources]

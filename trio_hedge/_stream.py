@@ -24,7 +24,8 @@ from ._policy import HedgePolicy
 from ._race import Committed, classify_exception, close_quietly, race
 from ._report import Report, _Recorder
 from .sources._base import AttemptStream, Source
-from .sources.openai_http import HeaderNames, Replica
+from .sources.iterator import IteratorSource
+from .sources.openai_http import HeaderNames, OpenAIChatSource, Replica
 
 __all__ = ["HedgedStream", "hedged_stream"]
 
@@ -119,13 +120,21 @@ class HedgedStream:
         return self
 
     async def _race(self) -> Committed:
-        timeout = self._policy.first_token_timeout
-        with trio.move_on_after(timeout if timeout is not None else float("inf")) as scope:
+        policy = self._policy
+        timeout = policy.first_token_timeout
+        if timeout is None:  # no cancel scope to pay for
             return await race(
                 self._planner,
                 self._recorder,
-                first_token=self._policy.first_token,
-                close_timeout=self._policy.close_timeout,
+                first_token=policy.first_token,
+                close_timeout=policy.close_timeout,
+            )
+        with trio.move_on_after(timeout) as scope:
+            return await race(
+                self._planner,
+                self._recorder,
+                first_token=policy.first_token,
+                close_timeout=policy.close_timeout,
             )
         assert scope.cancelled_caught
         error = AttemptError(
@@ -291,6 +300,10 @@ class _EventIterator:
         return self._stream._next_event()
 
 
+_DEFAULT_POLICY = HedgePolicy()
+_KNOWN_SOURCES = frozenset({Replica, IteratorSource, OpenAIChatSource})
+
+
 def check_replicas(replicas: object) -> None:
     """Raise ``TypeError``/``ValueError`` unless ``replicas`` is a non-empty sequence of
     :class:`~trio_hedge.Replica` or :class:`~trio_hedge.Source` objects (checked before any
@@ -300,7 +313,8 @@ def check_replicas(replicas: object) -> None:
     if not replicas:
         raise ValueError("replicas must not be empty")
     for r in replicas:
-        if not isinstance(r, (Replica, Source)):
+        # The runtime Protocol check costs microseconds: known classes skip it.
+        if type(r) not in _KNOWN_SOURCES and not isinstance(r, (Replica, Source)):
             raise TypeError(f"replicas must be Replica or Source objects, not {type(r).__name__}")
 
 
@@ -337,7 +351,7 @@ def hedged_stream(
     Raises:
         TypeError, ValueError: bad arguments (raised here, before any I/O).
     """
-    policy = HedgePolicy() if policy is None else policy
+    policy = _DEFAULT_POLICY if policy is None else policy
     if not isinstance(policy, HedgePolicy):
         raise TypeError(f"policy must be a HedgePolicy, not {type(policy).__name__}")
     check_replicas(replicas)
