@@ -654,6 +654,8 @@ class ChunkDecoder:
 
     def feed_indexed(self, data: bytes) -> list[tuple[int, Delta]]:
         """Like :meth:`feed`, pairing each Delta with the 0-based index of its data event."""
+        # A twin of feed() on purpose: feed() is the per-token hot path and must not build
+        # index pairs for the tests and tools that want them.
         if self.error is not None:
             raise self.error
         if self.done:
