@@ -69,6 +69,8 @@ class HedgedStream:
         self._ended = False
         self._entered = False
         self._events_mode = False
+        # The winner, when __anext__ may read it directly (no stall timeout to enforce).
+        self._direct: AttemptStream | None = None
 
     @property
     def request_id(self) -> str:
@@ -111,6 +113,8 @@ class HedgedStream:
             await self._close_client()
             raise
         self._winner = committed.stream
+        if self._policy.stall_timeout is None:
+            self._direct = committed.stream
         self._winner_number = committed.number
         self._ended = committed.ended
         # Kept for events(); the str iterator reads only the queued tokens.
@@ -155,6 +159,7 @@ class HedgedStream:
         if rec.ended_at is None:
             rec.ended_at = trio.current_time()
         winner, self._winner = self._winner, None
+        self._direct = None
         if winner is not None:
             state = rec.attempt(self._winner_number)
             state.ended_at = rec.ended_at
@@ -247,7 +252,15 @@ class HedgedStream:
             if self._ended:
                 self._finish()
                 raise StopAsyncIteration
-            batch = await self._receive()
+            direct = self._direct
+            if direct is not None:
+                # Hot path (no stall timeout): the winner itself, one coroutine per batch.
+                try:
+                    batch = await direct.receive()
+                except Exception as exc:
+                    self._fail(classify_exception(exc))
+            else:
+                batch = await self._receive()
             if batch is None:
                 self._ended = True
             else:

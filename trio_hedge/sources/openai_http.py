@@ -268,7 +268,12 @@ class HTTPAttempt:
     ) -> None:
         self._response = response
         self._decoder = ChunkDecoder()
-        self._chunks: AsyncIterator[bytes] = response.aiter_bytes()
+        # Undecoded bytes skip httpx's content-decoder and re-chunking layers (hot path);
+        # a compressed body goes through them.
+        encoded = response.headers.get("content-encoding", "identity") != "identity"
+        self._chunks: AsyncIterator[bytes] = (
+            response.aiter_bytes() if encoded else response.aiter_raw()
+        )
         # A non-streamed JSON answer arrives whole: one batch, then the end.
         self._ready: Sequence[Delta] | None = whole
         self._finished = whole is not None
