@@ -560,3 +560,31 @@ async def test_error_classes_over_real_sockets(
                 assert first.error is not None
                 assert first.error.kind is kind
                 assert second.started_at is not None and second.started_at < 5  # not at 30 s
+
+
+@pytest.mark.parametrize("encoding", [None, "gzip", "identity"])
+async def test_compressed_plain_and_preread_bodies(
+    encoding: str | None, autojump_clock: trio.testing.MockClock
+) -> None:
+    import gzip
+
+    body = (
+        b'data: {"choices":[{"index":0,"delta":{"content":"caf\xc3\xa9 "}}]}\n\n'
+        b'data: {"choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":"stop"}]}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    headers = {"content-type": "text/event-stream"}
+    if encoding is not None:
+        headers["content-encoding"] = encoding
+    wire = gzip.compress(body) if encoding == "gzip" else body
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers=headers, content=wire)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        async with th.hedged_stream(
+            REQUEST, [th.Replica("http://x.test/v1")], client=client
+        ) as stream:
+            tokens = [t async for t in stream]
+    assert tokens == ["café ", "ok"]
+    assert stream.report.completed

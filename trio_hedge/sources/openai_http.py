@@ -268,12 +268,14 @@ class HTTPAttempt:
     ) -> None:
         self._response = response
         self._decoder = ChunkDecoder()
-        # Undecoded bytes skip httpx's content-decoder and re-chunking layers (hot path);
-        # a compressed body goes through them.
-        encoded = response.headers.get("content-encoding", "identity") != "identity"
-        self._chunks: AsyncIterator[bytes] = (
-            response.aiter_bytes() if encoded else response.aiter_raw()
+        # Undecoded bytes skip httpx's content-decoder and re-chunking layers (hot path). A
+        # compressed body, or one already read (an event hook called .read()), goes through
+        # aiter_bytes(), which handles both.
+        raw = (
+            not response.is_stream_consumed
+            and response.headers.get("content-encoding", "identity") == "identity"
         )
+        self._chunks: AsyncIterator[bytes] = response.aiter_raw() if raw else response.aiter_bytes()
         # A non-streamed JSON answer arrives whole: one batch, then the end.
         self._ready: Sequence[Delta] | None = whole
         self._finished = whole is not None
