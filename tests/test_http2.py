@@ -7,6 +7,8 @@ before it has been seen — or was never sent."""
 
 from __future__ import annotations
 
+import functools
+
 import httpx
 import pytest
 import trio
@@ -44,6 +46,48 @@ async def test_httpcore_alone_does_not_reset() -> None:
         # Only closing the whole connection stops it.
         with trio.fail_after(2):
             await replica.wait_disconnected(0)
+
+
+# Headers held back for 30 s: the primary is still "queued" when the backup commits.
+HEADERS_LATE = Behaviour(status=503, error_delay=30.0)
+
+
+async def test_httpcore_alone_does_not_reset_before_headers() -> None:
+    """The failing case behind ``_reset_orphan_http2_streams``: a request cancelled while it
+    waits for its response headers is forgotten by httpcore, not reset."""
+    async with FakeReplica(HEADERS_LATE, name="queued", http2=True) as replica:
+        async with _h2_client() as client:
+            body = {**REQUEST, "stream": True}
+            async with trio.open_nursery() as nursery:
+                url = replica.url + "/chat/completions"
+                nursery.start_soon(functools.partial(client.post, url, json=body))
+                await replica.wait_request(0)  # the server has it and is "queueing" it
+                nursery.cancel_scope.cancel()
+            await _barrier(client, replica)
+            assert replica.requests[0].disconnected_at is None  # still working for nobody
+            assert replica.open_connections == 1
+
+
+@pytest.mark.parametrize("make", [_h2_client, lambda: th.make_client(http1=False, http2=True)])
+async def test_loser_cancelled_before_its_headers_is_reset(make: object) -> None:
+    async with fake_replicas(HEADERS_LATE, Behaviour(ttft=0.05, tokens=3), http2=True) as (
+        primary,
+        backup,
+    ):
+        replicas = [th.Replica(primary.url, name="primary"), th.Replica(backup.url, name="b")]
+        async with make() as client:  # type: ignore[operator]
+            stream = th.hedged_stream(
+                REQUEST, replicas, th.HedgePolicy(hedge_after=0.02), client=client
+            )
+            async with stream:
+                assert "".join([t async for t in stream]) == "tok0 tok1 tok2 "
+            assert stream.report.winner == 2
+            assert stream.report.attempts[0].outcome is th.AttemptOutcome.CANCELLED
+            await _barrier(client, primary)
+            record = primary.requests[0]
+            assert record.status is None  # it never answered: cancelled before the headers
+            assert record.disconnected_at is not None  # RST_STREAM reached the server
+            assert primary.open_connections == 1  # and the connection lives on
 
 
 async def test_hedged_loser_is_reset_and_the_connection_survives() -> None:

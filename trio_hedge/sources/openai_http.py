@@ -191,6 +191,12 @@ class OpenAIChatSource:
         )
         try:
             response = await self._client.send(request, stream=True)
+        except trio.Cancelled:
+            # Cancelled before the response headers: over HTTP/2 httpcore drops the stream
+            # without telling the server (see _reset_orphan_http2_streams).
+            with trio.CancelScope(shield=True, deadline=trio.current_time() + 1.0):
+                await _reset_orphan_http2_streams(self._client)
+            raise
         except httpx.TimeoutException as exc:
             raise _transport_error(ErrorKind.TIMEOUT, exc) from exc
         except httpx.TransportError as exc:
@@ -390,3 +396,62 @@ async def _reset_http2_stream(response: httpx.Response) -> None:
     network_stream = response.extensions.get("network_stream")
     if network_stream is not None:
         await network_stream.aclose()
+
+
+class _NoTimeouts:
+    """Stands in for the httpcore request whose write timeouts ``_write_outgoing_data`` reads."""
+
+    def __init__(self) -> None:
+        self.extensions: dict[str, Any] = {}
+
+
+def _http2_connections(client: httpx.AsyncClient) -> list[Any]:
+    """The live HTTP/2 connections in ``client``'s pools (httpx's default transport, or
+    :class:`~trio_hedge.ShardedTransport`); ``[]`` for any other transport."""
+    transport = getattr(client, "_transport", None)
+    shards = getattr(transport, "_shards", None)
+    transports = [shard.transport for shard in shards] if shards is not None else [transport]
+    found = []
+    for each in transports:
+        pool = getattr(each, "_pool", None)
+        if not getattr(pool, "_http2", False):
+            continue  # HTTP/1.1 only: a cancel closes the socket, the server sees it
+        for connection in getattr(pool, "connections", ()):
+            inner = getattr(connection, "_connection", None)
+            if hasattr(inner, "_h2_state") and hasattr(inner, "_events"):
+                found.append(inner)
+    return found
+
+
+async def _reset_orphan_http2_streams(client: httpx.AsyncClient) -> None:
+    """Send RST_STREAM(CANCEL) for every HTTP/2 stream httpcore has abandoned.
+
+    Why: when a request is cancelled before its response headers arrive, httpcore 1.0.9 forgets
+    the stream (``_response_closed`` drops its event queue) but never resets it, so the server
+    keeps working for nobody (failing case:
+    ``tests/test_http2.py::test_httpcore_alone_does_not_reset_before_headers``). We hold no
+    response to reset, so we look for orphans: streams still open in a connection's h2 state
+    that httpcore no longer tracks. httpcore registers a stream in ``_events`` before its
+    HEADERS create it in the h2 state, with no checkpoint between, so an orphan is never a
+    stream some other request is still using; resetting it only stops work nobody will read.
+    """
+    connections = _http2_connections(client)
+    if not connections:
+        return
+    import h2.errors  # HTTP/2 is in use, so h2 is installed
+
+    for connection in connections:
+        h2_state, tracked = connection._h2_state, connection._events
+        orphans = [
+            stream_id
+            for stream_id, stream in list(h2_state.streams.items())
+            if stream_id not in tracked and not stream.closed
+        ]
+        if not orphans:
+            continue
+        try:
+            for stream_id in orphans:
+                h2_state.reset_stream(stream_id, error_code=h2.errors.ErrorCodes.CANCEL)
+            await connection._write_outgoing_data(_NoTimeouts())
+        except Exception:  # a broken connection: closing it is httpcore's business
+            pass
