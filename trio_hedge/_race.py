@@ -118,12 +118,7 @@ class _Race:
     def _changed(self, state: _AttemptState) -> None:
         if not self._observed:  # a frozen record per state change costs; skip it when unused
             return
-        origin = self._recorder.origin
-        record = attrs.evolve(
-            state.freeze(),
-            started_at=state.started_at - origin,
-            ended_at=None if state.ended_at is None else state.ended_at - origin,
-        )
+        record = state.freeze(self._recorder.origin)
         self._planner.attempt_changed(self._sources[state.number], record)
 
     async def run(self) -> Committed:

@@ -195,14 +195,15 @@ class _AttemptState:
     error: AttemptError | None = None
     tokens_received: int = 0
 
-    def freeze(self) -> AttemptRecord:
+    def freeze(self, origin: float) -> AttemptRecord:
+        """The public record, with times as offsets from ``origin`` (the request's start)."""
         return AttemptRecord(
             number=self.number,
             replica=self.replica,
             trigger=self.trigger,
-            started_at=self.started_at,
+            started_at=self.started_at - origin,
             ttft=self.ttft,
-            ended_at=self.ended_at,
+            ended_at=None if self.ended_at is None else self.ended_at - origin,
             outcome=self.outcome,
             error=self.error,
             tokens_received=self.tokens_received,
@@ -242,14 +243,7 @@ class _Recorder:
             tpot = (self.last_token_time - self.first_token_time) / (self.token_count - 1)
         return Report(
             request_id=self.request_id,
-            attempts=tuple(
-                attrs.evolve(
-                    a.freeze(),
-                    started_at=a.started_at - o,
-                    ended_at=None if a.ended_at is None else a.ended_at - o,
-                )
-                for a in self.attempts
-            ),
+            attempts=tuple(a.freeze(o) for a in self.attempts),
             winner=self.winner,
             hedged=self.hedged,
             hedges_refused=self.hedges_refused,

@@ -106,7 +106,6 @@ class HedgedStream:
         except BaseException as exc:
             rec.ended_at = trio.current_time()
             if isinstance(exc, HedgeError):
-                exc.report = None  # set below, once the error is recorded
                 rec.error = exc
                 exc.report = rec.snapshot()
             self._tell_planner()
@@ -125,21 +124,17 @@ class HedgedStream:
 
     async def _race(self) -> Committed:
         policy = self._policy
+        racing = race(
+            self._planner,
+            self._recorder,
+            first_token=policy.first_token,
+            close_timeout=policy.close_timeout,
+        )
         timeout = policy.first_token_timeout
         if timeout is None:  # no cancel scope to pay for
-            return await race(
-                self._planner,
-                self._recorder,
-                first_token=policy.first_token,
-                close_timeout=policy.close_timeout,
-            )
+            return await racing
         with trio.move_on_after(timeout) as scope:
-            return await race(
-                self._planner,
-                self._recorder,
-                first_token=policy.first_token,
-                close_timeout=policy.close_timeout,
-            )
+            return await racing
         assert scope.cancelled_caught
         error = AttemptError(
             ErrorKind.TIMEOUT, f"no first token within first_token_timeout={timeout} s"
