@@ -7,6 +7,7 @@ request is still queued). Bytes go through :class:`trio_hedge.chunks.ChunkDecode
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import ssl
@@ -204,7 +205,11 @@ class OpenAIChatSource:
         try:
             return await _attempt_for(response, self._secrets)
         except BaseException as exc:
-            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+            # Shielded and bounded; a failing close must not replace the error being raised.
+            with (
+                trio.CancelScope(shield=True, deadline=trio.current_time() + 1.0),
+                contextlib.suppress(Exception),
+            ):
                 await _close_response(response, finished=False)
             if isinstance(exc, AttemptError):
                 raise _redacted(exc, self._secrets) from exc.__cause__
