@@ -112,11 +112,25 @@ HTTP_CASES = [
         )
         for status, kind in [
             (400, ErrorKind.INVALID_REQUEST),
-            (401, ErrorKind.AUTH),
-            (403, ErrorKind.AUTH),
-            (404, ErrorKind.INVALID_REQUEST),
             (413, ErrorKind.INVALID_REQUEST),
             (422, ErrorKind.INVALID_REQUEST),
+        ]
+    ],
+    *[
+        HttpCase(
+            f"{status} is the replica's fault: fail over at once",
+            Behaviour(status=status, error_delay=0.1),
+            FAST,
+            2,
+            (0.0, 0.1),
+            (O.FAILED, O.WON),
+            0.6,
+            kinds=(kind,),
+        )
+        for status, kind in [
+            (401, ErrorKind.AUTH),
+            (403, ErrorKind.AUTH),
+            (404, ErrorKind.NOT_FOUND),
         ]
     ],
     HttpCase(
@@ -231,7 +245,7 @@ async def test_secrets_never_leak(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    mock = MockReplicas({"primary": Behaviour(status=401), "backup": FAST})
+    mock = MockReplicas({"primary": Behaviour(status=400), "backup": FAST})
     replicas = [
         th.Replica(
             mock.url("primary"), name="primary", api_key=SECRET, headers={"api-key": SECRET}
@@ -270,10 +284,10 @@ async def test_a_key_echoed_by_the_server_is_masked(autojump_clock: trio.testing
     for name in ("primary", "backup"):
         async with httpx.AsyncClient(transport=mock.transport) as client:
             stream = th.hedged_stream(REQUEST, _replicas(mock, name), client=client)
-            with pytest.raises(th.FatalAttemptError) as info:
+            with pytest.raises(th.AllAttemptsFailed) as info:
                 async with stream:
                     pass
-        error = info.value.error
+        (error,) = info.value.errors
         assert error.kind is ErrorKind.AUTH
         assert error.message == "Incorrect API key provided: ***. You can find your API key at ..."
         for text in (str(info.value), repr(error), str(error.args), str(stream.report.to_dict())):
@@ -488,7 +502,7 @@ CONTEXT = "This model's maximum context length is 8192 tokens. Please reduce the
 SOCKET_ERRORS = [
     # (name, primary behaviour, expected kind, fatal?)
     ("429 rate limit", Behaviour(status=429, retry_after=1), ErrorKind.RATE_LIMIT, False),
-    ("429 quota", Behaviour(status=429, error_message=QUOTA), ErrorKind.QUOTA_EXCEEDED, True),
+    ("429 quota", Behaviour(status=429, error_message=QUOTA), ErrorKind.QUOTA_EXCEEDED, False),
     ("500", Behaviour(status=500), ErrorKind.SERVER_ERROR, False),
     ("502", Behaviour(status=502), ErrorKind.SERVER_ERROR, False),
     ("503", Behaviour(status=503), ErrorKind.OVERLOADED, False),
@@ -501,9 +515,9 @@ SOCKET_ERRORS = [
         ErrorKind.CONTEXT_LENGTH_EXCEEDED,
         True,
     ),
-    ("401", Behaviour(status=401), ErrorKind.AUTH, True),
-    ("403", Behaviour(status=403), ErrorKind.AUTH, True),
-    ("404", Behaviour(status=404), ErrorKind.INVALID_REQUEST, True),
+    ("401", Behaviour(status=401), ErrorKind.AUTH, False),
+    ("403", Behaviour(status=403), ErrorKind.AUTH, False),
+    ("404", Behaviour(status=404), ErrorKind.NOT_FOUND, False),
     ("413", Behaviour(status=413), ErrorKind.INVALID_REQUEST, True),
     ("422", Behaviour(status=422), ErrorKind.INVALID_REQUEST, True),
     (

@@ -91,7 +91,7 @@ CASES = [
     ),
     Case(
         "fatal error on the backup cancels the primary",
-        (SLOW, Script(fail_at=0.2, fail_kind=ErrorKind.AUTH)),
+        (SLOW, Script(fail_at=0.2, fail_kind=ErrorKind.CONTEXT_LENGTH_EXCEEDED)),
         P1,
         None,
         (0.0, 1.0),

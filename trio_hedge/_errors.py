@@ -34,18 +34,21 @@ class ErrorKind(str, enum.Enum):
 
     #: 429 without a quota message; retryable, usually with a ``Retry-After``.
     RATE_LIMIT = "rate_limit"
-    #: 429/403 saying the account's quota or credit is used up; not retryable.
+    #: 429/402/403 saying the account's quota or credit is used up: the replica's fault.
     QUOTA_EXCEEDED = "quota_exceeded"
     #: 503, 529, or an in-band "overloaded" event; retryable.
     OVERLOADED = "overloaded"
     #: other 5xx, or an in-band server error; retryable.
     SERVER_ERROR = "server_error"
-    #: 400, 404, 405, 413, 422 and other client errors; fatal (a backup would fail the same way).
+    #: 400, 405, 413, 422 and other client errors: the request's fault; fatal (a backup would
+    #: fail the same way).
     INVALID_REQUEST = "invalid_request"
-    #: the prompt does not fit the model's context window; fatal.
+    #: the prompt does not fit the model's context window: the request's fault; fatal.
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
-    #: 401/403: bad or missing API key; fatal.
+    #: 401/403: bad or missing API key: the replica's fault (see :data:`REPLICA_KINDS`).
     AUTH = "auth"
+    #: 404: the replica does not serve this model or path: the replica's fault.
+    NOT_FOUND = "not_found"
     #: the connection ended after data without ``[DONE]`` or a finish reason; retryable.
     STREAM_TRUNCATED = "stream_truncated"
     #: the response ended without a single data event; retryable.
@@ -63,8 +66,14 @@ class ErrorKind(str, enum.Enum):
     UNKNOWN = "unknown"
 
 
-#: Kinds another attempt may fix, unless the error itself says otherwise.
-RETRYABLE_KINDS = frozenset(
+#: Kinds that are the replica's fault, not the request's: that replica will fail every request
+#: until someone fixes it (a wrong key, an exhausted quota, an unknown model or a wrong path),
+#: but another replica may answer. Such an attempt fails alone (the other attempts go on, and
+#: the next one starts at once) and its replica is blamed strongly.
+REPLICA_KINDS = frozenset({ErrorKind.AUTH, ErrorKind.QUOTA_EXCEEDED, ErrorKind.NOT_FOUND})
+
+#: Transient kinds: another attempt may fix them, unless the error itself says otherwise.
+TRANSIENT_KINDS = frozenset(
     {
         ErrorKind.RATE_LIMIT,
         ErrorKind.OVERLOADED,
@@ -78,6 +87,9 @@ RETRYABLE_KINDS = frozenset(
     }
 )
 
+#: Kinds another attempt (on another replica) may fix: the rest are the request's fault.
+RETRYABLE_KINDS = TRANSIENT_KINDS | REPLICA_KINDS
+
 
 class AttemptError(Exception):
     """One attempt's failure, classified.
@@ -85,7 +97,8 @@ class AttemptError(Exception):
     Attributes:
         kind: the :class:`ErrorKind`.
         retryable: whether another attempt (on another replica) may succeed. Defaults to
-            whether ``kind`` is in the retryable set.
+            whether ``kind`` is in :data:`RETRYABLE_KINDS`; a non-retryable error is the
+            request's fault and ends the whole request (:class:`FatalAttemptError`).
         retry_after: seconds the server asked to wait before trying it again (from
             ``Retry-After`` / ``retry-after-ms``), or ``None``.
         status_code: the HTTP status, or ``None`` for transport/in-band errors.
@@ -110,6 +123,12 @@ class AttemptError(Exception):
         self.retry_after = retry_after
         self.status_code = status_code
         self.replica = replica
+
+    @property
+    def replica_fault(self) -> bool:
+        """Whether the error is the replica's fault (:data:`REPLICA_KINDS`): the replica is
+        misconfigured for this request, another replica may still answer."""
+        return self.kind in REPLICA_KINDS
 
     def brief(self) -> str:
         """``"rate_limit (HTTP 429, retry after 2 s) at replica"``: the error without its
@@ -173,13 +192,20 @@ class AllAttemptsFailed(RequestFailed):
 
 
 class FatalAttemptError(RequestFailed):
-    """An attempt failed with a non-retryable error (400, 401, 403, 404, 413, 422, quota…):
-    every other attempt was cancelled at once, since a backup would fail the same way.
-    ``error`` is the fatal one; ``errors`` holds it and any earlier failures."""
+    """An attempt failed with an error that is the request's fault (400, 413, 422, context
+    length…): every other attempt was cancelled at once, since a backup would fail the same
+    way. ``error`` is the fatal one; ``errors`` holds every failure, in start order."""
 
-    @property
-    def error(self) -> AttemptError:
-        return self.errors[-1]
+    def __init__(
+        self,
+        message: str,
+        errors: tuple[AttemptError, ...],
+        *,
+        error: AttemptError,
+        report: Report | None = None,
+    ) -> None:
+        super().__init__(message, errors, report=report)
+        self.error = error
 
 
 class StreamInterrupted(HedgeError):

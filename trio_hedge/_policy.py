@@ -19,12 +19,23 @@ def _seconds_or_none(_inst: object, attribute: attrs.Attribute[Any], value: obje
         raise TypeError(f"{attribute.name} must be seconds (a number) or None, not {value!r}")
     if math.isnan(value) or value < 0:
         raise ValueError(f"{attribute.name} must be >= 0 seconds, not {value!r}")
+    if math.isinf(value):
+        # One rule for every duration, in HedgePolicy and HedgerConfig alike: "never" is None.
+        raise ValueError(
+            f"{attribute.name} must be finite seconds (None means never), not {value!r}"
+        )
 
 
 def _positive_seconds_or_none(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
     _seconds_or_none(inst, attribute, value)
     if value is not None and value == 0:
         raise ValueError(f"{attribute.name} must be > 0 seconds, not {value!r}")
+
+
+def _positive_seconds(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        raise TypeError(f"{attribute.name} must be seconds (a number), not None")
+    _positive_seconds_or_none(inst, attribute, value)
 
 
 def _positive_int_or_none(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -93,4 +104,4 @@ class HedgePolicy:
         default=None, validator=_positive_seconds_or_none
     )
     stall_timeout: float | None = attrs.field(default=None, validator=_positive_seconds_or_none)
-    close_timeout: float = attrs.field(default=1.0, validator=_positive_seconds_or_none)
+    close_timeout: float = attrs.field(default=1.0, validator=_positive_seconds)

@@ -132,7 +132,9 @@ class _Race:
             return self._winner
         errors = tuple(self._errors)
         if self._fatal is not None:
-            raise FatalAttemptError(f"fatal error, not retried: {self._fatal}", errors)
+            raise FatalAttemptError(
+                f"fatal error, not retried: {self._fatal}", errors, error=self._fatal
+            )
         if not errors:
             raise AllAttemptsFailed("no attempt could be started", errors)
         raise AllAttemptsFailed(_summary(errors), errors)

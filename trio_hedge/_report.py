@@ -28,6 +28,8 @@ class AttemptOutcome(str, enum.Enum):
     CANCELLED = "cancelled"
     #: failed with an error before the commit.
     FAILED = "failed"
+    #: stopped by ``first_token_timeout`` before any attempt produced a first token.
+    TIMEOUT = "timeout"
     #: planned but never started (the request committed or failed first, or the hedge
     #: budget refused it).
     NOT_STARTED = "not_started"

@@ -257,8 +257,9 @@ _TYPE_RULES: tuple[tuple[tuple[str, ...], ErrorKind], ...] = (
     (("auth", "permission", "apikey", "forbidden"), ErrorKind.AUTH),
     (("timeout", "deadline"), ErrorKind.TIMEOUT),
     (("server", "internal", "apierror", "unknown"), ErrorKind.SERVER_ERROR),
+    (("notfound",), ErrorKind.NOT_FOUND),
     (
-        ("invalid", "badrequest", "notfound", "validation", "unprocessable", "unsupported"),
+        ("invalid", "badrequest", "validation", "unprocessable", "unsupported"),
         ErrorKind.INVALID_REQUEST,
     ),
 )
@@ -337,7 +338,7 @@ def _kind_for(
         if status in (429, 403, 402):
             quota = "quota" in norm or "billing" in norm or bool(_QUOTA.search(text))
             if status == 402 or (quota and not _QUOTA_IS_RATE.search(text)):
-                return ErrorKind.QUOTA_EXCEEDED, False
+                return ErrorKind.QUOTA_EXCEEDED, None
             if status == 429:
                 return ErrorKind.RATE_LIMIT, None
             return ErrorKind.AUTH, None
@@ -355,18 +356,18 @@ def _kind_for(
         if status >= 400:
             if _AUTH.search(text) or any(k in norm for k in ("auth", "apikey", "permission")):
                 return ErrorKind.AUTH, None  # e.g. Gemini's 400 "API key not valid"
+            if status == 404:  # an unknown model or a wrong path: this replica's fault
+                return ErrorKind.NOT_FOUND, None
             return ErrorKind.INVALID_REQUEST, None
         return ErrorKind.PROTOCOL, None  # 1xx/2xx/3xx where an answer was expected
     # No status: classify by the type/code labels, then by the message.
     for needles, kind in _TYPE_RULES:
         if any(needle in norm for needle in needles):
-            if kind is ErrorKind.QUOTA_EXCEEDED:
-                if _QUOTA_IS_RATE.search(text):
-                    return ErrorKind.RATE_LIMIT, None
-                return kind, False
+            if kind is ErrorKind.QUOTA_EXCEEDED and _QUOTA_IS_RATE.search(text):
+                return ErrorKind.RATE_LIMIT, None
             return kind, None
     if _QUOTA.search(text) and not _QUOTA_IS_RATE.search(text):
-        return ErrorKind.QUOTA_EXCEEDED, False
+        return ErrorKind.QUOTA_EXCEEDED, None
     if _RATE.search(text):
         return ErrorKind.RATE_LIMIT, None
     if _OVERLOADED.search(text):
@@ -416,12 +417,14 @@ def classify_http_error(
         now: POSIX time for an HTTP-date ``Retry-After`` (default: see
             :func:`parse_retry_after`).
 
-    Kinds: 429 -> ``RATE_LIMIT`` (or ``QUOTA_EXCEEDED``, not retryable, when the message is
-    about quota/billing/credit), 402 and 403 with such a message -> ``QUOTA_EXCEEDED``,
-    401/403 -> ``AUTH``, 408 -> ``TIMEOUT`` (retryable), 503/529 or an "overloaded" message
-    on a 5xx -> ``OVERLOADED``, other 5xx -> ``SERVER_ERROR``, a context-length message on any
-    status but 429 -> ``CONTEXT_LENGTH_EXCEEDED``, other 4xx -> ``INVALID_REQUEST``. The
-    message is the server's own (at most 300 characters), else the reason phrase.
+    Kinds: 429 -> ``RATE_LIMIT`` (or ``QUOTA_EXCEEDED`` when the message is about
+    quota/billing/credit), 402 and 403 with such a message -> ``QUOTA_EXCEEDED``,
+    401/403 -> ``AUTH``, 404 -> ``NOT_FOUND`` (the last three are the replica's fault:
+    retryable on another replica), 408 -> ``TIMEOUT`` (retryable), 503/529 or an
+    "overloaded" message on a 5xx -> ``OVERLOADED``, other 5xx -> ``SERVER_ERROR``, a
+    context-length message on any status but 429 -> ``CONTEXT_LENGTH_EXCEEDED``, other 4xx
+    -> ``INVALID_REQUEST``. The message is the server's own (at most 300 characters), else
+    the reason phrase.
     """
     text = body.decode("utf-8", "replace").strip().lstrip("\ufeff")
     payload: Any = None

@@ -22,7 +22,6 @@ streams over a long run do not grow it.
 
 from __future__ import annotations
 
-import math
 import uuid
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -44,7 +43,9 @@ from ._policy import (
     HedgePolicy,
     _positive_int,
     _positive_int_or_none,
+    _positive_seconds,
     _positive_seconds_or_none,
+    _seconds_or_none,
 )
 from ._report import AttemptOutcome, AttemptRecord, Report
 from ._sizing import estimate_prompt_tokens
@@ -66,8 +67,7 @@ def _check_hedge_after(_inst: object, attribute: attrs.Attribute[Any], value: ob
         raise TypeError(
             f"hedge_after must be seconds (a number), a LearnedDelay or None, not {value!r}"
         )
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"hedge_after must be >= 0 seconds, not {value!r}")
+    _seconds_or_none(_inst, attribute, value)  # the same rule as HedgePolicy.hedge_after
 
 
 def _optional(kind: type) -> Any:
@@ -124,7 +124,7 @@ class HedgerConfig:
         default=None, validator=_positive_seconds_or_none
     )
     stall_timeout: float | None = attrs.field(default=None, validator=_positive_seconds_or_none)
-    close_timeout: float = attrs.field(default=1.0, validator=_positive_seconds_or_none)
+    close_timeout: float = attrs.field(default=1.0, validator=_positive_seconds)
     budget: HedgeBudget | None = attrs.field(factory=HedgeBudget, validator=_optional(HedgeBudget))
     throttle: RetryThrottle | None = attrs.field(
         factory=RetryThrottle, validator=_optional(RetryThrottle)
