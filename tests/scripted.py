@@ -9,7 +9,14 @@ from collections.abc import Sequence
 import attrs
 import trio
 
-from trio_hedge import AttemptError, AttemptInfo, ErrorKind, IteratorSource, iterator_source
+from trio_hedge import (
+    AttemptError,
+    AttemptInfo,
+    Delta,
+    ErrorKind,
+    IteratorSource,
+    iterator_source,
+)
 
 
 @attrs.frozen
@@ -21,6 +28,8 @@ class Script:
     fail_kind: ErrorKind = ErrorKind.SERVER_ERROR
     fail_after_tokens: int | None = None  # fail mid-stream after this many tokens
     stall_after_tokens: int | None = None  # go silent forever after this many tokens
+    close_delay: float = 0.0  # seconds aclose() takes (a slow close: TLS, a busy server)
+    reasoning: bool = False  # the tokens are reasoning deltas, not content
 
 
 @attrs.define
@@ -44,7 +53,7 @@ class _ScriptedIterator:
     def __aiter__(self) -> _ScriptedIterator:
         return self
 
-    async def __anext__(self) -> str:
+    async def __anext__(self) -> str | Delta:
         s = self._script
         if s.fail_at is not None and self._sent == 0:
             await trio.sleep_until(self._start + s.fail_at)
@@ -57,11 +66,14 @@ class _ScriptedIterator:
             raise StopAsyncIteration
         await trio.sleep_until(self._start + s.ttft + self._sent * s.gap)
         self._sent += 1
-        return f"{self._name}:{self._sent - 1} "
+        text = f"{self._name}:{self._sent - 1} "
+        return Delta(reasoning=text) if s.reasoning else text
 
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._script.close_delay:
+                await trio.sleep(self._script.close_delay)
             self._ledger.closed.append((self._name, self._info.number, trio.current_time()))
 
 

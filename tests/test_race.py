@@ -189,7 +189,7 @@ CASES = [
         HedgePolicy(first_token_timeout=3.0),
         None,
         (0.0, 1.0),
-        (O.CANCELLED, O.CANCELLED),
+        (O.TIMEOUT, O.TIMEOUT),
         None,
         ("primary", "hedge"),
         th.AllAttemptsFailed,

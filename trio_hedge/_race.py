@@ -1,20 +1,29 @@
-"""The race: staggered attempts in one nursery, fail fast, commit at the first token.
+"""The race: staggered attempts, fail fast, commit at the first token, losers cancelled.
 
-Modelled on Trio's Happy Eyeballs (``trio/_highlevel_open_tcp_stream.py``): the parent loop
-starts an attempt, then waits ``with trio.move_on_after(delay): await attempt_failed.wait()``,
-so the next attempt starts after the hedge delay *or* at once when an attempt fails; no timer
-tasks. The winner cancels the nursery. Every stream an attempt opens is closed by that
-attempt's own task on the way out unless it was handed out as the winner.
+The problem is Happy Eyeballs' (RFC 8305; Trio's ``trio/_highlevel_open_tcp_stream.py``) with
+first tokens instead of TCP connections. The naive extremes both fail: one attempt at a time
+waits out every queue it lands in (the tail), and sending to every replica at once doubles the
+load and lands in the same queues ("The Tail at Scale", Dean & Barroso 2013). The compromise:
+start attempt k+1 when ``hedge_delay`` passes with no first token, or at once when an attempt
+fails; the first attempt to produce a first token *commits*, and every other attempt is
+cancelled so its server stops.
 
-The nursery spans only the time to the first token: the winner's stream leaves the race
-open, and the caller's task reads it directly afterwards (no task switch per token).
+How it runs. The parent loop (:meth:`_Race._stagger`, in the caller's own task) starts an
+attempt, then waits ``with trio.move_on_after(delay): await news.receive()``: the next attempt
+starts after the delay *or* when an attempt fails; no timer tasks. Every failure is one message
+on a channel, so failures landing together each start their own attempt, and a failure landing
+as the delay ends is a failover, not a hedge. Each attempt runs in a task of the stream's
+nursery, inside its own cancel scope, and owns what it opened until the line that hands it over
+(:meth:`_Race._commit`). The commit cancels the parent loop and every loser's scope and
+returns: the caller gets the first token at once, while each loser closes its own stream in
+its own task (shielded, bounded); the stream's ``async with`` waits for them before it exits.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import attrs
 import httpx
@@ -29,7 +38,7 @@ from .sources._base import AttemptInfo, AttemptStream, Source
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["Committed", "close_quietly", "race"]
+__all__ = ["Committed", "classify_exception", "close_quietly", "leaves", "race"]
 
 
 @attrs.frozen
@@ -42,15 +51,41 @@ class Committed:
     ended: bool  # the winner's stream already ended cleanly (a complete, possibly empty answer)
 
 
-def classify_exception(exc: Exception) -> AttemptError:
-    """Turn what a source raised into an :class:`AttemptError` (sources should raise
-    ``AttemptError`` themselves; this covers generic iterators and stray transport errors)."""
+def leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside ``exc``, flattening (nested) exception groups."""
+    if not isinstance(exc, BaseExceptionGroup):
+        return [exc]
+    found: list[BaseException] = []
+    for inner in exc.exceptions:
+        found.extend(leaves(inner))
+    return found
+
+
+def classify_exception(exc: BaseException) -> AttemptError:
+    """Turn what a source raised into an :class:`AttemptError`.
+
+    Sources should raise ``AttemptError`` themselves; this covers generic iterators (an
+    ``OSError`` is a connection error, a ``TimeoutError`` a timeout, anything else unknown and
+    fatal) and exception groups from sources that use a nursery: a group's errors are
+    classified one by one, and the group is as bad as its worst (the first fatal one, else the
+    first one).
+    """
+    if isinstance(exc, BaseExceptionGroup):
+        errors = [classify_exception(leaf) for leaf in leaves(exc)]
+        worst = next((e for e in errors if not e.retryable), errors[0])
+        if len(errors) > 1 and worst.__cause__ is not exc:
+            worst.__cause__ = exc  # keep the whole group in the chain
+        return worst
     if isinstance(exc, AttemptError):
         return exc
     err: AttemptError
     if isinstance(exc, (httpx.TimeoutException, TimeoutError, trio.TooSlowError)):
         err = AttemptError(ErrorKind.TIMEOUT, f"{type(exc).__name__}: {exc}")
-    elif isinstance(exc, (httpx.TransportError, OSError, trio.BrokenResourceError)):
+    elif isinstance(exc, (httpx.TransportError, OSError, trio.BrokenResourceError)) or (
+        # httpcore's and h2's own protocol errors (not mapped to httpx's on every path, e.g.
+        # an HTTP/2 stream used after a cancel): the connection is broken, not the request.
+        type(exc).__module__.split(".")[0] in ("httpcore", "h2", "h11")
+    ):
         err = AttemptError(ErrorKind.CONNECTION, f"{type(exc).__name__}: {exc}")
     else:
         err = AttemptError(ErrorKind.UNKNOWN, f"{type(exc).__name__}: {exc}", retryable=False)
@@ -75,23 +110,53 @@ def _summary(errors: Sequence[AttemptError]) -> str:
     return head + ": " + "; ".join(e.brief() for e in errors)
 
 
-def _sole_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """Attempts turn every ``Exception`` into data, so what escapes the race's nursery is a
-    ``KeyboardInterrupt``, a bug, or cancellation. Raise a lone non-``Cancelled`` error as
-    itself (as ``open_tcp_stream`` raises a plain ``OSError``), not wrapped in a group the
-    caller never asked for; leave groups of ``Cancelled`` to Trio."""
-    _, rest = group.split(trio.Cancelled)
-    if rest is not None and len(leaves := list(_leaves(rest))) == 1:
-        return leaves[0]
-    return group
+def _split_cancelled(
+    exc: BaseException,
+) -> tuple[BaseException | None, list[BaseException]]:
+    """``(the cancellation inside exc or None, every other leaf)``. Trio's own code (a
+    connect's Happy Eyeballs nursery, say) may deliver ``Cancelled`` inside a group."""
+    if isinstance(exc, trio.Cancelled):
+        return exc, []
+    if not isinstance(exc, BaseExceptionGroup):
+        return None, [exc]
+    cancelled, rest = exc.split(trio.Cancelled)
+    return cancelled, [] if rest is None else leaves(rest)
 
 
-def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            yield from _leaves(exc)
-        else:
-            yield exc
+#: A message to the parent loop: an attempt ended without a first token ("failed" or
+#: "empty": its stream ended cleanly with no token, a complete but empty answer).
+_News = tuple[str, int]
+
+
+class _Relay:
+    """The winner of a task-bound attempt (``AttemptStream.task_bound``): its own task keeps
+    reading it and hands batches over a channel; closing cancels that task and waits for it."""
+
+    __slots__ = ("_done", "_receive", "_scope")
+
+    def __init__(
+        self,
+        receive: trio.MemoryReceiveChannel[Sequence[Delta] | Exception | None],
+        scope: trio.CancelScope,
+        done: trio.Event,
+    ) -> None:
+        self._receive = receive
+        self._scope = scope
+        self._done = done
+
+    async def receive(self) -> Sequence[Delta] | None:
+        try:
+            item = await self._receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            return None
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        self._scope.cancel()
+        self._receive.close()
+        await self._done.wait()
 
 
 class _Race:
@@ -99,21 +164,33 @@ class _Race:
         self,
         planner: Planner,
         recorder: _Recorder,
+        nursery: trio.Nursery,
         *,
         first_token: FirstToken,
         close_timeout: float,
+        first_token_timeout: float | None,
     ) -> None:
         self._planner = planner
         self._observed = getattr(planner, "observes_attempts", True)
         self._recorder = recorder
+        self._nursery = nursery
         self._first_token = first_token
         self._close_timeout = close_timeout
+        self._first_token_timeout = first_token_timeout
         self._winner: Committed | None = None
         self._fatal: AttemptError | None = None
-        self._errors: list[AttemptError] = []
+        self._timed_out = False
+        self._decided = False  # a winner, a fatal error or the timeout: nothing more starts
         self._sources: dict[int, Source] = {}
-        self._attempt_failed = trio.Event()
-        self._nursery: trio.Nursery | None = None
+        self._scopes: dict[int, trio.CancelScope] = {}
+        # The set of open streams: each is owned by its attempt's task until the line that
+        # hands it over (_commit) or its task closes it on the way out.
+        self._streams: dict[int, AttemptStream] = {}
+        self._pending: dict[int, list[Delta]] = {}
+        self._live: set[int] = set()  # attempts that may still produce a first token
+        self._answer: int | None = None  # the first attempt that ended with an empty answer
+        self._stagger_scope = trio.CancelScope()
+        self._send_news, self._news = trio.open_memory_channel[_News](math.inf)
 
     def _changed(self, state: _AttemptState) -> None:
         if not self._observed:  # a frozen record per state change costs; skip it when unused
@@ -121,116 +198,253 @@ class _Race:
         record = state.freeze(self._recorder.origin)
         self._planner.attempt_changed(self._sources[state.number], record)
 
+    # -- the parent loop (the caller's task) ------------------------------------------------
+
     async def run(self) -> Committed:
+        timeout = self._first_token_timeout
+        if timeout is not None:
+            self._stagger_scope.deadline = trio.current_time() + timeout
         try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                await self._stagger(nursery)
-        except BaseExceptionGroup as group:
-            raise _sole_error(group) from None
-        if self._winner is not None:
-            return self._winner
-        errors = tuple(self._errors)
+            with self._stagger_scope:
+                await self._stagger()
+            if self._stagger_scope.cancelled_caught and not self._decided:
+                self._timed_out = True  # the deadline passed with no first token
+                self._decide()
+        except BaseException:
+            # Cancelled from outside (or a KeyboardInterrupt) after a commit: the winner was
+            # not handed over, so it is closed here.
+            winner, self._winner = self._winner, None
+            if winner is not None:
+                await close_quietly(winner.stream, self._close_timeout)
+            raise
+        winner, self._winner = self._winner, None
+        if winner is not None:
+            return winner  # handed over: the caller owns closing it
+        failures = tuple(a.error for a in self._recorder.attempts if a.error is not None)
         if self._fatal is not None:
             raise FatalAttemptError(
-                f"fatal error, not retried: {self._fatal}", errors, error=self._fatal
+                f"fatal error, not retried: {self._fatal}", failures, error=self._fatal
             )
-        if not errors:
-            raise AllAttemptsFailed("no attempt could be started", errors)
-        raise AllAttemptsFailed(_summary(errors), errors)
+        if self._timed_out:
+            error = AttemptError(
+                ErrorKind.TIMEOUT, f"no first token within first_token_timeout={timeout} s"
+            )
+            raise AllAttemptsFailed(str(error), (*failures, error))
+        if not failures:
+            raise AllAttemptsFailed("no attempt could be started", failures)
+        raise AllAttemptsFailed(_summary(failures), failures)
 
-    async def _stagger(self, nursery: trio.Nursery) -> None:
+    async def _stagger(self) -> None:
         number = 0
-        trigger = "primary"
-        while True:
+        trigger: str | None = "primary"
+        while trigger is not None:
             source = await self._planner.next_source(number + 1, trigger)
             if source is None:
+                break
+            if self._decided:  # a commit or a fatal error landed while the planner decided
                 return
             number += 1
-            self._attempt_failed = attempt_failed = trio.Event()
-            self._start(nursery, number, source, trigger)
-            delay = self._planner.hedge_delay(number)
-            with trio.move_on_after(math.inf if delay is None else delay):
-                await attempt_failed.wait()
-            if attempt_failed.is_set():
-                trigger = "failover"
-                continue
-            # A first token due at the very instant the delay ends wins without a hedge: let
-            # the tasks woken in this tick run first (a commit cancels us right here).
-            await trio.lowlevel.checkpoint()
-            if self._planner.may_hedge():
-                trigger = "hedge"
-                self._recorder.hedged = True
-                continue
-            # The budget said no: the running attempts go on alone; only a failure may still
-            # start another attempt.
-            self._recorder.hedges_refused += 1
-            await attempt_failed.wait()
-            trigger = "failover"
+            self._start(number, source, trigger)
+            trigger = await self._next_trigger(self._planner.hedge_delay(number))
+        # Nothing more starts: wait for the running attempts (a commit cancels this wait).
+        while self._live:
+            self._take_news(await self._news.receive())
+        if self._answer is not None:
+            self._commit_answer(self._answer)
 
-    def _start(self, nursery: trio.Nursery, number: int, source: Source, trigger: str) -> None:
+    async def _next_trigger(self, delay: float | None) -> str | None:
+        """Wait for the reason the next attempt starts: ``"failover"`` (an attempt failed),
+        ``"hedge"`` (``delay`` passed and the planner allows a hedge), or ``None`` (an empty
+        answer is in hand: nothing more starts)."""
+        with trio.move_on_after(math.inf if delay is None else delay):
+            return self._take_news(await self._news.receive())
+        # A first token due at the very instant the delay ends wins without a hedge, and a
+        # failure at that instant is a failover: let the tasks woken in this tick run first
+        # (a commit cancels us right here).
+        await trio.lowlevel.checkpoint()
+        try:
+            return self._take_news(self._news.receive_nowait())
+        except trio.WouldBlock:
+            pass
+        if self._planner.may_hedge():
+            return "hedge"
+        # The budget said no: the running attempts go on alone; only a failure may still
+        # start another attempt.
+        self._recorder.hedges_refused += 1
+        return self._take_news(await self._news.receive())
+
+    def _take_news(self, news: _News) -> str | None:
+        kind, number = news
+        if kind == "empty" and self._answer is None:
+            self._answer = number
+        return None if self._answer is not None else "failover"
+
+    def _start(self, number: int, source: Source, trigger: str) -> None:
         state = _AttemptState(
             number=number, replica=source.name, trigger=trigger, started_at=trio.current_time()
         )
-        self._recorder.attempts.append(state)
+        rec = self._recorder
+        rec.attempts.append(state)
+        if trigger == "hedge":
+            rec.hedged = True  # a backup really was sent on the hedge delay
         self._sources[number] = source
+        self._live.add(number)
         self._changed(state)
         info = AttemptInfo(
-            request_id=self._recorder.request_id,
+            request_id=rec.request_id,
             number=number,
             trigger=trigger,
-            idempotency_key=self._recorder.idempotency_key,
+            idempotency_key=rec.idempotency_key,
         )
-        nursery.start_soon(self._attempt, state, source, info, name=f"trio_hedge attempt {number}")
+        scope = self._scopes[number] = trio.CancelScope()
+        self._nursery.start_soon(
+            self._attempt, state, source, info, scope, name=f"trio_hedge attempt {number}"
+        )
 
-    async def _attempt(self, state: _AttemptState, source: Source, info: AttemptInfo) -> None:
-        stream: AttemptStream | None = None
-        try:
-            stream = await source.open(info)
-            pending: list[Delta] = []
-            while True:
-                batch = await stream.receive()
-                if batch is None:  # ended cleanly before any first token: an answer all the same
-                    if self._commit(state, stream, pending, ended=True):
-                        stream = None
+    # -- one attempt (its own task) --------------------------------------------------------
+
+    async def _attempt(
+        self, state: _AttemptState, source: Source, info: AttemptInfo, scope: trio.CancelScope
+    ) -> None:
+        number = state.number
+        with scope:
+            try:
+                await self._read(state, source, info)
+            except BaseException as exc:
+                # Settle first, close after: a failure starts the next attempt at once, not
+                # after this attempt's close.
+                to_raise = self._settle(state, source, exc, scope)
+                if to_raise is exc:
+                    raise
+                if to_raise is not None:
+                    raise to_raise from None
+            finally:
+                stream = self._streams.pop(number, None)
+                if stream is not None:
+                    await self._close(stream)
+        if scope.cancel_called:
+            self._ended_early(state)
+
+    def _settle(
+        self, state: _AttemptState, source: Source, exc: BaseException, scope: trio.CancelScope
+    ) -> BaseException | None:
+        """Record how an attempt ended on ``exc``; return what must propagate, if anything."""
+        cancelled, others = _split_cancelled(exc)
+        if any(not isinstance(e, Exception) for e in others):
+            return exc  # KeyboardInterrupt, SystemExit: never data
+        if cancelled is not None or scope.cancel_called:
+            # Cancelled (maybe inside a group from Trio's own code, say a pending connect),
+            # or an error raised while being cancelled: either way this attempt was stopped.
+            self._ended_early(state)
+            return cancelled
+        self._failed(state, source, classify_exception(exc))
+        return None
+
+    async def _close(self, stream: AttemptStream) -> None:
+        if getattr(stream, "task_bound", False):
+            # Its own scopes may still be open in this task: enter no scope of ours.
+            try:  # noqa: SIM105 - suppress() is a context manager too (harmless, but kept plain)
+                await stream.aclose()
+            except Exception:
+                pass
+        else:
+            await close_quietly(stream, self._close_timeout)
+
+    async def _read(self, state: _AttemptState, source: Source, info: AttemptInfo) -> None:
+        number = state.number
+        stream = await source.open(info)
+        self._streams[number] = stream  # no checkpoint since open() returned: owned
+        pending = self._pending[number] = []
+        rule = self._first_token
+        while True:
+            batch = await stream.receive()
+            if batch is None:  # ended cleanly before any first token: an answer all the same,
+                self._send_news.send_nowait(("empty", number))  # which waits for the others
+                self._live.discard(number)
+                await trio.sleep_forever()
+            pending.extend(batch)
+            state.tokens_received += sum(1 for d in batch if d.content)
+            for delta in batch:
+                if counts_as_first_token(delta, rule):
+                    if self._commit(state) and getattr(stream, "task_bound", False):
+                        await self._relay(number, stream)
                     return
-                pending.extend(batch)
-                state.tokens_received += sum(1 for d in batch if d.content)
-                for delta in batch:
-                    if counts_as_first_token(delta, self._first_token):
-                        if self._commit(state, stream, pending, ended=False):
-                            stream = None  # handed out: the caller now owns closing it
-                        return
-        except trio.Cancelled:
-            state.outcome = AttemptOutcome.CANCELLED
-            state.ended_at = trio.current_time()
-            self._changed(state)
-            raise
-        except Exception as exc:
-            self._failed(state, source, classify_exception(exc))
-        finally:
-            if stream is not None:
-                await close_quietly(stream, self._close_timeout)
 
-    def _commit(
-        self, state: _AttemptState, stream: AttemptStream, pending: list[Delta], *, ended: bool
-    ) -> bool:
+    async def _relay(self, number: int, stream: AttemptStream) -> None:
+        """Serve a task-bound winner: read it here, hand batches to the caller's task."""
+        send, receive = trio.open_memory_channel[Sequence[Delta] | Exception | None](0)
+        done = trio.Event()
+        scope = self._scopes[number]
+        assert self._winner is not None
+        self._winner = attrs.evolve(self._winner, stream=_Relay(receive, scope, done))
+        self._streams[number] = stream  # this task still owns and closes the real stream
+        try:
+            with send:
+                while True:
+                    try:
+                        batch = await stream.receive()
+                    except Exception as exc:
+                        await send.send(exc)
+                        return
+                    await send.send(batch)
+                    if batch is None:
+                        return
+        except trio.BrokenResourceError:
+            return  # the caller closed the winner
+        finally:
+            stream = self._streams.pop(number)
+            await self._close(stream)
+            done.set()
+
+    # -- decisions (synchronous: nothing else runs in between) ------------------------------
+
+    def _decide(self) -> None:
+        """A winner, a fatal error or the timeout: stop the parent loop and every loser."""
+        self._decided = True
+        self._stagger_scope.cancel()
+        winner = None if self._winner is None else self._winner.number
+        for number, scope in self._scopes.items():
+            if number != winner or self._answer == winner:
+                scope.cancel()
+        self._live.clear()
+
+    def _commit(self, state: _AttemptState) -> bool:
+        """``state``'s attempt produced the first token. Returns whether it won."""
+        if self._decided:
+            return False  # another attempt committed (or failed fatally) in the same tick
+        number = state.number
         now = trio.current_time()
-        if self._winner is not None or self._fatal is not None:
-            # Another attempt committed in the same scheduling tick: this one lost.
-            state.outcome = AttemptOutcome.CANCELLED
-            state.ended_at = now
-            self._changed(state)
-            return False
-        self._winner = Committed(state.number, stream, pending, ended)
         state.outcome = AttemptOutcome.WON
         state.ttft = now - state.started_at
-        self._recorder.winner = state.number
-        self._recorder.committed_at = now
+        self._hand_over(number, ended=False, now=now)
         self._changed(state)
-        assert self._nursery is not None
-        self._nursery.cancel_scope.cancel(reason=f"attempt {state.number} committed")
         return True
+
+    def _commit_answer(self, number: int) -> None:
+        """Commit the empty answer of ``number``: no other attempt can still answer."""
+        if self._decided:
+            return
+        state = self._recorder.attempt(number)
+        now = trio.current_time()
+        state.outcome = AttemptOutcome.WON
+        self._hand_over(number, ended=True, now=now)
+        self._changed(state)
+
+    def _hand_over(self, number: int, *, ended: bool, now: float) -> None:
+        stream = self._streams.pop(number)  # the one line that takes it from its task
+        self._winner = Committed(number, stream, self._pending.pop(number), ended)
+        self._recorder.winner = number
+        self._recorder.committed_at = now
+        self._decide()
+
+    def _ended_early(self, state: _AttemptState) -> None:
+        """Cancelled: a loser, the timeout, a fatal error elsewhere, or the caller left."""
+        self._live.discard(state.number)
+        if state.outcome is not AttemptOutcome.RUNNING:
+            return  # the winner (its relay ended), or already failed
+        state.outcome = AttemptOutcome.TIMEOUT if self._timed_out else AttemptOutcome.CANCELLED
+        state.ended_at = trio.current_time()
+        self._changed(state)
 
     def _failed(self, state: _AttemptState, source: Source, error: AttemptError) -> None:
         if error.replica is None:
@@ -238,28 +452,45 @@ class _Race:
         state.outcome = AttemptOutcome.FAILED
         state.error = error
         state.ended_at = trio.current_time()
-        self._errors.append(error)
+        self._live.discard(state.number)
         self._changed(state)
-        if not error.retryable and self._winner is None:
+        if self._decided:
+            return
+        if not error.retryable:
             self._fatal = error
-            assert self._nursery is not None
-            self._nursery.cancel_scope.cancel(reason=f"attempt {state.number}: fatal {error}")
+            self._decide()
         else:
-            self._attempt_failed.set()
+            self._send_news.send_nowait(("failed", state.number))
 
 
 async def race(
-    planner: Planner, recorder: _Recorder, *, first_token: FirstToken, close_timeout: float
+    planner: Planner,
+    recorder: _Recorder,
+    nursery: trio.Nursery,
+    *,
+    first_token: FirstToken,
+    close_timeout: float,
+    first_token_timeout: float | None = None,
 ) -> Committed:
-    """Race attempts until one produces a first token.
+    """Race attempts, as tasks of ``nursery``, until one produces a first token.
+
+    Returns at the commit, without waiting for the losers: they close their streams in their
+    own tasks, which ``nursery`` waits for.
 
     Returns:
         the :class:`Committed` winner; its stream is open and owned by the caller.
 
     Raises:
-        FatalAttemptError: an attempt failed with a non-retryable error.
-        AllAttemptsFailed: every attempt the planner allowed failed.
+        FatalAttemptError: an attempt failed with an error that is the request's fault.
+        AllAttemptsFailed: every attempt the planner allowed failed, or no first token came
+            within ``first_token_timeout`` seconds.
+        HedgeError: what the planner raised (e.g. every replica cooling too long).
     """
     return await _Race(
-        planner, recorder, first_token=first_token, close_timeout=close_timeout
+        planner,
+        recorder,
+        nursery,
+        first_token=first_token,
+        close_timeout=close_timeout,
+        first_token_timeout=first_token_timeout,
     ).run()

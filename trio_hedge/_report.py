@@ -159,7 +159,14 @@ class Report:
         error: dict[str, Any] | None = None
         if self.error is not None:
             error = {"type": type(self.error).__name__, "message": str(self.error)}
+            # The kind that decided: the fatal error's, the interrupting error's, or (every
+            # attempt failed) the last one's, with every attempt's kind in start order.
+            failures = getattr(self.error, "errors", None)
+            if isinstance(failures, tuple) and failures:
+                error["kinds"] = [e.kind.value for e in failures if isinstance(e, AttemptError)]
             inner = getattr(self.error, "error", None)
+            if not isinstance(inner, AttemptError) and failures:
+                inner = failures[-1]
             if isinstance(inner, AttemptError):
                 error["kind"] = inner.kind.value
         return {
@@ -175,8 +182,10 @@ class Report:
             "max_gap": self.max_gap,
             "wasted_tokens": self.wasted_tokens,
             "attempts_sent": self.attempts_sent,
+            "backups_sent": self.backups_sent,
             "prompt_tokens": self.prompt_tokens,
             "prompt_tokens_resent": self.prompt_tokens_resent,
+            "idempotency_key": self.idempotency_key,
             "finished": self.finished,
             "completed": self.completed,
             "text": self.text,

@@ -7,9 +7,11 @@ commit a token pays no task switch and no channel hop. Leaving, by any path, clo
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections import deque
 from collections.abc import Coroutine, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, NoReturn
 
@@ -17,15 +19,18 @@ import httpx
 import trio
 
 from ._client import make_client
-from ._errors import AllAttemptsFailed, AttemptError, ErrorKind, HedgeError, StreamInterrupted
-from ._events import Delta
+from ._errors import AttemptError, ErrorKind, HedgeError, StreamInterrupted
+from ._events import Delta, counts_as_first_token
 from ._plan import Planner, StaticPlanner
 from ._policy import HedgePolicy
-from ._race import Committed, classify_exception, close_quietly, race
+from ._race import classify_exception, close_quietly, leaves, race
 from ._report import Report, _Recorder
 from .sources._base import AttemptStream, Source
 from .sources.iterator import IteratorSource
 from .sources.openai_http import HeaderNames, OpenAIChatSource, Replica
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["HedgedStream", "hedged_stream"]
 
@@ -35,8 +40,13 @@ class HedgedStream:
     ``str`` tokens from the winner, :meth:`events` yields richer :class:`~trio_hedge.Delta`
     events, and :attr:`report` says what happened. Use each stream once.
 
+    The ``async with`` owns a nursery for the racing attempts: it returns at the commit, the
+    losers close their own streams concurrently (each within ``close_timeout``), and the block
+    does not exit before every attempt's stream is closed.
+
     Raises (from ``async with``):
-        FatalAttemptError: a non-retryable error (400, 401, 403, 404, 413, 422, quota…).
+        FatalAttemptError: an error that is the request's fault (400, 413, 422, context
+            length…): no backup would do better.
         AllAttemptsFailed: every allowed attempt failed, or ``first_token_timeout`` passed.
     Raises (while iterating):
         StreamInterrupted: the winner failed after its first token; ``.text`` keeps the
@@ -62,15 +72,18 @@ class HedgedStream:
             idempotency_key=idempotency_key,
         )
         self._planner_told = False
+        self._nursery_manager: AbstractAsyncContextManager[trio.Nursery] | None = None
+        self._nursery: trio.Nursery | None = None
         self._winner: AttemptStream | None = None
         self._winner_number = 0
+        # The winner's deltas not yet handed to the caller: ``async for`` takes the content
+        # ones, ``events()`` takes them all, from the same queue (so mixing them never repeats).
         self._pending: deque[Delta] = deque()
-        self._tokens: deque[str] = deque()
         self._ended = False
         self._entered = False
-        self._events_mode = False
         # The winner, when __anext__ may read it directly (no stall timeout to enforce).
         self._direct: AttemptStream | None = None
+        self._progress_at = 0.0  # the last delta that counts under the first-token rule
 
     @property
     def request_id(self) -> str:
@@ -101,48 +114,41 @@ class HedgedStream:
         self._entered = True
         rec = self._recorder
         rec.origin = trio.current_time()
+        policy = self._policy
+        manager = self._nursery_manager = trio.open_nursery()
+        nursery = self._nursery = await manager.__aenter__()
         try:
-            committed = await self._race()
+            committed = await race(
+                self._planner,
+                rec,
+                nursery,
+                first_token=policy.first_token,
+                close_timeout=policy.close_timeout,
+                first_token_timeout=policy.first_token_timeout,
+            )
         except BaseException as exc:
-            rec.ended_at = trio.current_time()
-            if isinstance(exc, HedgeError):
-                rec.error = exc
-                exc.report = rec.snapshot()
-            self._tell_planner()
-            await self._close_client()
+            nursery.cancel_scope.cancel()
+            try:
+                await self._leave()  # every attempt closed and recorded before the error goes
+            finally:
+                rec.ended_at = trio.current_time()
+                if isinstance(exc, HedgeError):
+                    rec.error = exc
+                    exc.report = rec.snapshot()
+                self._tell_planner()
             raise
         self._winner = committed.stream
-        if self._policy.stall_timeout is None:
+        if policy.stall_timeout is None:
             self._direct = committed.stream
         self._winner_number = committed.number
         self._ended = committed.ended
-        # Kept for events(); the str iterator reads only the queued tokens.
+        self._progress_at = rec.committed_at or 0.0
         self._pending.extend(committed.pending)
         # The race already counted these in the winner's tokens_received.
         self._take(committed.pending, trio.current_time(), count_for_attempt=False)
         return self
 
-    async def _race(self) -> Committed:
-        policy = self._policy
-        racing = race(
-            self._planner,
-            self._recorder,
-            first_token=policy.first_token,
-            close_timeout=policy.close_timeout,
-        )
-        timeout = policy.first_token_timeout
-        if timeout is None:  # no cancel scope to pay for
-            return await racing
-        with trio.move_on_after(timeout) as scope:
-            return await racing
-        assert scope.cancelled_caught
-        error = AttemptError(
-            ErrorKind.TIMEOUT, f"no first token within first_token_timeout={timeout} s"
-        )
-        errors = tuple(a.error for a in self._recorder.attempts if a.error is not None)
-        raise AllAttemptsFailed(str(error), (*errors, error))
-
-    # -- leaving: close the winner ----------------------------------------------------------
+    # -- leaving: close the winner, wait for the losers --------------------------------------
 
     async def __aexit__(
         self,
@@ -161,8 +167,28 @@ class HedgedStream:
             if exc is not None and not isinstance(exc, HedgeError) and rec.error is None:
                 rec.error = exc
             await close_quietly(winner, self._policy.close_timeout)
-        self._tell_planner()
-        await self._close_client()
+        try:
+            await self._leave()
+        finally:
+            self._tell_planner()
+
+    async def _leave(self) -> None:
+        """Wait for every attempt task (losers closing their streams), then close the client
+        the stream made. The caller's own exception is not passed to the nursery, so it comes
+        out as itself, never wrapped in a group; what the tasks raise (a KeyboardInterrupt in
+        a source) comes out as itself when it is alone."""
+        manager, self._nursery_manager = self._nursery_manager, None
+        try:
+            if manager is not None:
+                try:
+                    await manager.__aexit__(None, None, None)
+                except BaseExceptionGroup as group:
+                    lone = _sole_error(group)
+                    if lone is group:
+                        raise
+                    raise lone from lone.__cause__
+        finally:
+            await self._close_client()
 
     def _tell_planner(self) -> None:
         if not self._planner_told:
@@ -178,17 +204,14 @@ class HedgedStream:
     # -- iterating: the hot path -------------------------------------------------------------
 
     def _take(self, batch: Sequence[Delta], now: float, *, count_for_attempt: bool = True) -> None:
-        """Account one batch of the winner's deltas; queue content tokens (``str`` mode)."""
+        """Account one batch of the winner's deltas (text, token times, counts)."""
         rec = self._recorder
-        tokens = self._tokens
-        keep = not self._events_mode
+        chunks = rec.chunks
         count = 0
         for delta in batch:
             content = delta.content
             if content:
-                if keep:
-                    tokens.append(content)
-                rec.chunks.append(content)
+                chunks.append(content)
                 count += 1
         if count:
             last = rec.last_token_time
@@ -212,15 +235,18 @@ class HedgedStream:
         try:
             if stall is None:
                 return await winner.receive()
-            # Only content resets the stall clock: role-only deltas, usage and keep-alive
-            # comments do not (the caller loops back here until content arrives).
-            rec = self._recorder
-            last = rec.last_token_time if rec.last_token_time is not None else rec.committed_at
-            assert last is not None
-            with trio.move_on_at(last + stall):
-                return await winner.receive()
+            # What resets the stall clock is what the first-token rule counts: content (and
+            # reasoning or tool calls under wider rules), never role-only deltas, usage or
+            # keep-alive comments (the caller loops back here until progress arrives).
+            with trio.move_on_at(self._progress_at + stall):
+                batch = await winner.receive()
+                if batch is not None:
+                    rule = self._policy.first_token
+                    if any(counts_as_first_token(d, rule) for d in batch):
+                        self._progress_at = trio.current_time()
+                return batch
             raise AttemptError(
-                ErrorKind.STALL, f"no content for stall_timeout={stall} s after commit"
+                ErrorKind.STALL, f"no progress for stall_timeout={stall} s after commit"
             )
         except Exception as exc:
             self._fail(classify_exception(exc))
@@ -242,8 +268,12 @@ class HedgedStream:
         return self
 
     async def __anext__(self) -> str:
-        tokens = self._tokens
-        while not tokens:
+        pending = self._pending
+        while True:
+            while pending:
+                content = pending.popleft().content
+                if content:
+                    return content
             if self._ended:
                 self._finish()
                 raise StopAsyncIteration
@@ -260,15 +290,14 @@ class HedgedStream:
                 self._ended = True
             else:
                 self._take(batch, trio.current_time())
-        return tokens.popleft()
+                pending.extend(batch)
 
     def events(self) -> _EventIterator:
-        """An async iterator of every :class:`~trio_hedge.Delta` of the winner (content,
-        reasoning, tool-call fragments, usage, finish reason), starting with those read
-        before the commit. An alternative to iterating the stream for ``str`` tokens; do not
-        mix the two. It holds nothing between items, so leaving it early is safe."""
-        self._events_mode = True
-        self._tokens.clear()
+        """An async iterator of the winner's :class:`~trio_hedge.Delta` events (content,
+        reasoning, tool-call fragments, usage, finish reason), from where the stream is: the
+        events read before the commit first, unless ``async for`` already took them. It holds
+        nothing between items, so leaving it early is safe, and ``async for`` may go on after
+        it (and the other way round) without repeating or losing content."""
         return _EventIterator(self)
 
     async def _next_event(self) -> Delta:
@@ -308,6 +337,17 @@ class _EventIterator:
         return self._stream._next_event()
 
 
+def _sole_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """Attempts turn every ``Exception`` into data, so what escapes the race's nursery is a
+    ``KeyboardInterrupt``, a bug, or cancellation. A lone non-``Cancelled`` error comes out
+    as itself (as ``open_tcp_stream`` raises a plain ``OSError``), not wrapped in a group the
+    caller never asked for; groups of ``Cancelled`` are left to Trio."""
+    _, rest = group.split(trio.Cancelled)
+    if rest is not None and len(found := leaves(rest)) == 1:
+        return found[0]
+    return group
+
+
 _DEFAULT_POLICY = HedgePolicy()
 _KNOWN_SOURCES = frozenset({Replica, IteratorSource, OpenAIChatSource})
 
@@ -320,10 +360,19 @@ def check_replicas(replicas: object) -> None:
         raise TypeError("replicas must be a sequence of Replica or Source objects")
     if not replicas:
         raise ValueError("replicas must not be empty")
+    names: set[str] = set()
     for r in replicas:
         # The runtime Protocol check costs microseconds: known classes skip it.
         if type(r) not in _KNOWN_SOURCES and not isinstance(r, (Replica, Source)):
             raise TypeError(f"replicas must be Replica or Source objects, not {type(r).__name__}")
+        if r.name in names:
+            # Reports, events and the Hedger's health are per replica name: two with one name
+            # (the same URL twice, say) could not be told apart.
+            raise ValueError(
+                f"replica names must be unique: {r.name!r} appears twice "
+                "(give each Replica its own name=)"
+            )
+        names.add(r.name)
 
 
 def hedged_stream(

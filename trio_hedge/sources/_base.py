@@ -38,9 +38,15 @@ class AttemptInfo:
 
 @runtime_checkable
 class AttemptStream(Protocol):
-    """One open attempt. Read by the race task until its first token, then by the caller's
-    own task directly (no relay): implementations must not hold a cancel scope or nursery
-    between calls."""
+    """One open attempt. Read by the attempt's task until its first token, then by the
+    caller's own task directly (no relay), so implementations must not hold a cancel scope or
+    nursery between calls.
+
+    A stream that must stay in the task that opened it (an async generator that keeps a
+    cancel scope or nursery open across ``yield``) sets a class attribute
+    ``task_bound = True``: its attempt's task then keeps reading it after the commit and
+    hands the batches to the caller over a channel (one task switch per batch), and closes it
+    itself, without a scope of its own around the close."""
 
     async def receive(self) -> Sequence[Delta] | None:
         """The next non-empty batch of deltas, or ``None`` when the stream ended cleanly.

@@ -17,6 +17,9 @@ Factory = Callable[[AttemptInfo], AsyncIterator[Item] | Awaitable[AsyncIterator[
 class _IteratorAttempt:
     __slots__ = ("_iterator",)
 
+    #: See :class:`~trio_hedge.AttemptStream`: an iterator object is read from any task.
+    task_bound = False
+
     def __init__(self, iterator: AsyncIterator[Item]) -> None:
         self._iterator = iterator
 
@@ -41,11 +44,27 @@ class _IteratorAttempt:
             await aclose()
 
 
+class _GeneratorAttempt(_IteratorAttempt):
+    """An async generator may keep a cancel scope or nursery open across ``yield``, which
+    breaks if another task resumes it (Trio: "cancel scope stack corrupted"; PEP 789): it is
+    read and closed only by the task that opened it."""
+
+    __slots__ = ()
+    task_bound = True
+
+
 class IteratorSource:
     """Races whatever ``factory(info)`` returns: an async iterator of ``str`` tokens or
     :class:`~trio_hedge.Delta` events (or an awaitable of one). Exceptions it raises are
     classified (``OSError`` → connection, ``TimeoutError`` → timeout, others fatal) unless
-    they are :class:`~trio_hedge.AttemptError` already."""
+    they are :class:`~trio_hedge.AttemptError` already; an exception group is classified by
+    its errors.
+
+    An async generator is safe even when it keeps a cancel scope or nursery open across
+    ``yield``: it is read and closed only in its attempt's own task, which relays its items to
+    the caller after the commit (a task switch per item). Any other async iterator is read
+    directly by whichever task needs the next item, so it must hold no cancel scope or
+    nursery between calls."""
 
     def __init__(self, factory: Factory, *, name: str) -> None:
         if not callable(factory):
@@ -68,6 +87,8 @@ class IteratorSource:
             made = await made
         if not hasattr(made, "__anext__"):
             raise TypeError(f"factory must return an async iterator, not {made!r}")
+        if inspect.isasyncgen(made):
+            return _GeneratorAttempt(made)  # type: ignore[arg-type]  # the items are checked
         return _IteratorAttempt(made)
 
 
