@@ -26,7 +26,19 @@ from trio_hedge.chunks import (
     parse_retry_after,
 )
 
-CASES_PATH = Path(__file__).resolve().parents[1].parent / "shared" / "sse-cases" / "cases.json"
+
+def _cases_path() -> Path:
+    """``shared/sse-cases/cases.json`` next to the checkout, or next to any directory above it
+    (a git worktree under ``wt/`` finds the same shared folder as the main checkout)."""
+    here = Path(__file__).resolve()
+    for parent in here.parents[1:]:
+        candidate = parent / "shared" / "sse-cases" / "cases.json"
+        if candidate.exists():
+            return candidate
+    return here.parents[1].parent / "shared" / "sse-cases" / "cases.json"
+
+
+CASES_PATH = _cases_path()
 CASES: list[dict[str, Any]] = (
     json.loads(CASES_PATH.read_text("utf-8")) if CASES_PATH.exists() else []
 )

@@ -25,6 +25,7 @@ from ._plan import Planner, StaticPlanner
 from ._policy import HedgePolicy
 from ._race import classify_exception, close_quietly, leaves, race
 from ._report import Report, _Recorder
+from ._validate import check_json_body, check_request_id
 from .sources._base import AttemptStream, Source
 from .sources.iterator import IteratorSource
 from .sources.openai_http import HeaderNames, OpenAIChatSource, Replica
@@ -406,16 +407,23 @@ def hedged_stream(
         a :class:`HedgedStream`; use it as ``async with hedged_stream(...) as stream:``.
 
     Raises:
-        TypeError, ValueError: bad arguments (raised here, before any I/O).
+        TypeError, ValueError: bad arguments (raised here, before any I/O): among them a
+            ``request`` that does not encode to strict JSON (``NaN``, ``Infinity``,
+            ``bytes``…) and a ``request_id`` an HTTP header cannot carry. Messages name the
+            field, never the value.
     """
     policy = _DEFAULT_POLICY if policy is None else policy
     if not isinstance(policy, HedgePolicy):
         raise TypeError(f"policy must be a HedgePolicy, not {type(policy).__name__}")
     check_replicas(replicas)
+    check_request_id(request_id)
+    if headers is not None and not isinstance(headers, HeaderNames):
+        raise TypeError(f"headers must be HeaderNames or None, not {type(headers).__name__}")
     needs_http = any(isinstance(r, Replica) for r in replicas)
     if needs_http:
         if request is None or not isinstance(request, Mapping):
             raise TypeError("request must be the chat-completions JSON body (a mapping)")
+        check_json_body(request, "request")
         if client is not None and not isinstance(client, httpx.AsyncClient):
             raise TypeError(f"client must be an httpx.AsyncClient, not {type(client).__name__}")
     owned = None

@@ -35,7 +35,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ._errors import AttemptError, ErrorKind
@@ -270,6 +270,16 @@ _JSON_MESSAGE = re.compile(r'"(?:message|detail)"\s*:\s*"((?:[^"\\]|\\.)*)')
 _JSON_LABEL = re.compile(r'"(?:type|code|status)"\s*:\s*"([A-Za-z_]+)"')
 
 
+#: Masks secrets in server text (see :class:`trio_hedge._redact.Redactor`); applied to a
+#: whole message *before* it is cut to :data:`MAX_MESSAGE_CHARS`, so no prefix of a secret
+#: that straddles the cut survives.
+Redact = Callable[[str], str]
+
+
+def _no_redact(text: str) -> str:
+    return text
+
+
 def _truncate(message: str) -> str:
     message = " ".join(message.split())
     if len(message) > MAX_MESSAGE_CHARS:
@@ -377,14 +387,18 @@ def _kind_for(
 
 
 def _in_band_error(
-    payload: Any, headers: Mapping[str, str] | None = None, *, status: int | None = None
+    payload: Any,
+    headers: Mapping[str, str] | None = None,
+    *,
+    status: int | None = None,
+    redact: Redact = _no_redact,
 ) -> AttemptError:
     message, labels, code = _error_fields(payload)
     kind, retryable = _kind_for(code, message, labels, in_band=True)
     retry_after = parse_retry_after(headers) if headers else None
     return AttemptError(
         kind,
-        _truncate(message) or "error event in the stream",
+        _truncate(redact(message)) or "error event in the stream",
         retryable=retryable,
         retry_after=retry_after,
         status_code=status,
@@ -404,7 +418,12 @@ def _is_error(obj: Any) -> bool:
 
 
 def classify_http_error(
-    status: int, headers: Mapping[str, str], body: bytes, *, now: float | None = None
+    status: int,
+    headers: Mapping[str, str],
+    body: bytes,
+    *,
+    now: float | None = None,
+    redact: Redact = _no_redact,
 ) -> AttemptError:
     """Turn a non-2xx HTTP answer into an :class:`AttemptError`.
 
@@ -416,6 +435,8 @@ def classify_http_error(
         body: the start of the response body (the caller bounds it to a few KiB).
         now: POSIX time for an HTTP-date ``Retry-After`` (default: see
             :func:`parse_retry_after`).
+        redact: masks secrets the server quoted back; applied to the whole message before
+            it is cut to 300 characters.
 
     Kinds: 429 -> ``RATE_LIMIT`` (or ``QUOTA_EXCEEDED`` when the message is about
     quota/billing/credit), 402 and 403 with such a message -> ``QUOTA_EXCEEDED``,
@@ -450,7 +471,7 @@ def classify_http_error(
             message = f"HTTP {status}"
     return AttemptError(
         kind,
-        _truncate(message),
+        _truncate(redact(message)),
         retryable=retryable,
         retry_after=parse_retry_after(headers, now=now),
         status_code=status,
@@ -527,7 +548,9 @@ _BOM = b"\xef\xbb\xbf"
 _SSE_START = (b"data:", b"data\n", b"data\r", b":", b"event:", b"id:", b"retry:")
 
 
-def decode_json_body(status: int, headers: Mapping[str, str], body: bytes) -> list[Delta]:
+def decode_json_body(
+    status: int, headers: Mapping[str, str], body: bytes, *, redact: Redact = _no_redact
+) -> list[Delta]:
     """Decode a whole ``application/json`` answer to a streaming request.
 
     An error object raises its classified :class:`AttemptError`; a ``chat.completion``
@@ -545,7 +568,7 @@ def decode_json_body(status: int, headers: Mapping[str, str], body: bytes) -> li
     if not raw:
         raise AttemptError(ErrorKind.EMPTY_STREAM, "empty JSON answer", status_code=status)
     if raw.startswith(_SSE_START):
-        decoder = ChunkDecoder(max(len(body) + 1, DEFAULT_MAX_EVENT_SIZE))
+        decoder = ChunkDecoder(max(len(body) + 1, DEFAULT_MAX_EVENT_SIZE), redact=redact)
         return decoder.feed(body) + decoder.end()
     try:
         obj = _loads(raw)
@@ -561,8 +584,8 @@ def decode_json_body(status: int, headers: Mapping[str, str], body: bytes) -> li
             ) from None
     if _is_error(obj):
         if status >= 400:  # a caller passing an error status: the status decides
-            raise classify_http_error(status, headers, body)
-        raise _in_band_error(obj, headers, status=status)
+            raise classify_http_error(status, headers, body, redact=redact)
+        raise _in_band_error(obj, headers, status=status, redact=redact)
     if type(obj) is not dict or "choices" not in obj:
         raise AttemptError(
             ErrorKind.PROTOCOL,
@@ -583,6 +606,7 @@ class ChunkDecoder:
 
     Args:
         max_event_size: bound on one SSE event (see :class:`trio_hedge.sse.SSEDecoder`).
+        redact: masks secrets the server quoted back in an error event (default: none).
 
     Attributes:
         done: ``[DONE]`` was seen; later bytes are ignored.
@@ -601,6 +625,7 @@ class ChunkDecoder:
     __slots__ = (
         "_json",
         "_mode",
+        "_redact",
         "_sse",
         "data_events",
         "done",
@@ -609,8 +634,11 @@ class ChunkDecoder:
         "usage",
     )
 
-    def __init__(self, max_event_size: int = DEFAULT_MAX_EVENT_SIZE) -> None:
+    def __init__(
+        self, max_event_size: int = DEFAULT_MAX_EVENT_SIZE, *, redact: Redact = _no_redact
+    ) -> None:
         self._sse = SSEDecoder(max_event_size)
+        self._redact = redact
         self._mode = 0  # 0: undecided (only whitespace so far), 1: SSE, 2: whole JSON body
         self._json = bytearray()
         self.done = False
@@ -763,7 +791,7 @@ class ChunkDecoder:
 
     def _end_json(self) -> list[tuple[int, Delta]]:
         self.data_events = 1
-        deltas = decode_json_body(200, {}, bytes(self._json))
+        deltas = decode_json_body(200, {}, bytes(self._json), redact=self._redact)
         self.done = True
         for delta in deltas:
             if delta.finish_reason is not None:
@@ -788,19 +816,20 @@ class ChunkDecoder:
                 raise _Partial from None  # the last event was cut off mid-way
             self.data_events += 1
             if kind == "error":
-                raise _in_band_error(text) from None
+                raise _in_band_error(text, redact=self._redact) from None
             if text[0] == ":":
                 return None  # an SSE comment a proxy re-wrapped as data
             raise AttemptError(
-                ErrorKind.PROTOCOL, f"event data is not JSON: {_truncate(text[:80])!r}"
+                ErrorKind.PROTOCOL,
+                f"event data is not JSON: {_truncate(self._redact(text))[:80]!r}",
             ) from None
         self.data_events += 1
         if type(obj) is not dict:
             if kind == "error" or _is_error(obj):
-                raise _in_band_error(obj)
+                raise _in_band_error(obj, redact=self._redact)
             return None
         if kind == "error" or obj.get("error") or obj.get("object") == "error":
-            raise _in_band_error(obj)
+            raise _in_band_error(obj, redact=self._redact)
         choices = obj.get("choices")
         if type(choices) is list and len(choices) == 1 and obj.get("usage") is None:
             # Fast path for the per-token shape {"choices":[{"delta":{"content":"…"}}]}.
@@ -812,7 +841,7 @@ class ChunkDecoder:
                     if type(content) is str and content and "x_groq" not in obj:
                         return Delta(content)
         elif obj.get("type") == "error":
-            raise _in_band_error(obj)
+            raise _in_band_error(obj, redact=self._redact)
         delta = _delta_from(obj, "delta")
         if delta is not None:
             if delta.usage is not None and _inexact(delta.usage):

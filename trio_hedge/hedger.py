@@ -51,6 +51,7 @@ from ._report import AttemptOutcome, AttemptRecord, Report
 from ._sizing import estimate_prompt_tokens
 from ._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
 from ._stream import HedgedStream, check_replicas
+from ._validate import check_json_body, check_request_id
 from .sources._base import Source
 from .sources.openai_http import HeaderNames, Replica
 
@@ -313,6 +314,8 @@ class Hedger:
             raise TypeError("request must be the chat-completions JSON body (a mapping) or None")
         if request is None and self._needs_http:
             raise TypeError("request must be the chat-completions JSON body for HTTP replicas")
+        if request is not None and self._needs_http:
+            check_json_body(request, "request")  # replicas bind lazily: check the body now
         for name, flag in (("hedge", hedge), ("side_effects", side_effects)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, not {flag!r}")
@@ -327,8 +330,7 @@ class Hedger:
             group = model if isinstance(model, str) and model else "default"
         elif not isinstance(group, str) or not group:
             raise TypeError(f"group must be a non-empty str or None, not {group!r}")
-        if request_id is not None and (not isinstance(request_id, str) or not request_id):
-            raise TypeError(f"request_id must be a non-empty str or None, not {request_id!r}")
+        check_request_id(request_id)
         tokens = prompt_tokens
         if tokens is None and request is not None:
             tokens = estimate_prompt_tokens(request, chars_per_token=self._config.chars_per_token)

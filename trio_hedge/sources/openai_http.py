@@ -21,6 +21,13 @@ import trio
 
 from .._errors import AttemptError, ErrorKind
 from .._events import Delta
+from .._redact import Redactor
+from .._validate import (
+    check_api_key,
+    check_header_name,
+    check_headers,
+    check_json_body,
+)
 from ..chunks import ChunkDecoder, classify_http_error, decode_json_body
 from ._base import AttemptInfo
 
@@ -44,10 +51,8 @@ def shared_ssl_context() -> ssl.SSLContext:
 
 
 def _check_header_name(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is None:
-        return
-    if not isinstance(value, str) or not value or not value.isascii() or ":" in value:
-        raise ValueError(f"{attribute.name} must be an HTTP header name or None, not {value!r}")
+    if value is not None:
+        check_header_name(value, attribute.name)
 
 
 @attrs.frozen
@@ -89,6 +94,25 @@ def _as_dict(mapping: Mapping[str, Any]) -> dict[str, Any]:
     return dict(mapping)
 
 
+def _check_api_key(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    check_api_key(value, attribute.name)
+
+
+def _check_headers(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    check_headers(value, attribute.name)
+
+
+def _check_overrides(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    check_json_body(value, attribute.name)
+
+
+def _check_path(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{attribute.name} must be a str, not {type(value).__name__}")
+    if not value.startswith("/") or any(not "!" <= c <= "~" for c in value):
+        raise ValueError(f"{attribute.name} must be a URL path starting with '/', not {value!r}")
+
+
 def _redacted_headers(headers: Mapping[str, str]) -> str:
     return "{" + ", ".join(f"{k!r}: '***'" for k in headers) + "}"
 
@@ -109,21 +133,34 @@ class Replica:
         path: the path under ``base_url``. Default ``"/chat/completions"``.
 
     Raises:
-        TypeError, ValueError: a bad URL, name, or a URL with embedded credentials.
+        TypeError, ValueError: a bad URL, name or path, a URL with embedded credentials, an
+            ``api_key`` that is not a non-empty ``str`` an HTTP header can carry (a CR, LF or
+            NUL -- a key read from a file ends in a newline --, another control character,
+            a non-ASCII character, leading or trailing whitespace), a bad header name or
+            value, or ``overrides`` that do not encode to strict JSON (``NaN``,
+            ``Infinity``, ``bytes``…). Messages name the field, never the value.
     """
 
     base_url: str = attrs.field(validator=_check_url, converter=_strip_slash)
-    api_key: str | None = attrs.field(default=None, repr=False, kw_only=True)
+    api_key: str | None = attrs.field(
+        default=None, validator=_check_api_key, repr=False, kw_only=True
+    )
     name: str = attrs.field(
         default=attrs.Factory(_default_name, takes_self=True),
         validator=attrs.validators.instance_of(str),
         kw_only=True,
     )
-    overrides: Mapping[str, Any] = attrs.field(factory=dict, converter=_as_dict, kw_only=True)
-    headers: Mapping[str, str] = attrs.field(
-        factory=dict, converter=_as_dict, repr=_redacted_headers, kw_only=True
+    overrides: Mapping[str, Any] = attrs.field(
+        factory=dict, converter=_as_dict, validator=_check_overrides, kw_only=True
     )
-    path: str = attrs.field(default="/chat/completions", kw_only=True)
+    headers: Mapping[str, str] = attrs.field(
+        factory=dict,
+        converter=_as_dict,
+        validator=_check_headers,
+        repr=_redacted_headers,
+        kw_only=True,
+    )
+    path: str = attrs.field(default="/chat/completions", validator=_check_path, kw_only=True)
 
     def bind(
         self,
@@ -152,6 +189,8 @@ class OpenAIChatSource:
         *,
         extra_headers: Mapping[str, str] | None = None,
     ) -> None:
+        if extra_headers is not None:
+            check_headers(extra_headers, "extra_headers")
         self._replica = replica
         self._client = client
         self._header_names = header_names
@@ -165,10 +204,11 @@ class OpenAIChatSource:
         if replica.api_key is not None:
             headers["authorization"] = f"Bearer {replica.api_key}"
         self._headers = headers
-        # What a server might echo back in an error message ("Incorrect API key provided:
-        # sk-…"): masked in every AttemptError this source raises.
-        self._secrets = tuple(
-            v for v in (replica.api_key, *replica.headers.values()) if v and len(v) >= 4
+        # What a server might quote back in an error message ("Incorrect API key provided:
+        # sk-…", "Received API Key = sk-...1337"): masked in every AttemptError this source
+        # raises, before the message is cut.
+        self._redact = Redactor(
+            (replica.api_key, *replica.headers.values(), *(extra_headers or {}).values())
         )
 
     @property
@@ -199,38 +239,26 @@ class OpenAIChatSource:
                 await _reset_orphan_http2_streams(self._client)
             raise
         except httpx.TimeoutException as exc:
-            raise _transport_error(ErrorKind.TIMEOUT, exc) from exc
+            raise _transport_error(ErrorKind.TIMEOUT, exc, self._redact) from exc
         except httpx.TransportError as exc:
-            raise _transport_error(ErrorKind.CONNECTION, exc) from exc
+            raise _transport_error(ErrorKind.CONNECTION, exc, self._redact) from exc
         try:
-            return await _attempt_for(response, self._secrets)
-        except BaseException as exc:
+            return await _attempt_for(response, self._redact)
+        except BaseException:
             # Shielded and bounded; a failing close must not replace the error being raised.
             with (
                 trio.CancelScope(shield=True, deadline=trio.current_time() + 1.0),
                 contextlib.suppress(Exception),
             ):
                 await _close_response(response, finished=False)
-            if isinstance(exc, AttemptError):
-                raise _redacted(exc, self._secrets) from exc.__cause__
             raise
 
 
-def _redacted(error: AttemptError, secrets: Sequence[str]) -> AttemptError:
-    """``error`` with every secret in its message replaced by ``***``."""
-    message = error.message
-    for secret in secrets:
-        if secret in message:
-            message = message.replace(secret, "***")
-    if message is not error.message:
-        error.message = message
-        error.args = (message,)
-    return error
-
-
-def _transport_error(kind: ErrorKind, exc: Exception) -> AttemptError:
-    # httpx messages name the host, never the headers: safe to carry.
-    return AttemptError(kind, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+def _transport_error(kind: ErrorKind, exc: Exception, redact: Redactor) -> AttemptError:
+    # httpx messages name the host, not the headers (validated at construction, so h11 never
+    # quotes an illegal one); masked all the same.
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return AttemptError(kind, redact(text))
 
 
 async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
@@ -242,14 +270,14 @@ async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
     return bytes(body[:limit])
 
 
-async def _attempt_for(response: httpx.Response, secrets: Sequence[str]) -> HTTPAttempt:
+async def _attempt_for(response: httpx.Response, redact: Redactor) -> HTTPAttempt:
     status = response.status_code
     if not 200 <= status < 300:
         try:
             body = await _read_bounded(response, ERROR_BODY_LIMIT)
         except httpx.HTTPError:
             body = b""
-        raise classify_http_error(status, response.headers, body)
+        raise classify_http_error(status, response.headers, body, redact=redact)
     content_type = response.headers.get("content-type", "")
     if content_type.startswith("application/json"):
         body = await _read_bounded(response, JSON_BODY_LIMIT + 1)
@@ -257,8 +285,9 @@ async def _attempt_for(response: httpx.Response, secrets: Sequence[str]) -> HTTP
             raise AttemptError(
                 ErrorKind.PROTOCOL, f"JSON answer larger than {JSON_BODY_LIMIT} bytes"
             )
-        return HTTPAttempt(response, decode_json_body(status, response.headers, body), secrets)
-    return HTTPAttempt(response, None, secrets)
+        whole = decode_json_body(status, response.headers, body, redact=redact)
+        return HTTPAttempt(response, whole, redact)
+    return HTTPAttempt(response, None, redact)
 
 
 class HTTPAttempt:
@@ -270,15 +299,19 @@ class HTTPAttempt:
         "_exhausted",
         "_finished",
         "_ready",
+        "_redact",
         "_response",
-        "_secrets",
     )
 
     def __init__(
-        self, response: httpx.Response, whole: Sequence[Delta] | None, secrets: Sequence[str] = ()
+        self,
+        response: httpx.Response,
+        whole: Sequence[Delta] | None,
+        redact: Redactor | None = None,
     ) -> None:
         self._response = response
-        self._decoder = ChunkDecoder()
+        self._redact = redact if redact is not None else Redactor()
+        self._decoder = ChunkDecoder(redact=self._redact)
         # Undecoded bytes skip httpx's content-decoder and re-chunking layers (hot path). A
         # compressed body, or one already read (an event hook called .read()), goes through
         # aiter_bytes(), which handles both.
@@ -291,7 +324,6 @@ class HTTPAttempt:
         self._ready: Sequence[Delta] | None = whole
         self._finished = whole is not None
         self._exhausted = whole is not None  # the body was read to its end
-        self._secrets = secrets
 
     async def receive(self) -> Sequence[Delta] | None:
         ready = self._ready
@@ -302,34 +334,29 @@ class HTTPAttempt:
             return None
         decoder = self._decoder
         chunks = self._chunks
-        try:
-            while True:
-                if decoder.error is not None:
-                    # An in-band error that arrived behind tokens in the last read: raise it
-                    # now rather than wait for a read that may never come.
-                    raise decoder.error
-                try:
-                    chunk = await chunks.__anext__()
-                except StopAsyncIteration:
-                    self._finished = self._exhausted = True
-                    return decoder.end() or None
-                except httpx.TimeoutException as exc:
-                    raise _transport_error(ErrorKind.TIMEOUT, exc) from exc
-                except httpx.TransportError as exc:
-                    # A cut after data is a truncated stream; before any data, a connection
-                    # error.
-                    kind = (
-                        ErrorKind.STREAM_TRUNCATED if decoder.data_events else ErrorKind.CONNECTION
-                    )
-                    raise _transport_error(kind, exc) from exc
-                deltas = decoder.feed(chunk)
-                if decoder.done:
-                    self._finished = True
-                    return deltas or None
-                if deltas:
-                    return deltas
-        except AttemptError as exc:  # in-band errors quote the server, which may quote us
-            raise _redacted(exc, self._secrets) from exc.__cause__
+        while True:
+            if decoder.error is not None:
+                # An in-band error that arrived behind tokens in the last read: raise it now
+                # rather than wait for a read that may never come. (The decoder masked any
+                # secret the server quoted back.)
+                raise decoder.error
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                self._finished = self._exhausted = True
+                return decoder.end() or None
+            except httpx.TimeoutException as exc:
+                raise _transport_error(ErrorKind.TIMEOUT, exc, self._redact) from exc
+            except httpx.TransportError as exc:
+                # A cut after data is a truncated stream; before any data, a connection error.
+                kind = ErrorKind.STREAM_TRUNCATED if decoder.data_events else ErrorKind.CONNECTION
+                raise _transport_error(kind, exc, self._redact) from exc
+            deltas = decoder.feed(chunk)
+            if decoder.done:
+                self._finished = True
+                return deltas or None
+            if deltas:
+                return deltas
 
     async def aclose(self) -> None:
         finished = self._finished

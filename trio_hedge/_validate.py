@@ -1,0 +1,191 @@
+"""Input validators shared by :class:`~trio_hedge.Replica`, :func:`~trio_hedge.hedged_stream`
+and :meth:`~trio_hedge.Hedger.stream`: bad input fails at construction, before any I/O.
+
+Two rules hold for every message raised here:
+
+* it names the field (``api_key``, ``headers['X-Api-Key']``, ``request['temperature']``);
+* it never quotes the value: a rejected value is most often a credential (an API key read
+  from a file, with its trailing newline), and an exception message ends up in logs, reports
+  and terminals. Only its type, the position and the *kind* of a bad character are named.
+
+Why so strict about header values: an HTTP/1.1 client library rejects a header value with a
+CR, LF or NUL (RFC 9110 §5.5; h11 raises ``LocalProtocolError("Illegal header value
+b'Bearer sk-…\\n'")``, quoting the whole key), httpx raises ``UnicodeEncodeError`` (whose
+``args`` hold the whole value) for a non-ASCII one, and h11 also refuses leading or trailing
+whitespace. Each of those would surface *during* the request, as a transport error that
+quotes the secret. Checking here turns them into a clear error up front.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "check_api_key",
+    "check_header_name",
+    "check_header_value",
+    "check_headers",
+    "check_json_body",
+    "check_request_id",
+]
+
+# RFC 9110 §5.6.2: token = 1*tchar.
+_TCHAR = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+def _describe(char: str) -> str:
+    """What kind of character ``char`` is, without showing it."""
+    if char in "\r\n":
+        return "a line break (CR or LF)"
+    if char == "\0":
+        return "a NUL character"
+    if char in " \t":
+        return "whitespace"
+    if ord(char) < 0x20 or ord(char) == 0x7F:
+        return "a control character"
+    if not char.isascii():
+        return "a non-ASCII character"
+    return "a character not allowed there"
+
+
+def _bad_value_char(value: str) -> int:
+    """Index of the first character not allowed in an HTTP header value we send, or -1.
+
+    Allowed: visible ASCII, and spaces or tabs *between* visible characters (RFC 9110 §5.5
+    field-value, without obs-text: httpx encodes header values as ASCII)."""
+    for index, char in enumerate(value):
+        if not (" " <= char <= "~" or char == "\t"):
+            return index
+    if value[:1] in (" ", "\t"):
+        return 0
+    if value[-1:] in (" ", "\t"):
+        return len(value) - 1
+    return -1
+
+
+def check_header_value(value: object, field: str, *, allow_empty: bool = True) -> None:
+    """Raise unless ``value`` is a ``str`` an HTTP header can carry unchanged.
+
+    Raises:
+        TypeError: not a ``str`` (the message names the type only).
+        ValueError: empty (unless ``allow_empty``), or a CR, LF, NUL, other control
+            character, non-ASCII character, or leading/trailing whitespace (the message
+            names the kind of character and its index, never the value).
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"{field} must be a str, not {type(value).__name__}")
+    if not value and not allow_empty:
+        raise ValueError(f"{field} must not be empty")
+    index = _bad_value_char(value)
+    if index < 0:
+        return
+    char = value[index]
+    where = f"at index {index} of {len(value)}"
+    if char in " \t" and index in (0, len(value) - 1):
+        raise ValueError(
+            f"{field} has leading or trailing whitespace ({where}); was it read from a file? "
+            "Strip it."
+        )
+    hint = "; was it read from a file? Strip the trailing newline" if char in "\r\n" else ""
+    raise ValueError(
+        f"{field} contains {_describe(char)} ({where}), which an HTTP header cannot carry{hint}"
+    )
+
+
+def check_api_key(value: object, field: str = "api_key") -> None:
+    """Raise unless ``value`` is ``None`` or a non-empty ``str`` that fits in
+    ``Authorization: Bearer …`` (see :func:`check_header_value`)."""
+    if value is None:
+        return
+    check_header_value(value, field, allow_empty=False)
+
+
+def check_header_name(value: object, field: str) -> None:
+    """Raise unless ``value`` is a ``str`` HTTP field name (an RFC 9110 token). The message
+    never quotes the name: a misplaced secret may be sitting in it."""
+    if not isinstance(value, str):
+        raise TypeError(f"{field} must be a str, not {type(value).__name__}")
+    if not value:
+        raise ValueError(f"{field} must not be empty")
+    for index, char in enumerate(value):
+        if char not in _TCHAR:
+            raise ValueError(
+                f"{field} contains {_describe(char)} at index {index}; an HTTP header name is "
+                "a token of letters, digits and !#$%&'*+-.^_`|~ (RFC 9110 §5.6.2)"
+            )
+
+
+def check_headers(headers: object, field: str) -> None:
+    """Raise unless ``headers`` is a mapping of valid header names to valid values. A bad
+    value is reported by its (valid) header name, never by its content."""
+    if not isinstance(headers, Mapping):
+        raise TypeError(f"{field} must be a mapping of header names to values")
+    for position, (name, value) in enumerate(headers.items()):
+        check_header_name(name, f"{field}: header name #{position + 1}")
+        check_header_value(value, f"{field}[{name!r}]")
+
+
+def check_request_id(value: object, field: str = "request_id") -> None:
+    """Raise unless ``value`` is ``None`` or a non-empty ``str`` that fits in a header (it is
+    sent as ``X-Request-ID`` on every attempt)."""
+    if value is None:
+        return
+    check_header_value(value, field, allow_empty=False)
+
+
+def check_json_body(body: object, field: str) -> None:
+    """Raise unless ``body`` is a mapping that encodes to strict JSON (RFC 8259).
+
+    Python's :mod:`json` writes ``NaN`` and ``Infinity`` by default, which no JSON parser
+    is bound to accept (servers answer 400, or worse, parse them differently); other objects
+    (``bytes``, sets, dataclasses…) cannot be encoded at all. Checking here costs one
+    ``json.dumps`` (C-accelerated; ~20 µs for a 10 KB body) and finds the problem before any
+    attempt starts, which matters for a :class:`~trio_hedge.Hedger`: it binds replicas lazily,
+    inside the race, where a bad body would otherwise fail each attempt in turn.
+
+    Raises:
+        TypeError: not a mapping, a key that is not a ``str``, or a value JSON cannot encode
+            (the message gives its path and type).
+        ValueError: ``NaN`` or an infinity (the message gives its path), or a cycle.
+    """
+    if not isinstance(body, Mapping):
+        raise TypeError(f"{field} must be a mapping (a JSON object), not {type(body).__name__}")
+    body = dict(body)  # what the source sends: a top-level Mapping becomes a dict
+    try:
+        json.dumps(body, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        pass
+    else:
+        return
+    _find_json_problem(body, field, set())
+    raise ValueError(f"{field} does not encode to JSON")  # pragma: no cover - defensive
+
+
+def _find_json_problem(value: Any, path: str, seen: set[int]) -> None:
+    """Walk ``value`` and raise the first problem ``json.dumps`` would meet, by path."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            kind = "NaN" if math.isnan(value) else "an infinity"
+            raise ValueError(f"{path} is {kind}, which JSON cannot carry (RFC 8259 §6)")
+        return
+    if isinstance(value, (dict, list, tuple)):
+        if id(value) in seen:
+            raise ValueError(f"{path} contains itself (a cycle), which JSON cannot encode")
+        seen.add(id(value))
+        if isinstance(value, dict):
+            for key, item in value.items():
+                # json.dumps writes str, int, float, bool and None keys (as strings).
+                if key is not None and not isinstance(key, (str, int, float)):
+                    raise TypeError(f"{path} has a key of type {type(key).__name__}")
+                _find_json_problem(item, f"{path}[{key!r}]", seen)
+        else:
+            for index, item in enumerate(value):
+                _find_json_problem(item, f"{path}[{index}]", seen)
+        seen.discard(id(value))
+        return
+    raise TypeError(f"{path} is a {type(value).__name__}, which JSON cannot encode")
