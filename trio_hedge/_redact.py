@@ -6,14 +6,24 @@ message cut at :data:`trio_hedge.chunks.MAX_MESSAGE_CHARS` may hold any prefix o
 a redactor masks not only whole secrets but *every run of text made of pieces of a secret at
 least* :data:`MIN_PIECE` *characters long*, and it runs on the whole message before anything
 cuts it (cutting first would leave the part of the key before the cut unmasked).
+
+One other library's logs need the same care: hpack (4.x) logs every header it encodes for
+HTTP/2 at DEBUG -- ``Adding b'api-key'=b'…' to the header table`` -- except those h2 marks
+sensitive (``authorization``, ``proxy-authorization``, short cookies). A key sent in another
+header (Azure's ``api-key``, ``x-api-key``) would show in clear. :func:`protect_in_logs`
+registers a redactor with a filter on the ``hpack`` loggers that masks its secrets in their
+records (the filter runs only for records a DEBUG level lets through: free otherwise).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import threading
+import weakref
 from collections.abc import Iterable
 
-__all__ = ["MIN_PIECE", "REDACTED", "Redactor"]
+__all__ = ["MIN_PIECE", "REDACTED", "Redactor", "protect_in_logs"]
 
 #: Shortest piece of a secret that is masked (characters). Shorter pieces are ordinary text:
 #: masking every 3-letter piece of "sk-proj-…" would mask "sk-" everywhere.
@@ -31,7 +41,7 @@ class Redactor:
     when an error is being reported); calling it is O(len(text)).
     """
 
-    __slots__ = ("_pieces", "_secrets")
+    __slots__ = ("__weakref__", "_pieces", "_secrets")
 
     def __init__(self, secrets: Iterable[str | None] = ()) -> None:
         self._secrets = tuple(s for s in secrets if s and len(s) >= MIN_PIECE)
@@ -78,3 +88,62 @@ class Redactor:
             last = end
         out.append(text[last:])
         return "".join(out)
+
+
+# -- other libraries' DEBUG logs ---------------------------------------------------------------
+
+#: Loggers whose records may hold request header values (see the module docstring).
+HEADER_LOGGERS = ("hpack.hpack", "hpack.table")
+
+_registered: weakref.WeakSet[Redactor] = weakref.WeakSet()
+_install_lock = threading.Lock()
+_installed = False
+
+
+def _mask(value: object) -> object:
+    if isinstance(value, bytes):
+        text = value.decode("latin-1")
+        masked = _mask_text(text)
+        return value if masked is text else masked.encode("latin-1")
+    if isinstance(value, str):
+        return _mask_text(value)
+    if isinstance(value, tuple):
+        items = tuple(_mask(item) for item in value)
+        return value if all(a is b for a, b in zip(items, value, strict=True)) else items
+    return value
+
+
+def _mask_text(text: str) -> str:
+    for redactor in list(_registered):
+        masked = redactor(text)
+        if masked != text:
+            text = masked
+    return text
+
+
+class _HeaderLogFilter(logging.Filter):
+    """Masks registered secrets in a record's message and arguments."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _registered:
+            if isinstance(record.args, tuple):
+                record.args = tuple(_mask(arg) for arg in record.args)
+            if isinstance(record.msg, str):
+                record.msg = _mask_text(record.msg)
+        return True
+
+
+def protect_in_logs(redactor: Redactor) -> None:
+    """Mask ``redactor``'s secrets in the records of :data:`HEADER_LOGGERS` for as long as
+    ``redactor`` lives (weakly referenced)."""
+    global _installed
+    if not redactor:
+        return
+    if not _installed:
+        with _install_lock:
+            if not _installed:
+                log_filter = _HeaderLogFilter()
+                for name in HEADER_LOGGERS:
+                    logging.getLogger(name).addFilter(log_filter)
+                _installed = True
+    _registered.add(redactor)

@@ -21,7 +21,7 @@ import trio
 
 from .._errors import AttemptError, ErrorKind
 from .._events import Delta
-from .._redact import Redactor
+from .._redact import Redactor, protect_in_logs
 from .._validate import (
     check_api_key,
     check_header_name,
@@ -161,6 +161,18 @@ class Replica:
         kw_only=True,
     )
     path: str = attrs.field(default="/chat/completions", validator=_check_path, kw_only=True)
+    # Masks the key and header values wherever a server might quote them back.
+    _redact: Redactor = attrs.field(
+        init=False,
+        repr=False,
+        eq=False,
+        default=attrs.Factory(
+            lambda self: Redactor((self.api_key, *self.headers.values())), takes_self=True
+        ),
+    )
+
+    def __attrs_post_init__(self) -> None:
+        protect_in_logs(self._redact)
 
     def bind(
         self,
@@ -207,9 +219,12 @@ class OpenAIChatSource:
         # What a server might quote back in an error message ("Incorrect API key provided:
         # sk-…", "Received API Key = sk-...1337"): masked in every AttemptError this source
         # raises, before the message is cut.
-        self._redact = Redactor(
-            (replica.api_key, *replica.headers.values(), *(extra_headers or {}).values())
-        )
+        self._redact = replica._redact
+        if extra_headers:
+            self._redact = Redactor(
+                (replica.api_key, *replica.headers.values(), *extra_headers.values())
+            )
+            protect_in_logs(self._redact)
 
     @property
     def name(self) -> str:
