@@ -222,11 +222,16 @@ def _delta_from(obj: dict[str, Any], key: str) -> Delta | None:
 
 # -- errors ----------------------------------------------------------------------------------
 
+# The server dialects behind these rules, with the bodies they send, are the table in
+# tests/test_dialects.py (vLLM, SGLang, TGI, llama.cpp, llama-cpp-python, Ollama, LiteLLM,
+# OpenRouter, Azure OpenAI).
 _CONTEXT = re.compile(
     r"context.?length|context.?window|context.?size|maximum context|prompt is too long|"
     r"input is too long|too long for (the|this) model|reduce the length|"
-    r"maximum (input|prompt) length|exceeds? the (available|maximum) context|"
-    r"too many (input )?tokens in (the )?prompt",
+    r"maximum (input|prompt|model) length|exceeds? the (available|maximum) context|"
+    r"too many (input )?tokens in (the )?prompt|"
+    # TGI's validation.rs: "`inputs` tokens + `max_new_tokens` must be <= 4096. Given: …"
+    r"inputs`? tokens \+ `?max_new_tokens`? must be|`?inputs`? must have less than \d+ tokens",
     re.IGNORECASE,
 )
 _QUOTA = re.compile(
@@ -239,7 +244,23 @@ _QUOTA_IS_RATE = re.compile(
     r"per.?minute|per.?second|resource.?(has been )?exhausted|try again (in|later)|retry in",
     re.IGNORECASE,
 )
-_OVERLOADED = re.compile(r"overload|at capacity|capacity exceeded|temporarily unavailable", re.I)
+_OVERLOADED = re.compile(
+    r"overload|at capacity|capacity exceeded|temporarily unavailable|queue is full|"
+    r"server busy|no healthy deployments|no deployments available",
+    re.IGNORECASE,
+)
+# A gateway with no upstream left for this model (LiteLLM: "There are no healthy deployments
+# for this model", 400; "No deployments available for selected model", 429): this replica
+# cannot serve anyone right now, whatever its status says.
+_NO_CAPACITY = re.compile(r"no healthy deployments|no deployments available", re.IGNORECASE)
+# Messages that blame the request whatever the status: TGI's in-band errors all carry
+# "http_status_code": 422 (even "Model is overloaded"), so its message prefixes decide;
+# content flagged by moderation (OpenRouter's 403) or a content filter is the prompt's fault.
+_REQUEST_FAULT = re.compile(
+    r"^(input validation error|template error|missing template va\w*|tool error):|"
+    r"requires moderation|input was flagged|content.?(management )?polic|content.?filter",
+    re.IGNORECASE,
+)
 _AUTH = re.compile(
     r"api.?key|unauthori[sz]ed|authenticat|permission.?denied|forbidden|access denied", re.I
 )
@@ -254,6 +275,7 @@ _TYPE_RULES: tuple[tuple[tuple[str, ...], ErrorKind], ...] = (
     ),
     (("ratelimit", "toomanyrequests"), ErrorKind.RATE_LIMIT),
     (("overload", "unavailable", "capacity"), ErrorKind.OVERLOADED),
+    (("contentfilter", "contentpolicy", "moderation"), ErrorKind.INVALID_REQUEST),
     (("auth", "permission", "apikey", "forbidden"), ErrorKind.AUTH),
     (("timeout", "deadline"), ErrorKind.TIMEOUT),
     (("server", "internal", "apierror", "unknown"), ErrorKind.SERVER_ERROR),
@@ -267,7 +289,7 @@ _NON_ALNUM = re.compile(r"[^a-z0-9]+")
 
 
 _JSON_MESSAGE = re.compile(r'"(?:message|detail)"\s*:\s*"((?:[^"\\]|\\.)*)')
-_JSON_LABEL = re.compile(r'"(?:type|code|status)"\s*:\s*"([A-Za-z_]+)"')
+_JSON_LABEL = re.compile(r'"(?:type|code|status|error_type)"\s*:\s*"([A-Za-z_]+)"')
 
 
 #: Masks secrets in server text (see :class:`trio_hedge._redact.Redactor`); applied to a
@@ -291,9 +313,10 @@ def _error_fields(obj: Any) -> tuple[str, list[str], int | None]:
     """(message, type/code strings, numeric status) from an error payload of any known shape.
 
     Shapes: ``{"error": {"message", "type", "code", "status"}}`` (OpenAI, Azure, OpenRouter,
-    Anthropic inside ``{"type": "error"}``), ``{"error": "text", ...}``, ``{"object": "error",
-    "message", "type", "code"}`` (vLLM), ``{"detail": ...}`` (FastAPI), ``{"message": ...}``,
-    and a list holding one of these (Gemini).
+    Anthropic inside ``{"type": "error"}``), ``{"error": "text", "error_type": ...}`` (TGI),
+    ``{"object": "error", "message", "type", "code"}`` (vLLM, SGLang), ``{"detail": ...}``
+    (FastAPI), ``{"message": ...}``, and a list holding one of these (Gemini). TGI's in-band
+    ``"http_status_code"`` is not read: it is 422 for every error, overload included.
     """
     if type(obj) is list and obj:
         obj = obj[0]
@@ -321,7 +344,7 @@ def _error_fields(obj: Any) -> tuple[str, list[str], int | None]:
                     if type(msg) is str:
                         message = msg
                         break
-        for key in ("type", "code", "status"):
+        for key in ("type", "code", "status", "error_type"):
             value = source.get(key)
             if type(value) is bool:
                 continue
@@ -345,11 +368,19 @@ def _kind_for(
     if status != 429 and (_CONTEXT.search(text) or "contextlength" in norm):
         return ErrorKind.CONTEXT_LENGTH_EXCEEDED, None
     if status is not None:
+        if 400 <= status < 500 and status != 408 and _NO_CAPACITY.search(text):
+            return ErrorKind.OVERLOADED, None
+        if status == 403 and _REQUEST_FAULT.search(text):
+            return ErrorKind.INVALID_REQUEST, None  # flagged content: any replica refuses it
         if status in (429, 403, 402):
             quota = "quota" in norm or "billing" in norm or bool(_QUOTA.search(text))
             if status == 402 or (quota and not _QUOTA_IS_RATE.search(text)):
                 return ErrorKind.QUOTA_EXCEEDED, None
             if status == 429:
+                if "overload" in norm or _OVERLOADED.search(text):
+                    # The server's own capacity (TGI's max_concurrent_requests), not the
+                    # caller's rate: it says something about the replica.
+                    return ErrorKind.OVERLOADED, None
                 return ErrorKind.RATE_LIMIT, None
             return ErrorKind.AUTH, None
         if status == 401:
@@ -363,10 +394,15 @@ def _kind_for(
         if status in (409, 425):
             # Conflict / Too Early: transient (the OpenAI SDK retries 409 too).
             return ErrorKind.INVALID_REQUEST, True
+        if status == 424:
+            # Failed Dependency: TGI's "Request failed during generation" (a shard failed).
+            return ErrorKind.SERVER_ERROR, None
         if status >= 400:
             if _AUTH.search(text) or any(k in norm for k in ("auth", "apikey", "permission")):
                 return ErrorKind.AUTH, None  # e.g. Gemini's 400 "API key not valid"
-            if status == 404:  # an unknown model or a wrong path: this replica's fault
+            if status == 404 or "modelnotfound" in norm or "deploymentnotfound" in norm:
+                # An unknown model or a wrong path: this replica's fault. An explicit
+                # model_not_found code counts on a 400 too (llama-cpp-python sends it so).
                 return ErrorKind.NOT_FOUND, None
             return ErrorKind.INVALID_REQUEST, None
         return ErrorKind.PROTOCOL, None  # 1xx/2xx/3xx where an answer was expected
@@ -375,7 +411,11 @@ def _kind_for(
         if any(needle in norm for needle in needles):
             if kind is ErrorKind.QUOTA_EXCEEDED and _QUOTA_IS_RATE.search(text):
                 return ErrorKind.RATE_LIMIT, None
+            if kind is ErrorKind.SERVER_ERROR and _OVERLOADED.search(message):
+                return ErrorKind.OVERLOADED, None  # Azure: type server_error, "overloaded"
             return kind, None
+    if _REQUEST_FAULT.search(message):
+        return ErrorKind.INVALID_REQUEST, None
     if _QUOTA.search(text) and not _QUOTA_IS_RATE.search(text):
         return ErrorKind.QUOTA_EXCEEDED, None
     if _RATE.search(text):

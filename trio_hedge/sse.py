@@ -19,6 +19,12 @@ It follows the WHATWG HTML Living Standard, section 9.2 "Server-sent events", su
 
 Choices this module makes where the standard leaves room or where we deviate on purpose:
 
+* **An** ``error:`` **line is an error event**: ``error: {…}`` is read as ``event: error``
+  with that data. The standard ignores unknown fields, but llama.cpp's server sent its
+  errors so until September 2025 (ggml-org/llama.cpp#16104, fixed by #16109), followed by
+  ``data: [DONE]``: ignoring it turns "the request exceeds the available context size"
+  into an empty, successful answer.
+
 * **Invalid UTF-8 raises** ``AttemptError(ErrorKind.PROTOCOL)`` (the standard decodes with
   U+FFFD replacement). A server that sends invalid UTF-8 is broken; before the first token
   another replica may be sane, after it the caller learns the text would have been corrupt.
@@ -300,7 +306,12 @@ class SSEDecoder:
                     if value.isascii() and value.isdigit():
                         self.retry = int(value)
                     continue
-                if name != "data":
+                if name == "error":
+                    # Not an SSE field: llama.cpp's server before ggml-org/llama.cpp#16109
+                    # (2025-09) sent its errors so, then ``data: [DONE]``. Ignored, as the
+                    # standard says, a context-length error became an empty answer.
+                    self._event = "error"
+                elif name != "data":
                     continue  # unknown field: ignored
             data.append(value)
             self._size += len(value) + 1
