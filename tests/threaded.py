@@ -52,11 +52,12 @@ def serve_in_thread(
 
 @contextlib.asynccontextmanager
 async def raw_server(
-    status: int, headers: list[tuple[str, str]], body: bytes
+    status: int, headers: list[tuple[str, str]], body: bytes, *, at_once: bool = False
 ) -> AsyncIterator[str]:
     """A one-answer HTTP/1.1 server on loopback: every request gets ``status``, ``headers``
-    (``content-length`` added) and ``body``, then the connection closes. Yields the base URL
-    (``http://127.0.0.1:PORT/v1``)."""
+    (``content-length`` added) and ``body``, then the connection closes; with ``at_once``, it
+    answers as soon as any bytes arrive (as plain-HTTP servers answer a TLS ClientHello).
+    Yields the base URL (``http://127.0.0.1:PORT/v1``)."""
     reason = b"OK" if status < 400 else b"Error"
     head = [f"HTTP/1.1 {status} ".encode() + reason]
     head += [f"{k}: {v}".encode() for k, v in [*headers, ("content-length", str(len(body)))]]
@@ -71,6 +72,8 @@ async def raw_server(
                     if not chunk:
                         return
                     received += chunk
+                    if at_once:
+                        break
                 with contextlib.suppress(trio.BrokenResourceError):
                     await stream.send_all(answer)
 

@@ -256,6 +256,9 @@ class OpenAIChatSource:
         except httpx.TimeoutException as exc:
             raise _transport_error(ErrorKind.TIMEOUT, exc, self._redact) from exc
         except httpx.TransportError as exc:
+            tls = _tls_failure(exc, request) if isinstance(exc, httpx.ConnectError) else None
+            if tls is not None:
+                raise AttemptError(ErrorKind.PROTOCOL, self._redact(tls)) from exc
             raise _transport_error(ErrorKind.CONNECTION, exc, self._redact) from exc
         try:
             return await _attempt_for(response, self._redact)
@@ -276,6 +279,59 @@ def _transport_error(kind: ErrorKind, exc: Exception, redact: Redactor) -> Attem
     return AttemptError(kind, redact(text))
 
 
+def _where(request: httpx.Request) -> str:
+    """``POST scheme://host:port/path``: the URL called, without its query."""
+    url = request.url
+    return f"{request.method} {url.scheme}://{url.netloc.decode('ascii')}{url.path}"
+
+
+# What OpenSSL says when the bytes that came back were not TLS at all (a plain-HTTP server
+# answering a ClientHello with "HTTP/1.1 400 …").
+_NOT_TLS = ("WRONG_VERSION_NUMBER", "wrong version number", "record layer failure", "HTTP_REQUEST")
+
+
+def _tls_failure(exc: BaseException, request: httpx.Request) -> str | None:
+    """A message for a failed TLS handshake (``exc`` is a ``ConnectError``), or ``None``.
+
+    httpx reports it as a ``ConnectError`` with an empty message; the ``ssl.SSLError`` is down
+    its cause chain (httpcore's ``ConnectError``, Trio's ``BrokenResourceError``), and its
+    text ("[SSL: WRONG_VERSION_NUMBER] wrong version number", or "EOF occurred in violation
+    of protocol" from a server that hung up on the ClientHello) does not say the usual cause:
+    an ``https://`` URL on a plain-HTTP port.
+    """
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, ssl.SSLError):
+            reason = str(err)
+            if isinstance(err, ssl.SSLCertVerificationError):
+                return f"TLS certificate rejected calling {_where(request)}: {reason}"
+            if isinstance(err, ssl.SSLEOFError) or any(m in reason for m in _NOT_TLS):
+                return (
+                    f"TLS handshake failed calling {_where(request)}: the server did not "
+                    f"answer in TLS ({reason}). Is it a plain-HTTP port? Try http://"
+                )
+            return f"TLS handshake failed calling {_where(request)}: {reason}"
+        todo += [err.__cause__, err.__context__]
+    return None
+
+
+def _with_context(error: AttemptError, context: str) -> AttemptError:
+    """``error`` with ``context`` appended to its message (same kind and fields)."""
+    return AttemptError(
+        error.kind,
+        f"{error.message} ({context})",
+        retryable=error.retryable,
+        retry_after=error.retry_after,
+        status_code=error.status_code,
+        replica=error.replica,
+    )
+
+
 async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
     body = bytearray()
     async for chunk in response.aiter_bytes():
@@ -292,8 +348,25 @@ async def _attempt_for(response: httpx.Response, redact: Redactor) -> HTTPAttemp
             body = await _read_bounded(response, ERROR_BODY_LIMIT)
         except httpx.HTTPError:
             body = b""
-        raise classify_http_error(status, response.headers, body, redact=redact)
+        error = classify_http_error(status, response.headers, body, redact=redact)
+        if status in (404, 405):
+            # A wrong path or base_url (the server's own message rarely names it).
+            where = _where(response.request)
+            hint = "" if "/v1/" in where else "; OpenAI-compatible servers usually serve /v1/…"
+            error = _with_context(error, redact(f"{where}{hint}"))
+        raise error
     content_type = response.headers.get("content-type", "")
+    if content_type.startswith("text/html"):
+        # A web page (a proxy's login or landing page, an admin UI): never an event stream.
+        raise AttemptError(
+            ErrorKind.PROTOCOL,
+            redact(
+                f"HTTP {status} with Content-Type {content_type} from "
+                f"{_where(response.request)}: a web page, not an event stream; is base_url "
+                "the API's (often ending in /v1)?"
+            ),
+            status_code=status,
+        )
     if content_type.startswith("application/json"):
         body = await _read_bounded(response, JSON_BODY_LIMIT + 1)
         if len(body) > JSON_BODY_LIMIT:

@@ -1,0 +1,85 @@
+"""Misconfigured replicas fail with an error that says what is wrong, over real sockets:
+a base URL without ``/v1`` (a bare 404), an ``https://`` URL on a plain-HTTP port (an
+opaque TLS error), a web page where an event stream was expected (an "empty stream")."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+import trio_hedge as th
+from trio_hedge import ErrorKind
+from trio_hedge.testing import Behaviour, FakeReplica
+
+from .threaded import raw_server
+
+REQUEST = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+POLICY = th.HedgePolicy(hedge_after=None)
+
+
+async def _error(replica: th.Replica) -> th.AttemptError:
+    stream = th.hedged_stream(REQUEST, [replica], POLICY)
+    with pytest.raises(th.RequestFailed) as caught:
+        async with stream:
+            pass
+    (error,) = caught.value.errors
+    assert stream.report.attempts[0].error is error
+    return error
+
+
+async def test_a_base_url_without_v1_names_the_url_it_called() -> None:
+    async with FakeReplica(Behaviour()) as server:
+        base = server.base_url
+        error = await _error(th.Replica(base))  # forgot the /v1
+    assert error.kind is ErrorKind.NOT_FOUND
+    assert error.retryable and error.replica_fault
+    assert f"POST {base}/chat/completions" in error.message
+    assert "/v1" in error.message
+
+
+async def test_a_bare_404_names_the_url_it_called() -> None:
+    body = json.dumps({"detail": "Not Found"}).encode()  # FastAPI's default 404
+    async with raw_server(404, [("content-type", "application/json")], body) as url:
+        base = url.removesuffix("/v1")
+        error = await _error(th.Replica(base, path="/chat/completions"))
+    assert error.kind is ErrorKind.NOT_FOUND
+    assert error.message.startswith("Not Found (POST ")
+    assert f"{base}/chat/completions" in error.message
+
+
+@contextlib.asynccontextmanager
+async def _hangs_up() -> AsyncIterator[str]:
+    async with FakeReplica(Behaviour()) as server:  # h11 drops a ClientHello: EOF
+        yield server.url
+
+
+def _answers_400() -> contextlib.AbstractAsyncContextManager[str]:
+    # What uvicorn, llama.cpp's httplib and nginx do: "HTTP/1.1 400" to the ClientHello.
+    return raw_server(400, [("content-type", "text/plain")], b"Bad Request", at_once=True)
+
+
+@pytest.mark.parametrize("server", [_hangs_up, _answers_400], ids=["hangs-up", "answers-400"])
+async def test_https_on_a_plain_http_port_says_so(
+    server: Callable[[], contextlib.AbstractAsyncContextManager[str]],
+) -> None:
+    async with server() as plain:
+        url = plain.replace("http://", "https://")
+        error = await _error(th.Replica(url))
+    assert error.kind is ErrorKind.PROTOCOL  # the replica's misconfiguration: try the next
+    assert error.retryable
+    assert "plain-HTTP" in error.message
+    assert f"POST {url}/chat/completions" in error.message
+    assert "http://" in error.message
+
+
+async def test_a_web_page_where_an_event_stream_was_expected_says_so() -> None:
+    page = b"<!doctype html><html><head><title>Sign in</title></head><body></body></html>"
+    async with raw_server(200, [("content-type", "text/html; charset=utf-8")], page) as url:
+        error = await _error(th.Replica(url))
+    assert error.kind is ErrorKind.PROTOCOL
+    assert error.status_code == 200
+    assert "text/html" in error.message
+    assert f"POST {url}/chat/completions" in error.message
