@@ -14,7 +14,7 @@ import pytest
 import trio
 
 import trio_hedge as th
-from trio_hedge.testing import Behaviour, FakeReplica, fake_replicas
+from trio_hedge.testing import Behaviour, FakeReplica, RequestRecord, fake_replicas
 
 pytest.importorskip("h2")
 
@@ -110,3 +110,41 @@ async def test_hedged_loser_is_reset_and_the_connection_survives() -> None:
             assert record.tokens_sent == 0
             # The connection itself was not torn down: other streams on it live on.
             assert primary.open_connections == 1
+
+
+async def test_a_stream_the_server_resets_leaves_the_others_on_its_connection_alone() -> None:
+    """The failing case: when the server reset one stream (RST_STREAM, here after its first
+    token), our own reset of that stream raised h2's ``StreamClosedError`` and the fallback
+    closed the whole connection, cutting every other request on it."""
+
+    def behaviour(record: RequestRecord) -> Behaviour:
+        if record.index == 1:  # the first chat request (0 is the barrier's /health)
+            return Behaviour(ttft=0.05, tokens=8, cut_after=1)
+        return Behaviour(token_delay=0.05, tokens=8)
+
+    async with FakeReplica(behaviour, name="shared", http2=True) as server, _h2_client() as client:
+        await _barrier(client, server)
+        replica = th.Replica(server.url)
+        texts: list[str] = []
+        interrupted: list[th.StreamInterrupted] = []
+
+        async def one() -> None:
+            stream = th.hedged_stream(
+                REQUEST, [replica], th.HedgePolicy(hedge_after=None), client=client
+            )
+            try:
+                async with stream:
+                    texts.append("".join([t async for t in stream]))
+            except th.StreamInterrupted as exc:
+                interrupted.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(one)
+        assert [e.error.kind for e in interrupted] == [th.ErrorKind.STREAM_TRUNCATED]
+        assert interrupted[0].text == "tok0 "
+        assert texts == ["".join(f"tok{i} " for i in range(8))] * 3
+        assert {r.http_version for r in server.requests} == {"2"}
+        assert server.open_connections == 1  # one connection carried them all, and lives on
+        await _barrier(client, server)
+        assert server.open_connections == 1

@@ -505,14 +505,25 @@ async def _reset_http2_stream(response: httpx.Response) -> None:
     write = getattr(connection, "_write_outgoing_data", None)
     request = getattr(stream, "_request", None)
     if h2_state is not None and write is not None and isinstance(stream_id, int):
-        try:
-            import h2.errors  # only with HTTP/2, which needs h2 anyway
+        import h2.errors  # only with HTTP/2, which needs h2 anyway
+        import h2.exceptions
 
+        try:
             h2_state.reset_stream(stream_id, error_code=h2.errors.ErrorCodes.CANCEL)
-            await write(request)
+        except h2.exceptions.StreamClosedError:
+            # Already closed: the server reset it (or ended it) first, so it has stopped,
+            # which is all a reset is for. Closing the connection instead would cut every
+            # other request on it (failing case: tests/test_http2.py::
+            # test_a_stream_the_server_resets_leaves_the_others_on_its_connection_alone).
             return
-        except Exception:  # fall through to closing the connection
-            pass
+        except Exception:
+            pass  # an h2 state we do not understand: fall through to closing the connection
+        else:
+            try:
+                await write(request)
+                return
+            except Exception:  # the connection broke: closing it below is all that is left
+                pass
     network_stream = response.extensions.get("network_stream")
     if network_stream is not None:
         await network_stream.aclose()
