@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 
 import pytest
+
+from trio_hedge import cli
+from trio_hedge.testing import Behaviour, fake_replicas
+
+from .threaded import serve_in_thread
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -91,3 +100,89 @@ def test_bad_usage_exits_2(args: tuple[str, ...], message: str) -> None:
     done = _run(*args)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+# -- never hanging, and Ctrl-C, run in-process against fake replicas in a server thread -------
+
+
+def test_stream_never_waits_forever_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    """The failing case on the old code: no first-token or stall timeout unless asked, so a
+    replica that accepts the request and never answers hung the command forever."""
+    args = cli._parser().parse_args(["stream", "--replica", "http://x/v1", "--model", "m", "hi"])
+    assert args.first_token_timeout == cli.DEFAULT_FIRST_TOKEN_TIMEOUT > 0
+    assert args.stall_timeout == cli.DEFAULT_STALL_TIMEOUT > 0
+    with pytest.raises(SystemExit):
+        cli.main(["stream", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--first-token-timeout SECONDS" in help_text
+    assert f"(default: {cli.DEFAULT_FIRST_TOKEN_TIMEOUT:g}; 0: wait forever)" in help_text
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "flag", "message"),
+    [
+        (Behaviour(ttft=3600), "--first-token-timeout", "no first token within"),
+        (Behaviour(tokens=5, stall_after=2), "--stall-timeout", "stall_timeout"),
+    ],
+    ids=["first-token", "stall"],
+)
+def test_the_timeout_flags_end_a_silent_replica(
+    behaviour: Behaviour, flag: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with serve_in_thread(lambda: fake_replicas(behaviour)) as [server]:
+        status = cli.main(
+            ["stream", "--replica", server.url, "--model", "m", flag, "0.2", "--json", "hi"]
+        )
+    assert status == 1
+    report = json.loads(capsys.readouterr().out)
+    assert message in report["error"]["message"]
+
+
+def _interrupt_when(condition: Callable[[], bool]) -> threading.Thread:
+    """Send Ctrl-C (SIGINT) to this process once ``condition()`` holds (checked every 5 ms,
+    for up to 10 s; never sent if it does not)."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 10
+        while not condition():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_ctrl_c_prints_what_it_had_and_exits_130(
+    as_json: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The failing case on the old code: Ctrl-C exited 130 and printed nothing more, the
+    report (which replica, how far) was lost."""
+    endless = Behaviour(token_delay=0.02, tokens=100_000)  # never ends by itself
+    with serve_in_thread(lambda: fake_replicas(endless)) as [server]:
+        watcher = _interrupt_when(
+            lambda: bool(server.requests) and server.requests[-1].tokens_sent >= 3
+        )
+        args = ["stream", "--replica", server.url, "--model", "m", "hi"]
+        status = cli.main([*args, "--json"] if as_json else args)
+        watcher.join()
+        record = server.requests[-1]
+        deadline = time.monotonic() + 5
+        while record.finished_at is None and time.monotonic() < deadline:
+            time.sleep(0.005)  # the server thread notices the disconnect on its own
+    out = capsys.readouterr()
+    assert status == cli.EXIT_INTERRUPTED == 130
+    assert out.err.rstrip().endswith("trio-hedge: interrupted")
+    if as_json:
+        report = json.loads(out.out)
+        assert report["interrupted"] is True
+        assert report["winner"] == 1
+        text = report["text"]
+    else:
+        assert "winner          attempt 1" in out.err
+        text = out.out
+    assert text.startswith("tok0 tok1 tok2 ")
+    assert record.disconnected_at is not None  # the stream was closed: the server stopped

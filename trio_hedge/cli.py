@@ -1,7 +1,12 @@
 """The ``trio-hedge`` command: ``demo`` (no set-up) and ``stream`` (any OpenAI-compatible servers).
 
 Exit status: 0 on success, 1 when the request failed (the error is printed, and included in
-``--json`` output), 2 on bad usage.
+``--json`` output), 2 on bad usage, 130 when interrupted (Ctrl-C: what arrived so far, the
+report and "interrupted" are printed first).
+
+``stream`` never waits forever: by default it gives up without a first token after
+:data:`DEFAULT_FIRST_TOKEN_TIMEOUT` seconds, and after the first token when the stream goes
+quiet for :data:`DEFAULT_STALL_TIMEOUT` seconds (``0`` turns either off).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+import attrs
 import trio
 
 from ._errors import HedgeError
@@ -21,7 +27,17 @@ from ._report import Report
 from ._stream import HedgedStream, hedged_stream
 from .sources.openai_http import Replica
 
-__all__ = ["main"]
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
+
+__all__ = ["DEFAULT_FIRST_TOKEN_TIMEOUT", "DEFAULT_STALL_TIMEOUT", "main"]
+
+#: Seconds ``stream`` waits for a first token, over all attempts, before giving up.
+DEFAULT_FIRST_TOKEN_TIMEOUT = 120.0
+#: Seconds ``stream`` lets the winner go without content after its first token.
+DEFAULT_STALL_TIMEOUT = 60.0
+#: Exit status after Ctrl-C (128 + SIGINT, as shells report it).
+EXIT_INTERRUPTED = 130
 
 DEMO_PROMPT = "Why does hedging cut the tail latency of LLM calls?"
 DEMO_ANSWER = (
@@ -64,8 +80,18 @@ def format_report(report: Report) -> str:
     return "\n".join(lines)
 
 
-async def _run_stream(stream: HedgedStream, *, live: TextIO | None) -> Report:
-    """Stream to ``live`` (if given) and return the report; a HedgeError is recorded in it."""
+@attrs.define
+class _Progress:
+    """What a run had when it was interrupted (filled in inside Trio, read after it)."""
+
+    report: Report | None = None
+
+
+async def _run_stream(
+    stream: HedgedStream, *, live: TextIO | None, progress: _Progress | None = None
+) -> Report:
+    """Stream to ``live`` (if given) and return the report; a HedgeError is recorded in it.
+    On any other exception (Ctrl-C), the report so far goes to ``progress`` first."""
     try:
         async with stream:
             async for token in stream:
@@ -74,6 +100,10 @@ async def _run_stream(stream: HedgedStream, *, live: TextIO | None) -> Report:
                     live.flush()
     except HedgeError:
         pass
+    except BaseException:
+        if progress is not None:
+            progress.report = stream.report  # the stream is closed: its report is final
+        raise
     if live is not None:
         live.write("\n")
     return stream.report
@@ -116,7 +146,11 @@ async def _demo(as_json: bool, out: TextIO) -> int:
     return 0 if report.error is None else 1
 
 
-async def _stream(args: argparse.Namespace, out: TextIO) -> int:
+def _seconds_or_off(value: float) -> float | None:
+    return None if value == 0 else value
+
+
+async def _stream(args: argparse.Namespace, out: TextIO, progress: _Progress) -> int:
     api_key = None
     if args.api_key_env:
         api_key = os.environ.get(args.api_key_env)
@@ -135,11 +169,13 @@ async def _stream(args: argparse.Namespace, out: TextIO) -> int:
         request["temperature"] = args.temperature
     policy = HedgePolicy(
         hedge_after=args.hedge_after,
-        first_token_timeout=args.first_token_timeout,
-        stall_timeout=args.stall_timeout,
+        first_token_timeout=_seconds_or_off(args.first_token_timeout),
+        stall_timeout=_seconds_or_off(args.stall_timeout),
     )
     report = await _run_stream(
-        hedged_stream(request, replicas, policy), live=None if args.json else out
+        hedged_stream(request, replicas, policy),
+        live=None if args.json else out,
+        progress=progress,
     )
     if args.json:
         out.write(json.dumps(report.to_dict(), indent=2) + "\n")
@@ -166,9 +202,29 @@ def _parser() -> argparse.ArgumentParser:
         help="base URL, e.g. http://127.0.0.1:8000/v1 (repeat: primary first)",
     )
     stream.add_argument("--model", required=True)
-    stream.add_argument("--hedge-after", type=float, default=1.0, metavar="SECONDS")
-    stream.add_argument("--first-token-timeout", type=float, default=None, metavar="SECONDS")
-    stream.add_argument("--stall-timeout", type=float, default=None, metavar="SECONDS")
+    stream.add_argument(
+        "--hedge-after",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="send a backup when no first token came within SECONDS (default: 1.0)",
+    )
+    stream.add_argument(
+        "--first-token-timeout",
+        type=float,
+        default=DEFAULT_FIRST_TOKEN_TIMEOUT,
+        metavar="SECONDS",
+        help="give up when no first token came within SECONDS, over all attempts "
+        f"(default: {DEFAULT_FIRST_TOKEN_TIMEOUT:g}; 0: wait forever)",
+    )
+    stream.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=DEFAULT_STALL_TIMEOUT,
+        metavar="SECONDS",
+        help="after the first token, give up when the answer goes quiet for SECONDS "
+        f"(default: {DEFAULT_STALL_TIMEOUT:g}; 0: wait forever)",
+    )
     stream.add_argument("--max-tokens", type=int, default=None)
     stream.add_argument("--temperature", type=float, default=None)
     stream.add_argument("--system", default=None, help="a system message")
@@ -183,16 +239,45 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_interrupt(exc: BaseException) -> bool:
+    """Ctrl-C, alone or inside an exception group (raised in one of the race's tasks)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(KeyboardInterrupt)[0] is not None
+    return False
+
+
+def _interrupted(progress: _Progress, as_json: bool, out: TextIO) -> int:
+    """Print what the interrupted run had: the partial answer (already streamed in text
+    mode; in the report's ``text`` with ``--json``), the report, and "interrupted"."""
+    report = progress.report
+    if as_json:
+        payload: dict[str, Any] = report.to_dict() if report is not None else {}
+        payload["interrupted"] = True
+        out.write(json.dumps(payload, indent=2) + "\n")
+    else:
+        out.write("\n")
+        if report is not None:
+            sys.stderr.write(format_report(report) + "\n")
+    out.flush()
+    sys.stderr.write("trio-hedge: interrupted\n")
+    return EXIT_INTERRUPTED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``trio-hedge`` and ``python -m trio_hedge``."""
     args = _parser().parse_args(argv)
     out = sys.stdout
+    progress = _Progress()
     try:
         if args.command == "demo":
             return trio.run(_demo, args.json, out)
-        return trio.run(_stream, args, out)
+        return trio.run(_stream, args, out, progress)
     except (ValueError, TypeError) as exc:
         sys.stderr.write(f"trio-hedge: {exc}\n")
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except BaseException as exc:
+        if not _is_interrupt(exc):
+            raise
+        return _interrupted(progress, args.json, out)
