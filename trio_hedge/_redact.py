@@ -43,8 +43,9 @@ class Redactor:
 
     __slots__ = ("__weakref__", "_pieces", "_secrets")
 
-    def __init__(self, secrets: Iterable[str | None] = ()) -> None:
-        self._secrets = tuple(s for s in secrets if s and len(s) >= MIN_PIECE)
+    def __init__(self, secrets: Iterable[object] = ()) -> None:
+        # Only strings are secrets here (a non-str key is refused by the caller's validator).
+        self._secrets = tuple(s for s in secrets if isinstance(s, str) and len(s) >= MIN_PIECE)
         self._pieces: frozenset[str] | None = None
 
     def __bool__(self) -> bool:
