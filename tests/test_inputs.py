@@ -224,3 +224,9 @@ async def test_extra_headers_are_checked_when_bound() -> None:
         with pytest.raises(ValueError, match=r"extra_headers\['X-Id'\]") as caught:
             _replica().bind(REQUEST, client, extra_headers={"X-Id": KEY + "\n"})
     assert KEY not in str(caught.value)
+
+
+async def test_a_source_bound_directly_never_serialises_nan() -> None:
+    async with httpx.AsyncClient() as client:
+        with pytest.raises(ValueError, match=r"request\['temperature'\] is NaN"):
+            _replica().bind({**REQUEST, "temperature": math.nan}, client)

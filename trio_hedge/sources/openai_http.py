@@ -207,7 +207,12 @@ class OpenAIChatSource:
         self._client = client
         self._header_names = header_names
         body = {**request, **replica.overrides, "stream": True}
-        self._content = json.dumps(body, ensure_ascii=False).encode()
+        try:
+            # Strict JSON: json.dumps would write NaN/Infinity, which servers refuse or misread.
+            self._content = json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
+        except (TypeError, ValueError):
+            check_json_body(body, "request")  # raises, naming the path
+            raise
         self._url = replica.base_url + replica.path
         headers = {"accept": "text/event-stream", "content-type": "application/json"}
         headers.update(replica.headers)
