@@ -112,7 +112,10 @@ async def test_hedged_loser_is_reset_and_the_connection_survives() -> None:
             assert primary.open_connections == 1
 
 
-async def test_a_stream_the_server_resets_leaves_the_others_on_its_connection_alone() -> None:
+@pytest.mark.parametrize("make", [_h2_client, lambda: th.make_client(http1=False, http2=True)])
+async def test_a_stream_the_server_resets_leaves_the_others_on_its_connection_alone(
+    make: object,
+) -> None:
     """The failing case: when the server reset one stream (RST_STREAM, here after its first
     token), our own reset of that stream raised h2's ``StreamClosedError`` and the fallback
     closed the whole connection, cutting every other request on it."""
@@ -122,7 +125,7 @@ async def test_a_stream_the_server_resets_leaves_the_others_on_its_connection_al
             return Behaviour(ttft=0.05, tokens=8, cut_after=1)
         return Behaviour(token_delay=0.05, tokens=8)
 
-    async with FakeReplica(behaviour, name="shared", http2=True) as server, _h2_client() as client:
+    async with FakeReplica(behaviour, name="shared", http2=True) as server, make() as client:  # type: ignore[operator]
         await _barrier(client, server)
         replica = th.Replica(server.url)
         texts: list[str] = []

@@ -96,8 +96,10 @@ class Redactor:
 #: Loggers whose records may hold request header values (see the module docstring).
 HEADER_LOGGERS = ("hpack.hpack", "hpack.table")
 
-_registered: weakref.WeakSet[Redactor] = weakref.WeakSet()
-_install_lock = threading.Lock()
+# Weak references to the live redactors, as an immutable tuple: the filter may run in any
+# thread while another registers, and reads it without a lock.
+_registered: tuple[weakref.ref[Redactor], ...] = ()
+_lock = threading.Lock()
 _installed = False
 
 
@@ -115,10 +117,10 @@ def _mask(value: object) -> object:
 
 
 def _mask_text(text: str) -> str:
-    for redactor in list(_registered):
-        masked = redactor(text)
-        if masked != text:
-            text = masked
+    for ref in _registered:
+        redactor = ref()
+        if redactor is not None:
+            text = redactor(text)
     return text
 
 
@@ -137,14 +139,14 @@ class _HeaderLogFilter(logging.Filter):
 def protect_in_logs(redactor: Redactor) -> None:
     """Mask ``redactor``'s secrets in the records of :data:`HEADER_LOGGERS` for as long as
     ``redactor`` lives (weakly referenced)."""
-    global _installed
+    global _installed, _registered
     if not redactor:
         return
-    if not _installed:
-        with _install_lock:
-            if not _installed:
-                log_filter = _HeaderLogFilter()
-                for name in HEADER_LOGGERS:
-                    logging.getLogger(name).addFilter(log_filter)
-                _installed = True
-    _registered.add(redactor)
+    with _lock:
+        if not _installed:
+            log_filter = _HeaderLogFilter()
+            for name in HEADER_LOGGERS:
+                logging.getLogger(name).addFilter(log_filter)
+            _installed = True
+        live = tuple(ref for ref in _registered if ref() is not None)
+        _registered = (*live, weakref.ref(redactor))
