@@ -186,3 +186,16 @@ def test_ctrl_c_prints_what_it_had_and_exits_130(
         text = out.out
     assert text.startswith("tok0 tok1 tok2 ")
     assert record.disconnected_at is not None  # the stream was closed: the server stopped
+
+
+def test_a_key_read_from_a_file_is_refused_without_showing_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TH_FILE_KEY", "sk-from-a-file-7Hq2\n")  # `export K="$(cat f)\n"`
+    args = ["stream", "--replica", "http://127.0.0.1:9/v1", "--model", "m"]
+    status = cli.main([*args, "--api-key-env", "TH_FILE_KEY", "hi"])
+    out = capsys.readouterr()
+    assert status == 2
+    assert "api_key contains a line break" in out.err
+    assert "7Hq2" not in out.out + out.err
+    assert "sk-from" not in out.out + out.err
