@@ -319,3 +319,31 @@ async def test_asyncio_timeout_closes_every_upstream(committed: bool) -> None:
 
 async def test_break_then_leaving_closes_the_winner() -> None:
     await _cancel_case("break", committed=True)
+
+
+async def test_a_second_cancel_does_not_cut_the_close_short(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    ledger = Ledger()
+
+    async def consume() -> None:
+        async with aio_hedged_stream(
+            None, sources(ledger, Script(ttft=0.1, tokens=100, gap=1.0, close_delay=0.5))
+        ) as stream:
+            async for _ in stream:
+                pass
+
+    async def cancel_twice() -> tuple[int, float]:
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(2)  # streaming
+        task.cancel()
+        await asyncio.sleep(0.2)  # the pump is closing the winner (0.5 s)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return ledger.open_now, trio.current_time()
+
+    start = trio.current_time()
+    open_now, ended = await in_asyncio(cancel_twice)
+    assert open_now == 0  # the task ended only after the winner was closed
+    assert ended - start == pytest.approx(2.5)
