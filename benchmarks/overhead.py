@@ -11,6 +11,12 @@ client's CPU is counted. Every client path streams the same answer (``--tokens``
 * ``trio_hedge (1 replica)``: ``hedged_stream`` with one replica;
 * ``trio_hedge (hedged)``: primary slow to first token (``--slow-ms``), backup fast,
   ``hedge_after`` 5 ms: the winner is the backup, the loser is cancelled;
+* ``asyncio bridge (1 replica)`` / ``(hedged, backup wins)``: the same two requests made by
+  asyncio code through :mod:`trio_hedge.aio` on a trio-asyncio loop; the target is at most
+  15 µs of CPU per token above the Trio path reading the same stream;
+* ``paced source, Trio`` / ``paced source, asyncio bridge``: an in-process source that
+  checkpoints before every token, so the asyncio consumer always finds the buffer empty and
+  every token is a hand-over of its own (the bridge's worst case; no batching helps);
 * ``openai SDK (asyncio)``: ``AsyncOpenAI(...).chat.completions.create(stream=True)``, run in
   its own ``asyncio.run`` loop in the same process, between the Trio runs (no trio-asyncio).
 
@@ -20,7 +26,8 @@ tokens/s from the first content token to the last (the steady streaming rate; th
 and connection setup are not a per-token cost), and CPU µs per token
 (``time.process_time()`` over the whole request, setup included).
 
-Targets: both trio_hedge paths reach >= 0.9x the tokens/s of ``httpx aiter_lines + json`` and
+Targets: the asyncio bridge costs <= 15 CPU µs/token above the Trio path; both trio_hedge
+paths reach >= 0.9x the tokens/s of ``httpx aiter_lines + json`` and
 beat the openai SDK.
 
 Run: ``python benchmarks/overhead.py`` (``--quick``: 2,000 tokens, 3 repetitions;
@@ -159,6 +166,80 @@ async def _hedged(replicas: list[th.Replica], policy: th.HedgePolicy, winner: in
     return run
 
 
+async def _aio_hedged(replicas: list[th.Replica], policy: th.HedgePolicy, winner: int) -> Run:
+    """The same request from asyncio code, through the bridge (trio_hedge.aio)."""
+    import trio_asyncio
+
+    from trio_hedge.aio import aio_hedged_stream
+
+    run = Run()
+
+    async def consume(client: httpx.AsyncClient) -> th.Report:
+        stream = aio_hedged_stream(BODY, replicas, policy, client=client)
+        async with stream:
+            async for token in stream:
+                run.note(token)
+        return stream.report
+
+    async with trio_asyncio.open_loop(), _client() as client:
+        run.t_start, cpu0 = time.perf_counter(), time.process_time()
+        report = await trio_asyncio.aio_as_trio(consume)(client)
+        run.t_end, run.cpu = time.perf_counter(), time.process_time() - cpu0
+    if report.winner != winner:
+        raise AssertionError(f"expected attempt {winner} to win: {report}")
+    return run
+
+
+class _Paced:
+    """``tokens`` tokens, each after a checkpoint: the consumer waits for every one."""
+
+    def __init__(self, tokens: int) -> None:
+        self._i, self._n = 0, tokens
+
+    def __aiter__(self) -> _Paced:
+        return self
+
+    async def __anext__(self) -> str:
+        await trio.lowlevel.checkpoint()
+        if self._i == self._n:
+            raise StopAsyncIteration
+        self._i += 1
+        return token_text(self._i - 1)
+
+
+def _paced_source(tokens: int) -> th.IteratorSource:
+    return th.iterator_source(lambda info: _Paced(tokens), name="paced")
+
+
+async def _paced_trio(tokens: int) -> Run:
+    run = Run()
+    run.t_start, cpu0 = time.perf_counter(), time.process_time()
+    async with th.hedged_stream(None, [_paced_source(tokens)]) as stream:
+        async for token in stream:
+            run.note(token)
+    run.t_end, run.cpu = time.perf_counter(), time.process_time() - cpu0
+    return run
+
+
+async def _paced_aio(tokens: int) -> Run:
+    import trio_asyncio
+
+    from trio_hedge.aio import aio_hedged_stream
+
+    run = Run()
+
+    async def consume() -> None:
+        async with aio_hedged_stream(None, [_paced_source(tokens)]) as stream:
+            async for token in stream:
+                run.note(token)
+
+    async with trio_asyncio.open_loop():
+        run.t_start, cpu0 = time.perf_counter(), time.process_time()
+        await trio_asyncio.aio_as_trio(consume)()
+        run.t_end, run.cpu = time.perf_counter(), time.process_time() - cpu0
+    return run
+
+
 async def _openai_sdk(base: str) -> Run:
     from openai import AsyncOpenAI
 
@@ -185,6 +266,8 @@ class Path_:
     name: str
     run: Callable[[], Run]
     hedged: bool = False
+    #: for the asyncio bridge: the Trio path reading the same stream (the µs/token target).
+    trio_twin: str | None = None
 
 
 def _paths(port: int, tokens: int, slow_ms: int) -> list[Path_]:
@@ -208,6 +291,22 @@ def _paths(port: int, tokens: int, slow_ms: int) -> list[Path_]:
             "trio_hedge (hedged, backup wins)",
             in_trio(_hedged, pair, th.HedgePolicy(hedge_after=0.005), 2),
             hedged=True,
+        ),
+        Path_(
+            "asyncio bridge (1 replica)",
+            in_trio(_aio_hedged, one, th.HedgePolicy(hedge_after=None), 1),
+            trio_twin="trio_hedge (1 replica)",
+        ),
+        Path_(
+            "asyncio bridge (hedged, backup wins)",
+            in_trio(_aio_hedged, pair, th.HedgePolicy(hedge_after=0.005), 2),
+            trio_twin="trio_hedge (hedged, backup wins)",
+        ),
+        Path_("paced source, Trio", in_trio(_paced_trio, tokens)),
+        Path_(
+            "paced source, asyncio bridge",
+            in_trio(_paced_aio, tokens),
+            trio_twin="paced source, Trio",
         ),
         Path_("openai SDK (asyncio.run)", lambda: asyncio.run(_openai_sdk(fast))),
     ]
@@ -271,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     console.print(table)
     for p in paths:
+        if p.trio_twin is not None:
+            extra = cpus[p.name] - cpus[p.trio_twin]
+            console.print(
+                verdict(extra <= 15.0, f"{p.name}: +{extra:.1f} CPU µs/token over Trio (<= 15)")
+            )
         if p.hedged:
             ratio = rates[p.name] / rates[base]
             console.print(

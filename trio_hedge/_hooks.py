@@ -4,6 +4,16 @@ Like stamina's instrumentation hooks: a plain list of callables, each called syn
 with one :class:`HedgeEvent`. Keep callbacks quick (they run inside the race); an exception in
 one is logged on the ``trio_hedge`` logger and otherwise ignored, so instrumentation can never
 break a request.
+
+A hook may also return a context manager (as stamina's ``RetryHook`` may, since 25.1): it is
+entered at once and exited when what the event began ends. For ``attempt_started`` that is the
+attempt's end (its ``attempt_failed`` event, with the :class:`~trio_hedge.AttemptError` as the
+exception; its ``attempt_cancelled`` event; or, for the winner, the ``request_finished`` event,
+with the request's error if it has one), so a span or a timer wraps an attempt. A context
+manager returned for any other event is exited at once. Hooks that return ``None`` work as
+before. The context manager is entered and exited in whichever Trio task emits the events, so
+it must not set context variables it expects to reset (OpenTelemetry's ``use_span``): start
+and end a span explicitly instead (see :class:`~trio_hedge.instrumentation.OpenTelemetryHook`).
 """
 
 from __future__ import annotations
@@ -11,6 +21,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 import attrs
 
@@ -67,13 +78,70 @@ class HedgeEvent:
     report: Report | None = attrs.field(default=None, eq=False)
 
 
-EventHook = Callable[[HedgeEvent], None]
+#: An ``on_event`` callback: returns ``None``, or a context manager that wraps what the event
+#: began (see the module docs).
+EventHook = Callable[[HedgeEvent], "AbstractContextManager[object] | None"]
+
+_Scope = tuple[EventHook, AbstractContextManager[object]]
+#: Context managers open for attempts: {(id(hooks), request id): {attempt number: [...]}}.
+#: An entry lives from an attempt's start to its end (at the latest the request's end), so
+#: its size is bounded by the attempts in flight.
+_OPEN: dict[tuple[int, str | None], dict[int, list[_Scope]]] = {}
+
+_ATTEMPT_ENDS = frozenset({EventKind.ATTEMPT_FAILED, EventKind.ATTEMPT_CANCELLED})
 
 
 def emit(hooks: Sequence[EventHook], event: HedgeEvent) -> None:
-    """Call every hook with ``event``; log and swallow their exceptions."""
+    """Call every hook with ``event``; log and swallow their exceptions. Enter the context
+    managers hooks return, and exit those whose attempt (or request) ``event`` ends, after
+    every hook has seen it."""
+    kind = event.kind
+    record = event.record
     for hook in hooks:
         try:
-            hook(event)
+            result = hook(event)
         except Exception:
             logger.exception("trio_hedge on_event hook %r failed", hook)
+            continue
+        if result is None or not hasattr(result, "__exit__"):
+            continue
+        try:
+            result.__enter__()
+        except Exception:
+            logger.exception("trio_hedge on_event hook %r: entering its context failed", hook)
+            continue
+        if kind is EventKind.ATTEMPT_STARTED and record is not None:
+            attempts = _OPEN.setdefault((id(hooks), event.request_id), {})
+            attempts.setdefault(record.number, []).append((hook, result))
+        else:
+            _exit(hook, result, None)
+    if kind in _ATTEMPT_ENDS and record is not None:
+        key = (id(hooks), event.request_id)
+        running = _OPEN.get(key)
+        if running is not None:
+            scopes = running.pop(record.number, [])
+            if not running:
+                del _OPEN[key]
+            failure = record.error if kind is EventKind.ATTEMPT_FAILED else None
+            for hook, manager in reversed(scopes):
+                _exit(hook, manager, failure)
+    elif kind is EventKind.REQUEST_FINISHED:
+        remaining = _OPEN.pop((id(hooks), event.request_id), None)
+        if remaining:
+            report = event.report
+            error = report.error if report is not None else None
+            for number in sorted(remaining, reverse=True):
+                for hook, manager in reversed(remaining[number]):
+                    _exit(hook, manager, error)
+
+
+def _exit(
+    hook: EventHook, manager: AbstractContextManager[object], error: BaseException | None
+) -> None:
+    try:
+        if error is None:
+            manager.__exit__(None, None, None)
+        else:
+            manager.__exit__(type(error), error, error.__traceback__)
+    except Exception:
+        logger.exception("trio_hedge on_event hook %r: exiting its context failed", hook)

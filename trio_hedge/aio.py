@@ -1,106 +1,178 @@
-"""asyncio code through trio-asyncio: ``async with aio_hedged_stream(...) as stream``.
+"""asyncio code through trio-asyncio: hedged streams and a shared :class:`AioHedger`.
 
-trio-asyncio runs each ``__anext__`` of an adapted Trio iterator in a *new* Trio task, so a
-hedged stream (whose race holds a nursery) cannot be iterated across tasks. Here one Trio task
-owns the whole :class:`~trio_hedge.HedgedStream` from race to close and hands tokens to
-asyncio through a memory channel; leaving the ``async with`` (``break``, an exception, or an
-asyncio cancellation) cancels that task and waits until it has closed every response.
+Start from a plain asyncio program by running it with ``trio_asyncio.run`` instead of
+``asyncio.run``::
 
-Needs the ``asyncio`` extra (``pip install trio-hedge[asyncio]``) and a running trio-asyncio
-loop (``async with trio_asyncio.open_loop():`` in Trio, or ``trio_asyncio.run``).
+    import trio_asyncio
+    from trio_hedge.aio import aio_hedged_stream
+
+    async def main():  # an ordinary asyncio coroutine
+        async with aio_hedged_stream(request, replicas) as stream:
+            async for token in stream:
+                print(token, end="")
+
+    trio_asyncio.run(trio_asyncio.aio_as_trio(main))
+
+How the bridge works. trio-asyncio runs each ``__anext__`` of an adapted Trio iterator in a
+*new* Trio task, and a hedged stream (whose race holds a nursery) cannot be iterated across
+tasks; a Trio task per token also costs ~100 µs. So one Trio task (the *pump*) owns the whole
+:class:`~trio_hedge.HedgedStream`, from the race to the close, and appends the winner's deltas
+to a buffer that asyncio reads directly: the asyncio side waits (one asyncio future) only when
+the buffer is empty, and then takes everything that arrived meanwhile. A hand-over costs one
+wake-up however many tokens it carries, never a task or a future per token. The pump stops
+reading ahead when ``buffer`` deltas wait unread.
+
+Leaving the ``async with`` by any path (the end, ``break``, an exception, ``task.cancel()``,
+``asyncio.timeout``) cancels the pump and waits until it has closed every upstream response
+(each close is bounded by the policy's ``close_timeout``): no Trio task outlives the block.
+
+Needs the ``asyncio`` extra (``pip install "trio-hedge[asyncio]"``) and a running trio-asyncio
+loop (``trio_asyncio.run(...)``, or ``async with trio_asyncio.open_loop():`` inside Trio).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
+import httpx
 import trio
 
 from ._errors import HedgeError
+from ._events import Delta
+from ._hooks import EventHook
 from ._policy import HedgePolicy
 from ._report import Report
+from ._stats import HedgerStatistics
 from ._stream import HedgedStream, hedged_stream
+from .hedger import Hedger, HedgerConfig
 from .sources._base import Source
-from .sources.openai_http import Replica
+from .sources.openai_http import HeaderNames, Replica
 
-__all__ = ["AioHedgedStream", "aio_hedged_stream"]
+__all__ = ["AioHedgedStream", "AioHedger", "aio_hedged_stream"]
 
-_COMMITTED = object()
+#: Deltas the pump may read ahead of the asyncio consumer (back-pressure beyond that).
+DEFAULT_BUFFER = 256
+
+
+def _trio_asyncio_loop() -> Any:
+    loop: Any = asyncio.get_running_loop()
+    if not hasattr(loop, "trio_as_future"):
+        raise RuntimeError(
+            "trio_hedge.aio needs a trio-asyncio event loop: run your program with "
+            "trio_asyncio.run(trio_asyncio.aio_as_trio(main)) instead of asyncio.run(main())"
+        )
+    return loop
 
 
 class AioHedgedStream:
-    """The asyncio-flavoured face of one :class:`~trio_hedge.HedgedStream`: ``async with``
-    waits for the commit (raising the same errors), ``async for`` yields ``str`` tokens."""
+    """The asyncio face of one :class:`~trio_hedge.HedgedStream`.
 
-    def __init__(self, stream: HedgedStream, *, buffer: int = 256) -> None:
+    ``async with`` waits for the commit (raising what the Trio stream raises:
+    :class:`~trio_hedge.FatalAttemptError`, :class:`~trio_hedge.AllAttemptsFailed`);
+    ``async for`` yields ``str`` tokens; :meth:`events` yields :class:`~trio_hedge.Delta`
+    events (both read one queue, as on the Trio stream); :attr:`report` says what happened.
+    While iterating, :class:`~trio_hedge.StreamInterrupted` comes after the tokens that
+    arrived before the failure. Use each stream once, from one asyncio task.
+
+    Args:
+        stream: the Trio stream to run (not yet entered).
+        buffer: deltas read ahead of the consumer at most. Default 256.
+
+    Raises:
+        RuntimeError: entered outside a trio-asyncio loop, or twice.
+    """
+
+    def __init__(self, stream: HedgedStream, *, buffer: int = DEFAULT_BUFFER) -> None:
+        if not isinstance(stream, HedgedStream):
+            raise TypeError(f"stream must be a HedgedStream, not {type(stream).__name__}")
+        if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
+            raise ValueError(f"buffer must be an int >= 1, not {buffer!r}")
         self._stream = stream
-        self._buffer = buffer
-        self._receive: trio.MemoryReceiveChannel[object] | None = None
+        self._limit = buffer
+        # Shared between the pump (a Trio task) and the asyncio consumer. Both run in one
+        # thread (trio-asyncio), so plain objects need no locks.
+        self._ready: deque[Delta] = deque()
+        self._done = False  # the pump will add nothing more
+        self._error: BaseException | None = None  # raised once the buffer is drained
+        self._committed = False
+        self._waiter: asyncio.Future[None] | None = None  # the consumer, waiting for the pump
+        self._space: trio.Event | None = None  # the pump, waiting for the consumer
         self._task: asyncio.Future[None] | None = None
+        self._entered = False
 
     @property
     def report(self) -> Report:
         """The underlying stream's report (see :class:`~trio_hedge.Report`)."""
         return self._stream.report
 
-    async def _pump(self, send: trio.MemorySendChannel[object]) -> None:
-        async with send:
-            try:
-                async with self._stream:
-                    await send.send(_COMMITTED)
-                    async for token in self._stream:
-                        await send.send(token)
-            except HedgeError as exc:
-                await send.send(exc)
+    @property
+    def request_id(self) -> str:
+        """The id every attempt of this request carries."""
+        return self._stream.request_id
 
-    async def _next(self) -> object:
-        assert self._receive is not None
-        receive = self._receive.receive
-        loop: Any = asyncio.get_running_loop()
+    @property
+    def text(self) -> str:
+        """The text handed to the pump so far (the consumer may not have read all of it)."""
+        return self._stream.text
+
+    # -- the pump (Trio) -----------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _pump(self) -> None:
+        ready = self._ready
+        limit = self._limit
         try:
-            return await loop.trio_as_future(receive)
-        except trio.EndOfChannel:
-            raise StopAsyncIteration from None
+            async with self._stream as stream:
+                self._committed = True
+                self._wake()
+                async for delta in stream.events():
+                    ready.append(delta)
+                    if len(ready) == 1:
+                        self._wake()  # the consumer may be waiting on an empty buffer
+                    elif len(ready) >= limit:
+                        self._space = space = trio.Event()
+                        await space.wait()
+        except HedgeError as exc:
+            self._error = exc
+        finally:
+            self._done = True
+            self._wake()
+
+    # -- the consumer (asyncio) ----------------------------------------------------------------
+
+    async def _wait(self) -> None:
+        """Wait until the pump added something or finished."""
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        await waiter
 
     async def __aenter__(self) -> AioHedgedStream:
-        loop: Any = asyncio.get_running_loop()
-        if not hasattr(loop, "trio_as_future"):
-            raise RuntimeError("aio_hedged_stream needs a running trio-asyncio event loop")
-        send, self._receive = trio.open_memory_channel[object](self._buffer)
-        self._task = loop.trio_as_future(self._pump, send)
+        if self._entered:
+            raise RuntimeError("an AioHedgedStream can be entered only once")
+        loop = _trio_asyncio_loop()
+        self._entered = True
+        self._task = loop.trio_as_future(self._pump)
         try:
-            first = await self._next()
+            while not (self._committed or self._done):
+                await self._wait()
         except BaseException:
             await self._stop()
             raise
-        if isinstance(first, HedgeError):
-            await self._stop()
-            raise first
+        if not self._committed:
+            await self._stop()  # raises what the pump raised (a bug, KeyboardInterrupt)
+            error, self._error = self._error, None
+            assert error is not None
+            raise error
         return self
-
-    def __aiter__(self) -> AioHedgedStream:
-        return self
-
-    async def __anext__(self) -> str:
-        item = await self._next()
-        if isinstance(item, HedgeError):
-            raise item
-        assert isinstance(item, str)
-        return item
-
-    async def _stop(self) -> None:
-        task, self._task = self._task, None
-        if task is None:
-            return
-        if not task.done():
-            task.cancel()
-        # Wait until the Trio task has closed every response: no task outlives the block.
-        await asyncio.wait([task])
-        if not task.cancelled() and task.exception() is not None:
-            raise task.exception()  # type: ignore[misc]
 
     async def __aexit__(
         self,
@@ -110,14 +182,178 @@ class AioHedgedStream:
     ) -> None:
         await self._stop()
 
+    async def _stop(self) -> None:
+        """Cancel the pump and wait until it has closed every response, even if this task is
+        cancelled again meanwhile (the wait is bounded by the close timeout)."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        if not task.done():
+            task.cancel()
+        cancelled: BaseException | None = None
+        while not task.done():
+            try:
+                await asyncio.wait([task])
+            except asyncio.CancelledError as exc:
+                cancelled = exc
+        if not task.cancelled() and (error := task.exception()) is not None:
+            raise error
+        if cancelled is not None:
+            raise cancelled
+
+    def _take(self) -> Delta | None:
+        """The next delta, ``None`` when the stream ended; raises the pump's error."""
+        ready = self._ready
+        if ready:
+            delta = ready.popleft()
+            space = self._space
+            if space is not None and len(ready) <= self._limit // 2:
+                self._space = None
+                space.set()
+            return delta
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return None
+
+    def __aiter__(self) -> AioHedgedStream:
+        return self
+
+    async def __anext__(self) -> str:
+        if self._task is None:
+            raise RuntimeError("iterate an AioHedgedStream inside its 'async with' block")
+        while True:
+            delta = self._take()
+            if delta is None:
+                if self._done:
+                    raise StopAsyncIteration
+                await self._wait()
+            elif delta.content:
+                return delta.content
+
+    async def _next_event(self) -> Delta:
+        if self._task is None:
+            raise RuntimeError("iterate an AioHedgedStream inside its 'async with' block")
+        while True:
+            delta = self._take()
+            if delta is not None:
+                return delta
+            if self._done:
+                raise StopAsyncIteration
+            await self._wait()
+
+    def events(self) -> _AioEventIterator:
+        """An async iterator of the winner's :class:`~trio_hedge.Delta` events (content,
+        reasoning, tool-call fragments, usage, finish reason), as
+        :meth:`trio_hedge.HedgedStream.events`: it shares one queue with ``async for``."""
+        return _AioEventIterator(self)
+
+
+class _AioEventIterator:
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: AioHedgedStream) -> None:
+        self._stream = stream
+
+    def __aiter__(self) -> _AioEventIterator:
+        return self
+
+    def __anext__(self) -> Coroutine[Any, Any, Delta]:
+        return self._stream._next_event()
+
 
 def aio_hedged_stream(
     request: Mapping[str, Any] | None,
     replicas: Sequence[Replica | Source],
     policy: HedgePolicy | None = None,
+    *,
+    buffer: int = DEFAULT_BUFFER,
     **kwargs: Any,
 ) -> AioHedgedStream:
-    """:func:`~trio_hedge.hedged_stream` for asyncio code running on trio-asyncio; takes the
-    same arguments. Note: pass no ``httpx.AsyncClient`` created by asyncio code: the HTTP work
-    runs in Trio."""
-    return AioHedgedStream(hedged_stream(request, replicas, policy, **kwargs))
+    """:func:`~trio_hedge.hedged_stream` for asyncio code on trio-asyncio; takes the same
+    arguments (validated here, before any I/O), plus ``buffer`` (see
+    :class:`AioHedgedStream`). A ``client=`` must be an ``httpx.AsyncClient`` that only the
+    library uses: its connections live in Trio."""
+    return AioHedgedStream(hedged_stream(request, replicas, policy, **kwargs), buffer=buffer)
+
+
+class AioHedger:
+    """A :class:`~trio_hedge.Hedger` for asyncio code: one long-lived object shared by every
+    asyncio task of an application (learned hedge delay, budget, replica health)::
+
+        async with AioHedger(replicas) as hedger:      # in asyncio code on trio-asyncio
+            async with hedger.stream(request) as stream:
+                async for token in stream: ...
+
+    Takes the :class:`~trio_hedge.Hedger`'s arguments. All its work runs in Trio (one pump
+    task per open stream), in the loop's thread, so the shared state needs no locks.
+
+    Raises:
+        TypeError, ValueError: as :class:`~trio_hedge.Hedger` (bad replicas or config).
+    """
+
+    def __init__(
+        self,
+        replicas: Sequence[Replica | Source],
+        config: HedgerConfig | None = None,
+        *,
+        client: httpx.AsyncClient | None = None,
+        headers: HeaderNames | None = None,
+        on_event: Iterable[EventHook] = (),
+        buffer: int = DEFAULT_BUFFER,
+    ) -> None:
+        self._hedger = Hedger(replicas, config, client=client, headers=headers, on_event=on_event)
+        if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
+            raise ValueError(f"buffer must be an int >= 1, not {buffer!r}")
+        self._buffer = buffer
+
+    @property
+    def hedger(self) -> Hedger:
+        """The Trio :class:`~trio_hedge.Hedger` doing the work (for Trio code in the same
+        program: both faces share one state)."""
+        return self._hedger
+
+    @property
+    def on_event(self) -> list[EventHook]:
+        """The mutable list of event hooks (see :class:`~trio_hedge.Hedger`)."""
+        return self._hedger.on_event
+
+    @property
+    def config(self) -> HedgerConfig:
+        """The :class:`~trio_hedge.HedgerConfig`."""
+        return self._hedger.config
+
+    def stream(self, request: Mapping[str, Any] | None, **kwargs: Any) -> AioHedgedStream:
+        """Open one hedged request; takes :meth:`trio_hedge.Hedger.stream`'s arguments
+        (``hedge``, ``side_effects``, ``idempotency_key``, ``prompt_tokens``, ``group``,
+        ``request_id``), validated here, before any I/O.
+
+        Raises:
+            RuntimeError: the hedger was closed.
+            TypeError, ValueError: bad arguments.
+        """
+        return AioHedgedStream(self._hedger.stream(request, **kwargs), buffer=self._buffer)
+
+    def statistics(self) -> HedgerStatistics:
+        """A :class:`~trio_hedge.HedgerStatistics` snapshot."""
+        return self._hedger.statistics()
+
+    def hedge_delay(self, *, prompt_tokens: int = 0, group: str = "default") -> float | None:
+        """The hedge delay (seconds) a request of this size and group would get now."""
+        return self._hedger.hedge_delay(prompt_tokens=prompt_tokens, group=group)
+
+    async def aclose(self) -> None:
+        """Close the client the hedger created (see :meth:`trio_hedge.Hedger.aclose`)."""
+        await _trio_asyncio_loop().trio_as_future(self._hedger.aclose)
+
+    async def __aenter__(self) -> AioHedger:
+        _trio_asyncio_loop()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()

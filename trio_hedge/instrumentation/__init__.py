@@ -2,9 +2,13 @@
 its library lazily, so the core depends on none of them)::
 
     hedger = trio_hedge.Hedger(replicas, on_event=[LoggingHook(), PrometheusHook()])
+
+A hook may return a context manager that wraps what the event began (an attempt, for
+``attempt_started``): :class:`OpenTelemetryHook` wraps each attempt in a span that way.
 """
 
 from ._logging import LoggingHook
+from ._otel import OpenTelemetryHook
 from ._prometheus import PrometheusHook
 
-__all__ = ["LoggingHook", "PrometheusHook"]
+__all__ = ["LoggingHook", "OpenTelemetryHook", "PrometheusHook"]

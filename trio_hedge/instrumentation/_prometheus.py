@@ -2,11 +2,60 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any
 
 from .._hooks import EventKind, HedgeEvent
 
 __all__ = ["PrometheusHook"]
+
+#: Collectors already registered, per registry and prefix: a second hook (a second Hedger in
+#: the same process) shares them instead of registering the same names again, which
+#: prometheus-client refuses (``Duplicated timeseries in CollectorRegistry``).
+_SHARED: weakref.WeakKeyDictionary[Any, dict[str, _Collectors]] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+class _Collectors:
+    def __init__(self, prom: Any, prefix: str, registry: Any) -> None:
+        kw = {"registry": registry}
+        self.requests = prom.Counter(
+            f"{prefix}_requests", "Finished hedged requests.", ["hedged", "outcome"], **kw
+        )
+        self.attempts = prom.Counter(
+            f"{prefix}_attempts",
+            "Attempts by how they ended.",
+            ["replica", "trigger", "outcome"],
+            **kw,
+        )
+        self.backups_won = prom.Counter(
+            f"{prefix}_backups_won", "Backups that won the race.", ["replica"], **kw
+        )
+        self.refused = prom.Counter(
+            f"{prefix}_hedges_refused", "Backups not sent.", ["reason"], **kw
+        )
+        self.replica_events = prom.Counter(
+            f"{prefix}_replica_events",
+            "Replica cooldowns and ejections.",
+            ["replica", "kind"],
+            **kw,
+        )
+        self.ttft = prom.Histogram(
+            f"{prefix}_ttft_seconds",
+            "Caller-visible time to first token (seconds).",
+            buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64),
+            **kw,
+        )
+
+
+def _collectors(prom: Any, registry: Any, prefix: str) -> _Collectors:
+    with _LOCK:
+        by_prefix = _SHARED.setdefault(registry, {})
+        found = by_prefix.get(prefix)
+        if found is None:
+            found = by_prefix[prefix] = _Collectors(prom, prefix, registry)
+        return found
 
 
 class PrometheusHook:
@@ -20,6 +69,11 @@ class PrometheusHook:
     - ``trio_hedge_hedges_refused_total{reason}``: Finagle ``budget_exhausted``, by reason;
     - ``trio_hedge_replica_events_total{replica,kind}``: cooldowns and ejections;
     - ``trio_hedge_ttft_seconds``: caller-visible time to first token (histogram).
+
+    Several hooks in one process (one per :class:`~trio_hedge.Hedger`, say) with the same
+    registry and prefix share one set of collectors, so their counts add up; give each its own
+    ``registry`` (or ``prefix``) to keep them apart. Metric names and labels are listed in
+    ``docs/instrumentation.md``.
 
     Args:
         registry: a ``prometheus_client.CollectorRegistry``; default the global one.
@@ -36,34 +90,17 @@ class PrometheusHook:
             raise ImportError(
                 "PrometheusHook needs prometheus-client: pip install prometheus-client"
             ) from exc
-        kw: dict[str, Any] = {} if registry is None else {"registry": registry}
-        self._requests = prom.Counter(
-            f"{prefix}_requests", "Finished hedged requests.", ["hedged", "outcome"], **kw
-        )
-        self._attempts = prom.Counter(
-            f"{prefix}_attempts",
-            "Attempts by how they ended.",
-            ["replica", "trigger", "outcome"],
-            **kw,
-        )
-        self._backups_won = prom.Counter(
-            f"{prefix}_backups_won", "Backups that won the race.", ["replica"], **kw
-        )
-        self._refused = prom.Counter(
-            f"{prefix}_hedges_refused", "Backups not sent.", ["reason"], **kw
-        )
-        self._replica_events = prom.Counter(
-            f"{prefix}_replica_events",
-            "Replica cooldowns and ejections.",
-            ["replica", "kind"],
-            **kw,
-        )
-        self._ttft = prom.Histogram(
-            f"{prefix}_ttft_seconds",
-            "Caller-visible time to first token (seconds).",
-            buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64),
-            **kw,
-        )
+        if registry is None:
+            registry = prom.REGISTRY
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"prefix must be a non-empty str, not {prefix!r}")
+        shared = _collectors(prom, registry, prefix)
+        self._requests = shared.requests
+        self._attempts = shared.attempts
+        self._backups_won = shared.backups_won
+        self._refused = shared.refused
+        self._replica_events = shared.replica_events
+        self._ttft = shared.ttft
 
     def __call__(self, event: HedgeEvent) -> None:
         kind = event.kind

@@ -1,0 +1,76 @@
+"""What the examples promise beyond their smoke runs (CI smoke-runs each with --smoke): the SSE
+endpoint relays tokens as they arrive, and a browser that goes away closes every upstream."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import httpx
+import pytest
+import trio
+
+pytest.importorskip("hypercorn")
+
+import trio_hedge as th
+from trio_hedge.testing import Behaviour, fake_replicas
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+async def _serve(app: object, nursery: trio.Nursery) -> tuple[str, trio.Event]:
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    config.errorlog = None
+    shutdown = trio.Event()
+
+    async def run(task_status: trio.TaskStatus[list[str]]) -> None:
+        await serve(app, config, shutdown_trigger=shutdown.wait, task_status=task_status)  # type: ignore[arg-type]
+
+    binds = await nursery.start(run)
+    return binds[0], shutdown
+
+
+async def test_sse_endpoint_relays_tokens_and_a_gone_browser_closes_every_upstream() -> None:
+    sse = _load("sse_server")
+    slow = Behaviour(ttft=30.0)
+    streaming = Behaviour(ttft=0.0, token_delay=0.05, tokens=200)
+    async with fake_replicas(slow, streaming, names=["p", "b"]) as (p, b), trio.open_nursery() as n:
+        replicas = [th.Replica(r.url, name=r.name) for r in (p, b)]
+        async with th.Hedger(replicas, th.HedgerConfig(hedge_after=0.05)) as hedger:
+            url, shutdown = await _serve(sse.App(hedger, "m"), n)
+            async with httpx.AsyncClient(timeout=5) as client:
+                tokens = []
+                async with client.stream("GET", url + "/chat", params={"q": "hi"}) as response:
+                    assert response.headers["content-type"] == "text/event-stream"
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: "):
+                            tokens.append(json.loads(line[6:])["token"])
+                            if len(tokens) == 3:
+                                break  # the browser goes away mid-answer
+                left_at = trio.current_time()
+            assert tokens == ["tok0 ", "tok1 ", "tok2 "]
+            with trio.fail_after(2):
+                primary = await p.wait_finished(0)
+                backup = await b.wait_disconnected(0)
+            assert primary.disconnected_at is not None  # the loser, at the commit
+            assert backup.disconnected_at is not None
+            assert backup.disconnected_at - left_at < 0.1
+            assert backup.tokens_sent < 200
+            shutdown.set()

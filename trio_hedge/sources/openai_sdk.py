@@ -1,0 +1,373 @@
+"""The official ``openai`` SDK as a :class:`~trio_hedge.Source`: race
+``client.chat.completions.create(..., stream=True)`` over your own ``AsyncOpenAI`` clients.
+
+``openai.AsyncOpenAI`` runs under Trio (it is built on httpx and anyio, both of which detect
+Trio): streaming works, and cancelling a task inside its stream closes the HTTP response (the
+server saw the disconnect within a millisecond over loopback, ``tests/test_openai_sdk.py``).
+Leaving its stream early *without* cancelling leaves the response open until
+``AsyncStream.close()``: an attempt here always closes it.
+
+Each attempt is one ``create(**request, stream=True)`` call on the replica's client, whose
+``ChatCompletionChunk`` s become :class:`SDKChunkDelta` events (a
+:class:`~trio_hedge.Delta` that keeps the ``chunk``): iterate the stream for ``str`` tokens,
+or :func:`sdk_chunks` for the SDK's own chunk objects.
+
+Errors are classified as the HTTP source classifies them (one set of rules,
+:func:`trio_hedge.chunks.classify_http_error`): ``openai.APIStatusError`` by its status code,
+headers (``Retry-After``) and body; ``APITimeoutError`` is a timeout; ``APIConnectionError`` and
+transport errors a connection error (a truncated stream once data arrived); an ``APIError``
+raised inside a 200 stream (an in-band error event) by its error object.
+
+Retries: the SDK retries 408/409/429/5xx and connection errors itself (``max_retries``, default
+2, with backoff of 0.5–8 s) *inside* one call, which would hide a failing replica from the race
+(no failover until its retries are spent) and from the Hedger's health, budget and throttle.
+Attempts therefore use ``client.with_options(max_retries=0)`` (a copy sharing your client's
+connection pool, made once per client): the race is the retry policy.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import httpx
+
+from .._errors import AttemptError, ErrorKind
+from .._events import Delta, ToolCallDelta
+from ..chunks import _in_band_error, classify_http_error
+from ._base import AttemptInfo
+from .openai_http import ERROR_BODY_LIMIT, HeaderNames, _redacted
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
+    from openai.types.chat import ChatCompletionChunk
+
+__all__ = ["OpenAISDKSource", "SDKChunkDelta", "openai_sdk_sources", "sdk_chunks"]
+
+
+@attrs.frozen(slots=True)
+class SDKChunkDelta(Delta):
+    """A :class:`~trio_hedge.Delta` that carries the SDK's ``ChatCompletionChunk`` it was
+    made from (``chunk``), for code that wants the SDK's own objects."""
+
+    chunk: ChatCompletionChunk | None = attrs.field(default=None, eq=False, repr=False)
+
+
+_NO_RETRIES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _without_retries(client: AsyncOpenAI) -> AsyncOpenAI:
+    """``client.with_options(max_retries=0)``, made once per client (a copy costs)."""
+    if client.max_retries == 0:
+        return client
+    copy = _NO_RETRIES.get(client)
+    if copy is None:
+        copy = _NO_RETRIES[client] = client.with_options(max_retries=0)
+    return copy
+
+
+def _transport_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """(timeouts, transport errors) of httpx and of httpx2 (the openai SDK 3.x client)."""
+    timeouts: list[type[BaseException]] = [httpx.TimeoutException]
+    transport: list[type[BaseException]] = [httpx.TransportError]
+    try:
+        import httpx2
+    except ImportError:
+        pass
+    else:
+        timeouts.append(httpx2.TimeoutException)
+        transport.append(httpx2.TransportError)
+    return tuple(timeouts), tuple(transport)
+
+
+def _tool_calls(raw: Any) -> tuple[ToolCallDelta, ...]:
+    if not raw:
+        return ()
+    calls = []
+    for call in raw:
+        function = call.function
+        calls.append(
+            ToolCallDelta(
+                index=call.index,
+                id=call.id,
+                name=function.name if function is not None else None,
+                arguments=(function.arguments or "") if function is not None else "",
+            )
+        )
+    return tuple(calls)
+
+
+def _delta(chunk: ChatCompletionChunk) -> SDKChunkDelta:
+    usage = chunk.usage.model_dump() if chunk.usage is not None else None
+    choice = next((c for c in chunk.choices if c.index == 0), None)
+    if choice is None:
+        return SDKChunkDelta(usage=usage, chunk=chunk)
+    delta = choice.delta
+    # Reasoning text is not in the SDK's schema; servers send it as an extra field.
+    extra = delta.model_extra or {}
+    reasoning = extra.get("reasoning_content") or extra.get("reasoning") or ""
+    return SDKChunkDelta(
+        content=delta.content or "",
+        reasoning=reasoning if isinstance(reasoning, str) else "",
+        tool_calls=_tool_calls(delta.tool_calls),
+        finish_reason=choice.finish_reason,
+        usage=usage,
+        role=delta.role,
+        chunk=chunk,
+    )
+
+
+class _SDKAttempt:
+    """One open ``AsyncStream``: one delta per chunk."""
+
+    __slots__ = ("_data", "_errors", "_finished", "_secrets", "_stream")
+
+    task_bound = False  # an AsyncStream holds no cancel scope between chunks
+
+    def __init__(self, stream: Any, secrets: Sequence[str], errors: _Classifier) -> None:
+        self._stream = stream
+        self._secrets = secrets
+        self._errors = errors
+        self._data = False  # a chunk arrived (a cut after it is a truncated stream)
+        self._finished = False  # a finish reason arrived
+
+    async def receive(self) -> Sequence[Delta] | None:
+        try:
+            chunk = await self._stream.__anext__()
+        except StopAsyncIteration:
+            if self._data and not self._finished:
+                raise AttemptError(
+                    ErrorKind.STREAM_TRUNCATED, "the stream ended without a finish reason"
+                ) from None
+            if not self._data:
+                raise AttemptError(
+                    ErrorKind.EMPTY_STREAM, "the stream ended without a chunk"
+                ) from None
+            return None
+        except Exception as exc:
+            raise self._errors.classify(exc, after_data=self._data) from exc
+        self._data = True
+        delta = _delta(chunk)
+        if delta.finish_reason:
+            self._finished = True
+        return (delta,)
+
+    async def aclose(self) -> None:
+        await self._stream.close()
+
+
+class _Classifier:
+    """SDK exceptions -> :class:`AttemptError`, by the HTTP source's rules, keys masked."""
+
+    def __init__(self, secrets: Sequence[str]) -> None:
+        import openai
+
+        self._openai = openai
+        self._secrets = secrets
+        self._timeouts, self._transport = _transport_errors()
+
+    def classify(self, exc: BaseException, *, after_data: bool) -> AttemptError:
+        openai = self._openai
+        error: AttemptError
+        if isinstance(exc, AttemptError):
+            error = exc
+        elif isinstance(exc, openai.APIStatusError):
+            error = classify_http_error(exc.status_code, exc.response.headers, _body(exc))
+        elif isinstance(exc, (openai.APITimeoutError, *self._timeouts)):
+            error = AttemptError(ErrorKind.TIMEOUT, f"{type(exc).__name__}: {exc}")
+        elif isinstance(exc, (openai.APIConnectionError, *self._transport)):
+            kind = ErrorKind.STREAM_TRUNCATED if after_data else ErrorKind.CONNECTION
+            error = AttemptError(kind, f"{type(exc).__name__}: {exc}")
+        elif isinstance(exc, openai.APIError):
+            # An error event inside a 200 stream: the SDK keeps the error object as body.
+            body = exc.body if exc.body is not None else exc.message
+            error = _in_band_error({"error": body})
+        else:
+            error = AttemptError(ErrorKind.UNKNOWN, f"{type(exc).__name__}: {exc}", retryable=False)
+        return _redacted(error, self._secrets)
+
+
+def _body(exc: Any) -> bytes:
+    """The start of an error response's body (the SDK has read it)."""
+    try:
+        content = exc.response.content
+    except Exception:  # not read (closed early): the SDK's parsed body is all there is
+        content = None
+    if isinstance(content, bytes):
+        return content[:ERROR_BODY_LIMIT]
+    import json
+
+    return json.dumps({"error": exc.body}).encode()[:ERROR_BODY_LIMIT]
+
+
+def _check_client(client: object) -> None:
+    try:
+        import openai
+    except ImportError as exc:  # pragma: no cover - exercised without the package
+        raise ImportError(
+            'the openai SDK source needs the openai package: pip install "trio-hedge[openai]"'
+        ) from exc
+    if not isinstance(client, openai.AsyncOpenAI):
+        hint = " (the sync client would block Trio)" if isinstance(client, openai.OpenAI) else ""
+        raise TypeError(f"client must be an openai.AsyncOpenAI, not {type(client).__name__}{hint}")
+
+
+class OpenAISDKSource:
+    """One request bound to one replica's ``AsyncOpenAI`` client, as a
+    :class:`~trio_hedge.Source`.
+
+    Args:
+        client: an ``openai.AsyncOpenAI`` (or ``AsyncAzureOpenAI``) for this replica; its
+            base URL, key, timeout and HTTP client are used as configured, except retries (see
+            the module docs: attempts run with ``max_retries=0``).
+        request: the keyword arguments of ``client.chat.completions.create`` (``model``,
+            ``messages``, …); ``stream=True`` is set for you.
+        name: a short name for reports (never a credential). Default the client's
+            ``base_url`` host and port.
+        overrides: arguments merged over ``request`` for this replica (e.g. a smaller
+            ``model`` for the backup).
+        headers: which headers carry the request id and attempt number
+            (:class:`~trio_hedge.HeaderNames`), sent with ``extra_headers``.
+
+    Raises:
+        TypeError: ``client`` is not an ``AsyncOpenAI``; ``request`` is not a mapping.
+        ValueError: ``request`` lacks ``model`` or ``messages``, or asks for ``stream=False``.
+        ImportError: the ``openai`` package is not installed.
+    """
+
+    def __init__(
+        self,
+        client: AsyncOpenAI,
+        request: Mapping[str, Any],
+        *,
+        name: str | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        headers: HeaderNames | None = None,
+    ) -> None:
+        _check_client(client)
+        if not isinstance(request, Mapping):
+            raise TypeError(f"request must be a mapping, not {type(request).__name__}")
+        if overrides is not None and not isinstance(overrides, Mapping):
+            raise TypeError(f"overrides must be a mapping, not {type(overrides).__name__}")
+        kwargs = {**request, **(overrides or {})}
+        for key in ("model", "messages"):
+            if key not in kwargs:
+                raise ValueError(f"request must have {key!r}")
+        if kwargs.get("stream", True) is not True:
+            raise ValueError("request asks for stream=False: hedging needs a stream")
+        kwargs["stream"] = True
+        if name is None:
+            url = client.base_url
+            name = f"{url.host}:{url.port}" if url.port else str(url.host)
+        if not isinstance(name, str) or not name:
+            raise ValueError("name must be a non-empty str")
+        if headers is not None and not isinstance(headers, HeaderNames):
+            raise TypeError(f"headers must be HeaderNames or None, not {type(headers).__name__}")
+        self._client = _without_retries(client)
+        self._kwargs = kwargs
+        self._name = name
+        self._header_names = headers or HeaderNames()
+        key = client.api_key
+        self._secrets: tuple[str, ...] = (key,) if isinstance(key, str) and len(key) >= 4 else ()
+        self._errors: _Classifier | None = None
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def __repr__(self) -> str:
+        return f"OpenAISDKSource(name={self._name!r})"
+
+    async def open(self, info: AttemptInfo) -> _SDKAttempt:
+        errors = self._errors
+        if errors is None:
+            errors = self._errors = _Classifier(self._secrets)
+        kwargs = self._kwargs
+        extra = dict(kwargs.get("extra_headers") or {})
+        names = self._header_names
+        if names.request_id is not None:
+            extra[names.request_id] = info.request_id
+        if names.attempt is not None:
+            extra[names.attempt] = str(info.number)
+        if info.idempotency_key is not None:
+            extra["Idempotency-Key"] = info.idempotency_key
+        try:
+            stream = await self._client.chat.completions.create(
+                **{**kwargs, "extra_headers": extra}
+            )
+        except Exception as exc:
+            raise errors.classify(exc, after_data=False) from exc
+        return _SDKAttempt(stream, self._secrets, errors)
+
+
+def openai_sdk_sources(
+    clients: Mapping[str, AsyncOpenAI] | Sequence[AsyncOpenAI],
+    *,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    headers: HeaderNames | None = None,
+    **request: Any,
+) -> list[OpenAISDKSource]:
+    """One :class:`OpenAISDKSource` per client, for one request: your ``create`` call's
+    keyword arguments, raced over your clients (primary first)::
+
+        sources = openai_sdk_sources(
+            {"primary": primary, "backup": backup}, model="gpt-4o-mini", messages=messages
+        )
+        async with trio_hedge.hedged_stream(None, sources) as stream: ...
+
+    Args:
+        clients: ``{name: AsyncOpenAI}`` in attempt order, or a sequence of clients (named
+            after their ``base_url``).
+        overrides: per-name arguments merged over ``request`` (e.g. ``{"backup": {"model":
+            "small"}}``).
+        headers: see :class:`OpenAISDKSource`.
+        **request: the ``chat.completions.create`` arguments.
+
+    Raises:
+        TypeError, ValueError: as :class:`OpenAISDKSource`, or an override for an unknown
+            name.
+    """
+    named = list(clients.items()) if isinstance(clients, Mapping) else [(None, c) for c in clients]
+    overrides = dict(overrides or {})
+    unknown = set(overrides) - {n for n, _ in named}
+    if unknown:
+        raise ValueError(f"overrides for unknown replicas: {sorted(unknown)!r}")
+    return [
+        OpenAISDKSource(
+            client,
+            request,
+            name=name,
+            overrides=overrides.get(name) if name is not None else None,
+            headers=headers,
+        )
+        for name, client in named
+    ]
+
+
+def sdk_chunks(stream: Any) -> SDKChunks:
+    """The winner's ``ChatCompletionChunk`` s, from a hedged stream (Trio's
+    :class:`~trio_hedge.HedgedStream` or the asyncio one) whose replicas are
+    :class:`OpenAISDKSource` s: ``async for chunk in sdk_chunks(stream)``. It reads the
+    stream's :meth:`~trio_hedge.HedgedStream.events` queue, as ``async for`` does, and holds
+    nothing between items (leaving it early is safe)."""
+    return SDKChunks(stream.events())
+
+
+class SDKChunks:
+    """The iterator :func:`sdk_chunks` returns."""
+
+    __slots__ = ("_events",)
+
+    def __init__(self, events: AsyncIterator[Delta]) -> None:
+        self._events = events
+
+    def __aiter__(self) -> SDKChunks:
+        return self
+
+    async def __anext__(self) -> ChatCompletionChunk:
+        while True:
+            chunk = getattr(await self._events.__anext__(), "chunk", None)
+            if chunk is not None:
+                return chunk  # type: ignore[no-any-return]
