@@ -36,9 +36,10 @@ import httpx
 
 from .._errors import AttemptError, ErrorKind
 from .._events import Delta, ToolCallDelta
+from .._redact import Redactor, protect_in_logs
 from ..chunks import _in_band_error, classify_http_error
 from ._base import AttemptInfo
-from .openai_http import ERROR_BODY_LIMIT, HeaderNames, _redacted
+from .openai_http import ERROR_BODY_LIMIT, HeaderNames
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -122,13 +123,12 @@ def _delta(chunk: ChatCompletionChunk) -> SDKChunkDelta:
 class _SDKAttempt:
     """One open ``AsyncStream``: one delta per chunk."""
 
-    __slots__ = ("_data", "_errors", "_finished", "_secrets", "_stream")
+    __slots__ = ("_data", "_errors", "_finished", "_stream")
 
     task_bound = False  # an AsyncStream holds no cancel scope between chunks
 
-    def __init__(self, stream: Any, secrets: Sequence[str], errors: _Classifier) -> None:
+    def __init__(self, stream: Any, errors: _Classifier) -> None:
         self._stream = stream
-        self._secrets = secrets
         self._errors = errors
         self._data = False  # a chunk arrived (a cut after it is a truncated stream)
         self._finished = False  # a finish reason arrived
@@ -161,11 +161,11 @@ class _SDKAttempt:
 class _Classifier:
     """SDK exceptions -> :class:`AttemptError`, by the HTTP source's rules, keys masked."""
 
-    def __init__(self, secrets: Sequence[str]) -> None:
+    def __init__(self, redact: Redactor) -> None:
         import openai
 
         self._openai = openai
-        self._secrets = secrets
+        self._redact = redact
         self._timeouts, self._transport = _transport_errors()
 
     def classify(self, exc: BaseException, *, after_data: bool) -> AttemptError:
@@ -174,19 +174,22 @@ class _Classifier:
         if isinstance(exc, AttemptError):
             error = exc
         elif isinstance(exc, openai.APIStatusError):
-            error = classify_http_error(exc.status_code, exc.response.headers, _body(exc))
+            error = classify_http_error(
+                exc.status_code, exc.response.headers, _body(exc), redact=self._redact
+            )
         elif isinstance(exc, (openai.APITimeoutError, *self._timeouts)):
-            error = AttemptError(ErrorKind.TIMEOUT, f"{type(exc).__name__}: {exc}")
+            error = AttemptError(ErrorKind.TIMEOUT, self._redact(f"{type(exc).__name__}: {exc}"))
         elif isinstance(exc, (openai.APIConnectionError, *self._transport)):
             kind = ErrorKind.STREAM_TRUNCATED if after_data else ErrorKind.CONNECTION
-            error = AttemptError(kind, f"{type(exc).__name__}: {exc}")
+            error = AttemptError(kind, self._redact(f"{type(exc).__name__}: {exc}"))
         elif isinstance(exc, openai.APIError):
             # An error event inside a 200 stream: the SDK keeps the error object as body.
             body = exc.body if exc.body is not None else exc.message
-            error = _in_band_error({"error": body})
+            error = _in_band_error({"error": body}, redact=self._redact)
         else:
-            error = AttemptError(ErrorKind.UNKNOWN, f"{type(exc).__name__}: {exc}", retryable=False)
-        return _redacted(error, self._secrets)
+            message = self._redact(f"{type(exc).__name__}: {exc}")
+            error = AttemptError(ErrorKind.UNKNOWN, message, retryable=False)
+        return error
 
 
 def _body(exc: Any) -> bytes:
@@ -269,8 +272,8 @@ class OpenAISDKSource:
         self._kwargs = kwargs
         self._name = name
         self._header_names = headers or HeaderNames()
-        key = client.api_key
-        self._secrets: tuple[str, ...] = (key,) if isinstance(key, str) and len(key) >= 4 else ()
+        self._redact = Redactor((client.api_key,))
+        protect_in_logs(self._redact)
         self._errors: _Classifier | None = None
 
     @property
@@ -283,7 +286,7 @@ class OpenAISDKSource:
     async def open(self, info: AttemptInfo) -> _SDKAttempt:
         errors = self._errors
         if errors is None:
-            errors = self._errors = _Classifier(self._secrets)
+            errors = self._errors = _Classifier(self._redact)
         kwargs = self._kwargs
         extra = dict(kwargs.get("extra_headers") or {})
         names = self._header_names
@@ -299,7 +302,7 @@ class OpenAISDKSource:
             )
         except Exception as exc:
             raise errors.classify(exc, after_data=False) from exc
-        return _SDKAttempt(stream, self._secrets, errors)
+        return _SDKAttempt(stream, errors)
 
 
 def openai_sdk_sources(
