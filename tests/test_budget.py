@@ -1,8 +1,10 @@
 """The hedge budget (ratio + floor over a window) and the gRFC A6 throttle: unit tables, a
-sustained overload with no hedge storm, and a failure burst that stops hedging until
-successes refill the throttle."""
+sustained overload with no hedge storm, a failure burst that stops hedging *and failing over*
+until successes refill the throttle, and a budget spent only by backups that really start."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import trio
@@ -11,6 +13,7 @@ import trio.testing
 import trio_hedge as th
 from trio_hedge import EventKind, HedgeBudget, RetryThrottle
 from trio_hedge._budget import BudgetState, ThrottleState
+from trio_hedge.instrumentation import LoggingHook, PrometheusHook
 
 from .fleet import Fail, Fleet, run, table
 from .scripted import Script
@@ -18,15 +21,25 @@ from .scripted import Script
 # -- units -------------------------------------------------------------------------------------
 
 
+def _try_backup(budget: BudgetState, now: float) -> bool:
+    if not budget.allows(now):
+        return False
+    budget.spend(now)
+    return True
+
+
 def test_budget_arithmetic() -> None:
     budget = BudgetState(HedgeBudget(ratio=0.1, min_per_second=0.5, window=10.0))
     # The floor alone: 0.5/s over 10 s = 5 backups with no requests at all.
-    assert [budget.try_backup(1.0) for _ in range(6)] == [True] * 5 + [False]
+    assert [_try_backup(budget, 1.0) for _ in range(6)] == [True] * 5 + [False]
+    # Checking spends nothing.
+    assert [budget.allows(1.0) for _ in range(3)] == [False] * 3
+    assert budget.counts(1.0) == (0, 5)
     # 100 requests add 10 more.
     for _ in range(100):
         budget.request(2.0)
     assert budget.allowance(2.0) == pytest.approx(10.0)
-    assert sum(budget.try_backup(2.0) for _ in range(20)) == 10
+    assert sum(_try_backup(budget, 2.0) for _ in range(20)) == 10
     assert budget.counts(2.0) == (100, 15)
     # The window slides: at t=11.5 the slot of t=1.x (5 backups) has left it, t=2.x not yet.
     assert budget.counts(11.5) == (100, 10)
@@ -137,24 +150,124 @@ async def test_throttle_stops_hedging_under_failures_and_lets_it_resume(
     )
     events: list[th.HedgeEvent] = []
     hedger = th.Hedger(fleet.sources(), config, on_event=[events.append])
-    # Phase 1: six requests whose primary fails at once and fails over to b:
-    # each takes 1 token and gives back 0.1: 10 − 6 + 0.6 = 4.6 ≤ 5: throttled.
-    for _ in range(6):
+    # Phase 1: requests whose primary fails at once. Each failure takes 1 token, each
+    # success on b gives back 0.1: five fail over (10 → 5.5); the sixth failure leaves 4.5,
+    # at or below max_tokens / 2, so its failover is refused too (gRFC A6: no retries either)
+    # and the request fails.
+    for i in range(6):
         report = await run(hedger.stream(None))
-        assert [a.trigger for a in report.attempts] == ["primary", "failover"]
-    assert hedger.statistics().throttle_tokens == pytest.approx(4.6)
+        triggers = [a.trigger for a in report.attempts]
+        assert triggers == (["primary", "failover"] if i < 5 else ["primary"])
+    assert isinstance(report.error, th.AllAttemptsFailed)
+    stats = hedger.statistics()
+    assert stats.throttle_tokens == pytest.approx(4.5)
+    assert (stats.failovers, stats.failovers_refused, stats.failover_throttle_refusals) == (5, 1, 1)
+    assert stats.throttle_refusals == stats.hedges_refused == 0  # not counted as hedges
 
     # Phase 2: a is slow (3 s), b fast. A request would hedge at 1.0 s, but the throttle
-    # refuses while tokens ≤ 5: each success on a alone adds 0.1 (4.6 → 5.1 after five).
+    # refuses while tokens ≤ 5: each success on a alone adds 0.1 (4.5 → 5.1 after six).
     phase["a"] = Script(ttft=3.0, tokens=1)
     hedged = []
     for _ in range(8):
         report = await run(hedger.stream(None))
         hedged.append(report.hedged)
         assert report.hedges_refused == (not report.hedged)
-    assert hedged == [False] * 5 + [True] * 3
+    assert hedged == [False] * 6 + [True] * 2
     stats = hedger.statistics()
-    assert stats.throttle_refusals == 5
-    assert stats.hedges_sent == 3
-    refused = [e for e in events if e.kind is EventKind.HEDGE_REFUSED]
-    assert [e.reason for e in refused] == ["throttle"] * 5
+    assert stats.throttle_refusals == 6
+    assert stats.hedges_sent == 2
+    refused = [(e.kind, e.reason) for e in events if e.reason == "throttle"]
+    assert (
+        refused
+        == [(EventKind.FAILOVER_REFUSED, "throttle")] + [(EventKind.HEDGE_REFUSED, "throttle")] * 6
+    )
+
+
+# -- failovers are extra requests too (gRFC A6: no retries at or below half the tokens) ----------
+
+FAILING = Fail(at=0.25)
+
+
+async def test_failovers_stop_with_the_throttle(autojump_clock: trio.testing.MockClock) -> None:
+    fleet = Fleet(["a", "b", "c", "d"], table(FAILING))
+    config = th.HedgerConfig(
+        hedge_after=1.0, budget=None, throttle=RetryThrottle(max_tokens=10), outlier_detection=None
+    )
+    events: list[th.HedgeEvent] = []
+    hedger = th.Hedger(fleet.sources(), config, on_event=[events.append])
+    reports = [await run(hedger.stream(None)) for _ in range(8)]
+    # The first request fails over three times (10 → 6 tokens); the second one's failure
+    # leaves 5, at max_tokens / 2: from then on every request gets its primary alone.
+    assert [len(r.attempts) for r in reports] == [4] + [1] * 7
+    assert [a.started_at for a in reports[0].attempts] == [0.0, 0.25, 0.5, 0.75]
+    assert all(isinstance(r.error, th.AllAttemptsFailed) for r in reports)
+    stats = hedger.statistics()
+    assert (stats.attempts, stats.failovers, stats.throttle_tokens) == (11, 3, 0.0)
+    assert (stats.failovers_refused, stats.failover_throttle_refusals) == (7, 7)
+    assert stats.hedges_refused == 0
+    refused = [(e.kind, e.reason) for e in events if e.kind is EventKind.FAILOVER_REFUSED]
+    assert refused == [(EventKind.FAILOVER_REFUSED, "throttle")] * 7
+
+
+async def test_drained_throttle_and_ejections_one_attempt_per_request(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Issue 8's case: 4 failing replicas, the throttle at 0 tokens, outlier detection
+    # ejecting all it may: 12 requests made 48 attempts (4 each); now 12.
+    fleet = Fleet(["a", "b", "c", "d"], table(FAILING))
+    outlier = th.OutlierDetection(consecutive_failures=1, base_ejection=300.0, max_ejection=300.0)
+    config = th.HedgerConfig(
+        hedge_after=1.0, budget=None, throttle=RetryThrottle(), outlier_detection=outlier
+    )
+    hedger = th.Hedger(fleet.sources(), config)
+    while hedger.statistics().throttle_tokens:
+        await run(hedger.stream(None))
+    before = hedger.statistics()
+    assert before.ejected == ("a",)  # at most a third of 4 replicas: one
+    reports = [await run(hedger.stream(None)) for _ in range(12)]
+    after = hedger.statistics()
+    assert after.attempts - before.attempts == 12
+    assert [[a.replica for a in r.attempts] for r in reports] == [["b"]] * 12
+    assert after.failover_throttle_refusals - before.failover_throttle_refusals == 12
+
+
+async def test_failover_refusals_reach_the_instrumentation(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    prom = pytest.importorskip("prometheus_client")
+    registry = prom.CollectorRegistry()
+    fleet = Fleet(["a", "b"], table(FAILING))
+    config = th.HedgerConfig(
+        hedge_after=1.0, budget=None, throttle=RetryThrottle(max_tokens=2), outlier_detection=None
+    )
+    hooks = [PrometheusHook(registry), LoggingHook()]
+    hedger = th.Hedger(fleet.sources(), config, on_event=hooks)
+    caplog.set_level(logging.INFO, logger="trio_hedge")
+    await run(hedger.stream(None))  # a fails: 1 token left, at max_tokens / 2
+    value = registry.get_sample_value
+    assert value("trio_hedge_failovers_refused_total", {"reason": "throttle"}) == 1
+    assert value("trio_hedge_hedges_refused_total", {"reason": "throttle"}) is None
+    (line,) = [r.getMessage() for r in caplog.records if "failover_refused" in r.getMessage()]
+    assert "reason=throttle" in line
+
+
+# -- the budget is spent by backups that start, not by checks ------------------------------------
+
+
+async def test_budget_spent_when_the_backup_starts(autojump_clock: trio.testing.MockClock) -> None:
+    fleet = Fleet(["a", "b"], table(Script(ttft=0.5, tokens=1), a=Script(ttft=5.0, tokens=1)))
+    budget = HedgeBudget(ratio=0.1, min_per_second=0.1, window=10.0)  # a floor of 1 backup
+    config = th.HedgerConfig(hedge_after=1.0, budget=budget, throttle=None, outlier_detection=None)
+    hedger = th.Hedger(fleet.sources(), config)
+    # A check that is not followed by a start (the race committed first) costs nothing.
+    planner = hedger.stream(None)._planner
+    assert [planner.may_hedge() for _ in range(3)] == [True] * 3
+    assert hedger.statistics().budget_window == (0, 0)
+    # A backup that starts spends it: the floor's one backup is gone.
+    report = await run(hedger.stream(None))
+    assert [(a.replica, a.trigger) for a in report.attempts] == [("a", "primary"), ("b", "hedge")]
+    assert hedger.statistics().budget_window == (1, 1)
+    report = await run(hedger.stream(None))
+    assert (len(report.attempts), report.hedges_refused) == (1, 1)
+    stats = hedger.statistics()
+    assert (stats.budget_window, stats.budget_refusals, stats.hedges_sent) == ((2, 1), 1, 1)

@@ -14,6 +14,7 @@ import trio.testing
 import trio_hedge as th
 from trio_hedge import AttemptOutcome as O
 from trio_hedge import ErrorKind, EventKind, HedgerConfig, OutlierDetection
+from trio_hedge._budget import backoff_delay, jitter_draw
 from trio_hedge.testing import Behaviour, MockReplicas
 
 from .fleet import Fail, Fleet, run, table
@@ -205,27 +206,433 @@ async def test_slow_attempts_count_against_their_replica(
     assert report.ttft == 0.5
 
 
-async def test_never_zero_attempts(autojump_clock: trio.testing.MockClock) -> None:
+async def test_the_last_replica_is_never_ejected(autojump_clock: trio.testing.MockClock) -> None:
     phase: dict[str, Script | Fail] = {"a": Fail(at=0.1), "b": Fail(at=0.1)}
     fleet = Fleet(["a", "b"], lambda name, _i: phase[name])
     outlier = OutlierDetection(consecutive_failures=1, base_ejection=10.0)
     hedger = th.Hedger(fleet.sources(), _config(outlier_detection=outlier))
     report = await run(hedger.stream(None))
     assert isinstance(report.error, th.AllAttemptsFailed)
-    assert hedger.statistics().ejected == ("a", "b")
-    # Every replica ejected: the request still goes out, to the least bad (a comes back
-    # first), and fails over to b.
+    stats = hedger.statistics()
+    # b was due too, but it is the last replica left in: it stays.
+    assert (stats.ejected, stats.ejections_capped) == (("a",), 1)
+    # The primary goes to b; the failover is not sent to the ejected a (failover is
+    # bounded by ejection): one attempt.
     report = await run(hedger.stream(None))
-    assert [(a.replica, a.trigger) for a in report.attempts] == [
-        ("a", "primary"),
-        ("b", "failover"),
-    ]
-    # A hedge, though, is not sent to an ejected replica: refused, the primary goes on.
-    phase["a"] = Script(ttft=3.0, tokens=1)
+    assert [(a.replica, a.trigger) for a in report.attempts] == [("b", "primary")]
+    assert hedger.statistics().failover_no_replica_refusals == 1
+    # Nor a hedge: refused, the primary goes on.
+    phase["b"] = Script(ttft=3.0, tokens=1)
     report = await run(hedger.stream(None))
-    assert [(a.replica, a.outcome) for a in report.attempts] == [("a", O.WON)]
+    assert [(a.replica, a.outcome) for a in report.attempts] == [("b", O.WON)]
     assert report.hedges_refused == 1
     assert hedger.statistics().no_replica_refusals == 1
+
+
+async def test_failover_is_bounded_by_ejection(autojump_clock: trio.testing.MockClock) -> None:
+    fleet = Fleet(["a", "b", "c", "d"], table(Fail(at=0.25)))
+    outlier = OutlierDetection(consecutive_failures=1, base_ejection=300.0, max_ejection=300.0)
+    events: list[th.HedgeEvent] = []
+    hedger = th.Hedger(
+        fleet.sources(), _config(outlier_detection=outlier), on_event=[events.append]
+    )
+    first = await run(hedger.stream(None))
+    assert [a.replica for a in first.attempts] == ["a", "b", "c", "d"]
+    assert hedger.statistics().ejected == ("a",)  # a third of 4, rounded down, is one
+    # Later requests try the three replicas left in, never the ejected one (no panic
+    # mode for failovers): 3 attempts, not 4.
+    reports = [await run(hedger.stream(None)) for _ in range(5)]
+    assert [[a.replica for a in r.attempts] for r in reports] == [["b", "c", "d"]] * 5
+    stats = hedger.statistics()
+    assert (stats.attempts, stats.failover_no_replica_refusals) == (4 + 5 * 3, 5)
+    refused = [(e.kind, e.reason) for e in events if e.kind is EventKind.FAILOVER_REFUSED]
+    assert refused == [(EventKind.FAILOVER_REFUSED, "no_replica")] * 5
+
+
+async def test_a_capped_replica_goes_at_its_next_failure_once_there_is_room(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fleet = Fleet(["a", "b", "c"], table(Fail(at=0.25), c=FAST))
+    outlier = OutlierDetection(consecutive_failures=3, base_ejection=10.0)
+    events: list[th.HedgeEvent] = []
+    hedger = th.Hedger(
+        fleet.sources(),
+        _config(outlier_detection=outlier, pick="in_order"),
+        on_event=[events.append],
+    )
+    for _ in range(3):
+        await run(hedger.stream(None))
+    # Both a and b reached 3 failures; only one of 3 replicas may be out: a (first).
+    stats = hedger.statistics()
+    assert (stats.ejected, stats.ejections_capped) == (("a",), 1)
+    report = await run(hedger.stream(None))
+    assert [a.replica for a in report.attempts] == ["b", "c"]
+    assert hedger.statistics().ejections_capped == 2
+    # a comes back; b, held at the threshold, goes at its very next failure.
+    await trio.sleep(hedger.statistics().replicas[0].ejected_for)
+    report = await run(hedger.stream(None))
+    assert [a.replica for a in report.attempts] == ["a", "b", "c"]
+    assert hedger.statistics().ejected == ("b",)
+    ejected = [e.replica for e in events if e.kind is EventKind.REPLICA_EJECTED]
+    assert ejected == ["a", "b"]
+
+
+EJECTION_LIMITS = [
+    # (replicas, max_ejection_percent, replicas that may be out at once)
+    (1, 100 / 3, 0),  # the last replica is never ejected
+    (1, 100, 0),
+    (2, 100 / 3, 1),  # at least one may be
+    (3, 100 / 3, 1),
+    (5, 100 / 3, 1),
+    (6, 100 / 3, 2),
+    (9, 100 / 3, 3),
+    (10, 10, 1),
+    (10, 0, 1),
+    (20, 10, 2),
+    (4, 100, 3),  # never all
+]
+
+
+@pytest.mark.parametrize(("replicas", "percent", "limit"), EJECTION_LIMITS)
+def test_ejection_limit(replicas: int, percent: float, limit: int) -> None:
+    outlier = OutlierDetection(max_ejection_percent=percent)
+    assert outlier.ejection_limit(replicas) == limit
+
+
+async def test_a_burst_of_fast_errors_does_not_eject_the_fleet(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Issue 8's case: a burst of fast 503s ejected all 3 replicas; every later hedge was
+    # refused (0 of 100 slow requests rescued, against 100 with ejection off).
+    burst = True
+
+    def behave(_name: str, info: th.AttemptInfo) -> Script | Fail:
+        if burst:
+            return Fail(at=0.01, kind=ErrorKind.OVERLOADED)
+        return Script(ttft=5.0 if info.number == 1 else 0.5, tokens=1)
+
+    fleet = Fleet(["a", "b", "c"], behave)
+    rescued: dict[str, int] = {}
+    for name, outlier in [("ejection", OutlierDetection(base_ejection=30.0)), ("off", None)]:
+        burst = True
+        hedger = th.Hedger(fleet.sources(), _config(outlier_detection=outlier))
+        for _ in range(5):
+            await run(hedger.stream(None))
+        if outlier is not None:
+            stats = hedger.statistics()
+            assert (len(stats.ejected), stats.ejections_capped) == (1, 2)
+        burst = False
+        reports: list[th.Report] = []
+
+        async def one(hedger: th.Hedger = hedger, reports: list[th.Report] = reports) -> None:
+            reports.append(await run(hedger.stream(None)))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(100):
+                nursery.start_soon(one)
+        rescued[name] = sum(r.ttft == pytest.approx(1.5, abs=1e-9) for r in reports)
+        assert all(r.error is None for r in reports)
+    assert rescued == {"ejection": 100, "off": 100}
+
+
+# -- blame the right replica ---------------------------------------------------------------------
+
+
+async def test_a_misconfigured_backup_is_ejected_not_the_slow_primary(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Issue 8's case: a healthy primary slower than hedge_after, a backup answering 401.
+    fleet = Fleet(
+        ["a", "b"], table(Script(ttft=1.5, tokens=1), b=Fail(at=0.1, kind=ErrorKind.AUTH))
+    )
+    events: list[th.HedgeEvent] = []
+    outlier = OutlierDetection(base_ejection=60.0)  # out for the whole test
+    hedger = th.Hedger(
+        fleet.sources(),
+        _config(outlier_detection=outlier, pick="in_order"),
+        on_event=[events.append],
+    )
+    reports = [await run(hedger.stream(None)) for _ in range(10)]
+    assert [r.winner_replica for r in reports] == ["a"] * 10
+    assert [r.ttft for r in reports] == [1.5] * 10
+    # The 401 costs b its place at once (one failure, not five); later hedges are refused.
+    assert [[(a.replica, a.outcome) for a in r.attempts] for r in reports] == [
+        [("a", O.WON), ("b", O.FAILED)]
+    ] + [[("a", O.WON)]] * 9
+    ejected = [(e.replica, e.reason) for e in events if e.kind is EventKind.REPLICA_EJECTED]
+    assert ejected == [("b", "auth")]
+    a, b = hedger.statistics().replicas
+    assert (a.failures, a.times_ejected, a.wins) == (0, 0, 10)  # a was never "slow"
+    assert (b.failures, b.times_ejected, b.state) == (1, 1, "ejected")
+
+
+async def test_a_replica_at_fault_is_not_tried_again_in_the_request(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    def behave(name: str, info: th.AttemptInfo) -> Script | Fail:
+        if name == "a":
+            return Fail(at=0.25, kind=ErrorKind.NOT_FOUND)  # the replica lacks the model
+        return Fail(at=0.25) if info.number == 2 else FAST
+
+    fleet = Fleet(["a", "b"], behave)
+    backoff = th.Backoff(initial=0.5, jitter=False)
+    config = _config(attempts_per_replica=2, backoff=backoff, outlier_detection=OutlierDetection())
+    hedger = th.Hedger(fleet.sources(), config)
+    report = await run(hedger.stream(None))
+    # a's 404 rules it out for this request; b's 503 allows a second try on b, after its
+    # back-off (0.5 s after the failure at 0.5).
+    assert [(a.replica, a.trigger, a.started_at, a.outcome) for a in report.attempts] == [
+        ("a", "primary", 0.0, O.FAILED),
+        ("b", "failover", 0.25, O.FAILED),
+        ("b", "failover", 1.0, O.WON),
+    ]
+    assert hedger.statistics().ejected == ("a",)
+
+
+REQUEST_FAULTS = [ErrorKind.INVALID_REQUEST, ErrorKind.CONTEXT_LENGTH_EXCEEDED]
+
+
+@pytest.mark.parametrize("kind", REQUEST_FAULTS, ids=[k.value for k in REQUEST_FAULTS])
+async def test_request_faults_never_count_against_a_replica(
+    kind: ErrorKind, autojump_clock: trio.testing.MockClock
+) -> None:
+    fleet = Fleet(["a", "b"], table(FAST, a=Fail(at=0.1, kind=kind)))
+    outlier = OutlierDetection(consecutive_failures=1)
+    hedger = th.Hedger(fleet.sources(), _config(outlier_detection=outlier, pick="in_order"))
+    for _ in range(5):
+        report = await run(hedger.stream(None))
+        assert isinstance(report.error, th.FatalAttemptError)
+    a, _ = hedger.statistics().replicas
+    assert (a.failures, a.times_ejected, a.consecutive_failures) == (0, 0, 0)
+
+
+async def _cancel_at(stream: th.HedgedStream, at: float) -> th.Report:
+    with trio.move_on_after(at):
+        await run(stream)
+    return stream.report
+
+
+SLOW_BLAME = [
+    # (name, b's script, config changes, cancel at, failures of (a, b))
+    ("a later attempt won: a was slow", FAST, {}, None, (1, 0)),
+    ("the hedged attempt won after all", Script(ttft=5.0), {}, None, (0, 0)),
+    (
+        "the request failed elsewhere",
+        Fail(at=0.1, kind=ErrorKind.INVALID_REQUEST),
+        {},
+        None,
+        (0, 0),
+    ),
+    ("the caller cancelled", Script(ttft=5.0), {}, 1.5, (0, 0)),
+    ("first_token_timeout", Script(ttft=5.0), {"first_token_timeout": 1.5}, None, (0, 0)),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "b", "changes", "cancel_at", "failures"), SLOW_BLAME, ids=[c[0] for c in SLOW_BLAME]
+)
+async def test_slow_only_when_another_attempt_won(
+    name: str,
+    b: Script | Fail,
+    changes: dict[str, Any],
+    cancel_at: float | None,
+    failures: tuple[int, int],
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # a has no first token within the hedge delay (1.0 s): a backup goes to b.
+    fleet = Fleet(
+        ["a", "b"], table(b, a=Script(ttft=1.25 if name.startswith("the hedged") else 3.0))
+    )
+    config = _config(outlier_detection=OutlierDetection(), pick="in_order", **changes)
+    hedger = th.Hedger(fleet.sources(), config)
+    stream = hedger.stream(None)
+    report = await (run(stream) if cancel_at is None else _cancel_at(stream, cancel_at))
+    assert [a.trigger for a in report.attempts] == ["primary", "hedge"]
+    assert tuple(r.failures for r in hedger.statistics().replicas) == failures
+
+
+# -- pushback has a ceiling ----------------------------------------------------------------------
+
+DAY = 86400.0
+
+
+async def test_a_day_of_pushback_raises_at_once(autojump_clock: trio.testing.MockClock) -> None:
+    rate_limited = Fail(at=0.25, kind=ErrorKind.RATE_LIMIT, retry_after=DAY)
+    fleet = _by_request(FAST, a_r0=rate_limited, b_r0=rate_limited)
+    events: list[th.HedgeEvent] = []
+    hedger = th.Hedger(fleet.sources(), PLAIN, on_event=[events.append])
+    await run(hedger.stream(None, request_id="r0"))
+    assert hedger.statistics().cooling == ("a", "b")  # a until 0.25 + DAY, b 0.5 + DAY
+    t = trio.current_time()
+    stream = hedger.stream(None, request_id="r1")
+    with pytest.raises(th.ReplicasCooling) as info:
+        async with stream:
+            pass
+    error = info.value
+    assert trio.current_time() == t  # no waiting in vain
+    assert (error.until, error.retry_in, error.max_wait) == (0.25 + DAY, DAY - 0.25, 10.0)
+    assert isinstance(error, th.RequestFailed) and error.errors == ()
+    assert "until Trio time 86400.250, 86399.750 s from now" in str(error)
+    assert error.report is not None and error.report.attempts == ()
+    stats = hedger.statistics()
+    assert (stats.requests, stats.requests_refused, stats.finished) == (1, 1, 1)
+    assert events[-1].kind is EventKind.REQUEST_FINISHED and events[-1].report is not None
+    assert isinstance(events[-1].report.error, th.ReplicasCooling)
+
+
+WAIT_BOUNDARY = [
+    # (retry_after, max_pushback_wait, waits) — a cools until 0.25 + retry_after
+    (10.0, 10.0, True),  # exactly the bound: waits
+    (10.25, 10.0, False),
+    (2.0, 0.0, False),  # never wait
+    (DAY, None, True),  # no bound: the caller's scope is the limit
+]
+
+
+@pytest.mark.parametrize(("retry_after", "bound", "waits"), WAIT_BOUNDARY)
+async def test_pushback_wait_bound(
+    retry_after: float, bound: float | None, waits: bool, autojump_clock: trio.testing.MockClock
+) -> None:
+    fleet = Fleet(
+        ["a"],
+        lambda _n, info: (
+            Fail(at=0.25, kind=ErrorKind.RATE_LIMIT, retry_after=retry_after)
+            if info.request_id == "r0"
+            else FAST
+        ),
+    )
+    hedger = th.Hedger(fleet.sources(), _config(max_pushback_wait=bound))
+    await run(hedger.stream(None, request_id="r0"))
+    t = trio.current_time()  # 0.25: a cools for retry_after from now
+    report = await run(hedger.stream(None, request_id="r1"))
+    if waits:
+        assert report.error is None
+        assert report.ttft == retry_after + 0.5
+    else:
+        assert isinstance(report.error, th.ReplicasCooling)
+        assert report.error.retry_in == retry_after
+        assert trio.current_time() == t
+
+
+async def test_a_failover_does_not_wait_a_day(autojump_clock: trio.testing.MockClock) -> None:
+    fleet = _by_request(
+        FAST,
+        a_r0=Fail(at=0.25, kind=ErrorKind.RATE_LIMIT, retry_after=DAY),
+        b_r1=Fail(at=0.25),
+    )
+    hedger = th.Hedger(fleet.sources(), PLAIN)
+    await run(hedger.stream(None, request_id="r0"))
+    t = trio.current_time()
+    report = await run(hedger.stream(None, request_id="r1"))
+    # b takes the primary and fails; a, the only replica left, cools for a day: the
+    # request ends with b's error instead of waiting.
+    assert isinstance(report.error, th.AllAttemptsFailed)
+    assert [e.kind for e in report.error.errors] == [ErrorKind.SERVER_ERROR]
+    assert [a.replica for a in report.attempts] == ["b"]
+    assert trio.current_time() == t + 0.25  # b's failure: no wait
+    assert hedger.statistics().failover_no_replica_refusals == 1
+
+
+# -- repeated attempts on one replica back off ---------------------------------------------------
+
+
+async def test_repeats_on_one_replica_back_off(autojump_clock: trio.testing.MockClock) -> None:
+    fleet = Fleet(["a", "b"], table(Fail(at=0.25)))
+    backoff = th.Backoff(initial=0.5, multiplier=2.0, maximum=5.0, jitter=False)
+    hedger = th.Hedger(fleet.sources(), _config(attempts_per_replica=3, backoff=backoff))
+    report = await run(hedger.stream(None))
+    # A fresh replica at once; a repeat 0.5 s, then 1.0 s, after that replica's failure.
+    assert [(a.replica, a.started_at) for a in report.attempts] == [
+        ("a", 0.0),
+        ("b", 0.25),
+        ("a", 0.75),  # a failed at 0.25
+        ("b", 1.0),  # b failed at 0.5
+        ("a", 2.0),  # a failed at 1.0
+        ("b", 2.25),
+    ]
+
+
+async def test_the_pushback_bound_does_not_cut_the_back_off(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fleet = Fleet(["a"], lambda _n, info: Fail(at=0.25) if info.number == 1 else FAST)
+    backoff = th.Backoff(initial=0.5, jitter=False)
+    config = _config(attempts_per_replica=2, backoff=backoff, max_pushback_wait=0.0)
+    hedger = th.Hedger(fleet.sources(), config)
+    report = await run(hedger.stream(None))
+    assert [(a.started_at, a.outcome) for a in report.attempts] == [(0.0, O.FAILED), (0.75, O.WON)]
+
+
+async def test_back_off_jitter_is_reproducible_per_request(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fleet = Fleet(["a"], table(Fail(at=0.25)))
+    backoff = th.Backoff(initial=1.0, multiplier=2.0, maximum=5.0)
+    hedger = th.Hedger(fleet.sources(), _config(attempts_per_replica=4, backoff=backoff))
+    starts: dict[str, list[float]] = {}
+    for request_id in ("r1", "r2"):
+        report = await run(hedger.stream(None, request_id=request_id))
+        starts[request_id] = [a.started_at for a in report.attempts]  # type: ignore[misc]
+        expected = [0.0]
+        for repeat in (1, 2, 3):  # full jitter: each wait a draw in [0, ceiling)
+            wait = backoff_delay(repeat, backoff, jitter_draw(request_id, "a", repeat))
+            assert 0 <= wait < min(2 ** (repeat - 1), 5.0)
+            expected.append(expected[-1] + 0.25 + wait)
+        assert starts[request_id] == pytest.approx(expected, abs=1e-9)
+    assert starts["r1"] != starts["r2"]  # requests that failed together do not return together
+
+
+async def test_two_hundred_attempts_per_replica(autojump_clock: trio.testing.MockClock) -> None:
+    # Issue 8's case: attempts_per_replica=200, every replica failing fast, sent 400
+    # requests in 0.9 s. The default throttle stops it after five failures.
+    fleet = Fleet(["a", "b"], table(Fail(at=0.002)))
+    hedger = th.Hedger(fleet.sources(), HedgerConfig(attempts_per_replica=200))
+    report = await run(hedger.stream(None, request_id="r"))
+    assert sorted(a.replica for a in report.attempts) == ["a", "a", "a", "b", "b"]
+    assert hedger.statistics().failover_throttle_refusals == 1
+    # Without the throttle, the back-off paces it: a repeat 0.1 s after the failure, then
+    # 0.2, 0.4, 0.8 s: 8 attempts in the first 0.9 s (jitter off to count exactly).
+    config = HedgerConfig(attempts_per_replica=200, throttle=None, backoff=th.Backoff(jitter=False))
+    hedger = th.Hedger(fleet.sources(), config)
+    t = trio.current_time()
+    with trio.move_on_after(0.9):
+        await run(hedger.stream(None, request_id="r"))
+    assert hedger.statistics().attempts == 8
+    assert trio.current_time() - t == 0.9
+
+
+async def test_a_timed_out_attempt_is_a_censored_sample(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # AttemptOutcome.TIMEOUT (stopped by first_token_timeout) is treated like a cancel: the
+    # attempt ends, nobody is blamed, and its TTFT is at least the time it ran.
+    fleet = Fleet(["a"], table(FAST))
+    config = _config(
+        hedge_after=th.LearnedDelay(min_samples=3), outlier_detection=OutlierDetection()
+    )
+    events: list[th.HedgeEvent] = []
+    hedger = th.Hedger(fleet.sources(), config, on_event=[events.append])
+    planner = hedger.stream(None, group="g")._planner
+    source = await planner.next_source(1, "primary")
+    assert source is not None
+    running = th.AttemptRecord(
+        number=1,
+        replica="a",
+        trigger="primary",
+        started_at=0.0,
+        ttft=None,
+        ended_at=None,
+        outcome=O.RUNNING,
+    )
+    planner.attempt_changed(source, running)
+    await trio.sleep(2.0)
+    planner.attempt_changed(source, attrs.evolve(running, ended_at=2.0, outcome=O.TIMEOUT))
+    stats = hedger.statistics()
+    (row,) = stats.delays
+    assert (row.group, row.observations, row.censored) == ("g", 1, 1)
+    (a,) = stats.replicas
+    assert (a.in_flight, a.failures) == (0, 0)
+    assert [e.kind for e in events] == [EventKind.ATTEMPT_STARTED, EventKind.ATTEMPT_CANCELLED]
 
 
 # -- timeouts from the config ----------------------------------------------------------------------
@@ -425,6 +832,22 @@ async def test_validation() -> None:
         HedgerConfig(hedge_after="p90")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="pick"):
         HedgerConfig(pick="random")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_pushback_wait"):
+        HedgerConfig(max_pushback_wait=float("inf"))  # None means no bound
+    with pytest.raises(ValueError, match="max_pushback_wait"):
+        HedgerConfig(max_pushback_wait=-1.0)
+    with pytest.raises(TypeError, match="backoff"):
+        HedgerConfig(backoff=0.1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_ejection_percent"):
+        OutlierDetection(max_ejection_percent=101)
+    with pytest.raises(TypeError, match="max_ejection_percent"):
+        OutlierDetection(max_ejection_percent="10%")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="multiplier"):
+        th.Backoff(multiplier=0.5)
+    with pytest.raises(ValueError, match="initial"):
+        th.Backoff(initial=10.0, maximum=5.0)
+    with pytest.raises(ValueError, match="initial"):
+        th.Backoff(initial=0.0)
     hedger = th.Hedger(fleet.sources())
     with pytest.raises(ValueError, match="idempotency_key"):
         hedger.stream(None, idempotency_key="a\r\nX-Evil: 1")

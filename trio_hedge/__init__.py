@@ -5,7 +5,7 @@ seconds, send it to a backup; the first stream to produce a token wins and is re
 other attempt is cancelled at once.
 """
 
-from ._budget import HedgeBudget, RetryThrottle
+from ._budget import Backoff, HedgeBudget, RetryThrottle
 from ._client import ShardedTransport, make_client
 from ._delay import LearnedDelay, SizeClasses, empirical_quantile, km_quantile
 from ._errors import (
@@ -14,6 +14,7 @@ from ._errors import (
     ErrorKind,
     FatalAttemptError,
     HedgeError,
+    ReplicasCooling,
     RequestFailed,
     StreamInterrupted,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "AttemptOutcome",
     "AttemptRecord",
     "AttemptStream",
+    "Backoff",
     "DelayStatistics",
     "Delta",
     "ErrorKind",
@@ -67,6 +69,7 @@ __all__ = [
     "Planner",
     "Replica",
     "ReplicaStatistics",
+    "ReplicasCooling",
     "Report",
     "RequestFailed",
     "RetryThrottle",

@@ -218,3 +218,30 @@ class StreamInterrupted(HedgeError):
         self.error = error
         self.text = text
         self.__cause__ = error
+
+
+class ReplicasCooling(RequestFailed):
+    """No attempt was sent: every replica the request could use asked to be left alone
+    (server pushback, ``Retry-After``) for longer than the Hedger waits
+    (``HedgerConfig.max_pushback_wait``). Raised at once, without waiting in vain; nothing
+    was sent, so ``errors`` is empty.
+
+    Attributes:
+        until: the Trio time (``trio.current_time()``, seconds) at which the first of those
+            replicas may take a request again.
+        retry_in: seconds from the moment this was raised until ``until``.
+        max_wait: the bound that was exceeded, in seconds.
+    """
+
+    def __init__(
+        self, *, until: float, retry_in: float, max_wait: float, report: Report | None = None
+    ) -> None:
+        super().__init__(
+            f"every replica is cooling after server pushback until Trio time {until:.3f}, "
+            f"{retry_in:.3f} s from now: longer than max_pushback_wait={max_wait:g} s",
+            (),
+            report=report,
+        )
+        self.until = until
+        self.retry_in = retry_in
+        self.max_wait = max_wait

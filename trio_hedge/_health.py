@@ -4,22 +4,32 @@
   ``retry-after-ms``; gRPC's ``grpc-retry-pushback-ms``, gRFC A6) puts its replica in cooldown
   for exactly that many seconds: no new attempt goes there before it ends.
 * Ejection (Envoy's outlier detection, ``consecutive_5xx`` / ``base_ejection_time`` /
-  ``max_ejection_time``): ``consecutive_failures`` failures in a row (and, with
-  ``count_slow``, attempts that were hedged because they had no first token within the hedge
-  delay) eject the replica for ``base_ejection × 2^(n−1)`` seconds, ``n`` counting ejections
-  since its last success, capped at ``max_ejection``. A success resets both counts.
+  ``max_ejection_time`` / ``max_ejection_percent``): ``consecutive_failures`` failures in a
+  row eject the replica for ``base_ejection × 2^(n−1)`` seconds, ``n`` counting ejections
+  since its last success, capped at ``max_ejection``; an error that is the replica's own
+  fault (401/403, quota, unknown model: :attr:`~trio_hedge.AttemptError.replica_fault`)
+  ejects it at once. A success resets both counts. Never more than ``max_ejection_percent``
+  of the replicas are out at once (at least one may be, the last one never is).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
 
 from ._delay import _int, _number
-from ._errors import AttemptError, ErrorKind
+from ._errors import TRANSIENT_KINDS, AttemptError, ErrorKind
 
 __all__ = ["OutlierDetection"]
+
+
+def _percent(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    _number(0.0)(_inst, attribute, value)
+    assert isinstance(value, (int, float))
+    if value > 100:
+        raise ValueError(f"{attribute.name} must be <= 100, not {value!r}")
 
 
 @attrs.frozen
@@ -30,12 +40,26 @@ class OutlierDetection:
         consecutive_failures: failures in a row that eject a replica. Default 5 (Envoy).
         base_ejection: the first ejection's length. Default 10.
         max_ejection: the longest ejection. Default 300 (Envoy).
-        count_slow: whether an attempt hedged for lack of a first token within the hedge
-            delay counts as a failure of its replica. Default ``True``.
+        count_slow: whether an attempt that was hedged for lack of a first token within the
+            hedge delay, and then lost to a later attempt of the same request, counts as a
+            failure of its replica. Default ``True``.
+        max_ejection_percent: at most this percentage of the replicas is ejected at any
+            moment, rounded down (Envoy's ``max_ejection_percent``: a replica is ejected
+            only if ``ejected + 1 <= percent × replicas / 100``). At least one replica may
+            always be ejected (Envoy's ``always_eject_one_host``; older Envoy and gRPC's
+            outlier detection allowed one past the cap), and the last one that is not
+            ejected never is: the fleet is never ejected whole, so a single replica is
+            never ejected. Default ``100 / 3``: a third (1 of 2–5 replicas, 2 of 6–8).
+            Envoy's default is 10%; a hedger has few replicas and needs one left to hedge
+            to. A replica that reaches its threshold while the cap is full stays in, at
+            the threshold, and goes at its next failure once there is room.
 
-    Failures that count: retryable errors other than a plain rate limit (429 is pushback,
-    handled by the cooldown), the winner stalling after commit, and (``count_slow``) first-token
-    timeouts. Client errors (400, 401, …) are the request's fault and do not count.
+    What counts (see ``docs/policy.md``): a retryable error of the replica's making (5xx,
+    overload, connection, timeout, truncated or broken stream: one failure; a plain 429
+    only cools it), an error that is the replica's own fault (ejects it at once), the winner
+    stalling or breaking after commit (one failure), and with ``count_slow`` a hedged
+    attempt that lost (one failure). Errors that are the request's fault (400, 413, 422,
+    context length) never count.
 
     Raises:
         TypeError, ValueError: on a bad field or ``base_ejection > max_ejection``.
@@ -45,6 +69,7 @@ class OutlierDetection:
     base_ejection: float = attrs.field(default=10.0, validator=_number(0.0, open_lo=True))
     max_ejection: float = attrs.field(default=300.0, validator=_number(0.0, open_lo=True))
     count_slow: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    max_ejection_percent: float = attrs.field(default=100 / 3, validator=_percent)
 
     def __attrs_post_init__(self) -> None:
         if self.base_ejection > self.max_ejection:
@@ -53,10 +78,21 @@ class OutlierDetection:
                 f"({self.max_ejection})"
             )
 
+    def ejection_limit(self, replicas: int) -> int:
+        """How many of ``replicas`` may be ejected at once: ``max_ejection_percent`` of them
+        rounded down, but at least one, and never all."""
+        share = math.floor(replicas * self.max_ejection_percent / 100 + 1e-9)
+        return min(replicas - 1, max(1, share))
+
 
 def counts_against_replica(error: AttemptError) -> bool:
-    """Whether an attempt's error says something about its replica's health."""
-    return error.retryable and error.kind is not ErrorKind.RATE_LIMIT
+    """Whether an attempt's error says something about its replica's health: the replica's
+    own fault, or a retryable, transient error other than a plain rate limit (pushback,
+    handled by the cooldown). Errors that are the request's fault never count."""
+    if error.replica_fault:
+        return True
+    kind = error.kind
+    return error.retryable and kind in TRANSIENT_KINDS and kind is not ErrorKind.RATE_LIMIT
 
 
 @attrs.define(slots=True)
@@ -82,9 +118,6 @@ class ReplicaState:
     def ejected(self, now: float) -> bool:
         return self.ejected_until > now
 
-    def available_at(self) -> float:
-        return max(self.cooling_until, self.ejected_until)
-
     def push_back(self, now: float, seconds: float) -> None:
         self.cooling_until = max(self.cooling_until, now + seconds)
 
@@ -93,18 +126,22 @@ class ReplicaState:
         self.ejections = 0
         self.wins += 1
 
-    def failure(self, now: float, config: OutlierDetection | None) -> bool:
-        """Count one failure; returns whether it ejected the replica."""
+    def failure(self, now: float, config: OutlierDetection | None, *, at_once: bool) -> bool:
+        """Count one failure; returns whether the replica is due for ejection (the caller
+        checks the fleet-wide cap, then calls :meth:`eject`). ``at_once``: the replica's own
+        fault, due now whatever its count."""
         self.failures += 1
         if config is None or self.ejected(now):
             return False
-        self.consecutive += 1
-        if self.consecutive < config.consecutive_failures:
-            return False
+        threshold = config.consecutive_failures
+        # Held at the threshold while the cap keeps it in: it goes at its next failure once
+        # there is room.
+        self.consecutive = max(self.consecutive + 1, threshold if at_once else 0)
+        return self.consecutive >= threshold
+
+    def eject(self, now: float, config: OutlierDetection) -> None:
         self.consecutive = 0
         self.ejections += 1
         self.times_ejected += 1
         growth = 2.0 ** min(self.ejections - 1, 64)
-        length = min(config.base_ejection * growth, config.max_ejection)
-        self.ejected_until = now + length
-        return True
+        self.ejected_until = now + min(config.base_ejection * growth, config.max_ejection)

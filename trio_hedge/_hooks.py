@@ -40,8 +40,10 @@ class EventKind(str, enum.Enum):
     COMMITTED = "committed"
     ATTEMPT_FAILED = "attempt_failed"
     ATTEMPT_CANCELLED = "attempt_cancelled"
-    #: the hedge delay passed but no backup was sent (budget, throttle, or no healthy replica).
+    #: the hedge delay passed but no backup was sent (budget, throttle, or no usable replica).
     HEDGE_REFUSED = "hedge_refused"
+    #: an attempt failed but no failover was sent (throttle, or no usable replica).
+    FAILOVER_REFUSED = "failover_refused"
     #: a replica was put in cooldown by server pushback (``retry_after``).
     REPLICA_COOLING = "replica_cooling"
     #: a replica was ejected by outlier detection.
@@ -62,7 +64,8 @@ class HedgeEvent:
         replica: the replica concerned, or ``None``.
         record: the attempt's :class:`~trio_hedge.AttemptRecord` (attempt events), or ``None``.
         reason: for ``hedge_refused``: ``"budget"``, ``"throttle"`` or ``"no_replica"``; for
-            replica events: why; else ``None``.
+            ``failover_refused``: ``"throttle"`` or ``"no_replica"``; for replica events: why
+            (the error kind, or ``"slow"``); else ``None``.
         until: for replica events: Trio time the cooldown or ejection ends.
         report: for ``request_finished``: the final :class:`~trio_hedge.Report`.
     """

@@ -81,7 +81,20 @@ class HedgerStatistics:
         budget_refusals: refused by the :class:`~trio_hedge.HedgeBudget`
             (Finagle ``budget_exhausted``).
         throttle_refusals: refused by the :class:`~trio_hedge.RetryThrottle`.
-        no_replica_refusals: refused because every remaining replica was ejected.
+        no_replica_refusals: refused because no replica the request may still use could take
+            it at once (every one ejected, cooling after pushback, or in its back-off).
+        failovers_refused: failovers not sent after a failed attempt although the request's
+            plan (``max_attempts``, ``attempts_per_replica``) allowed one (sum of the two
+            below); the request then goes on with the attempts still running, or fails.
+        failover_throttle_refusals: refused by the :class:`~trio_hedge.RetryThrottle`
+            (gRFC A6: no retries at or below half the tokens).
+        failover_no_replica_refusals: refused because every replica the request may still
+            use is ejected, or cooling (or in its back-off) longer than
+            ``max_pushback_wait``.
+        requests_refused: requests that sent nothing and raised
+            :class:`~trio_hedge.ReplicasCooling` (not counted in ``requests``).
+        ejections_capped: times a replica was due for ejection but stayed in because
+            ``max_ejection_percent`` of the replicas (or all but one) were already out.
         throttle_tokens: the throttle's token count now (``None`` without a throttle).
         budget_window: ``(requests, backups)`` counted in the budget's window now.
         prompt_tokens_sent: prompt tokens sent, over all attempts (estimated).
@@ -105,6 +118,11 @@ class HedgerStatistics:
     budget_refusals: int
     throttle_refusals: int
     no_replica_refusals: int
+    failovers_refused: int
+    failover_throttle_refusals: int
+    failover_no_replica_refusals: int
+    requests_refused: int
+    ejections_capped: int
     throttle_tokens: float | None
     budget_window: tuple[int, int] | None
     prompt_tokens_sent: int

@@ -8,12 +8,21 @@ protocol; the race and stream code are the same):
 * **when to hedge** — a delay learned per group and prompt-size class from observed TTFTs,
   censoring-aware (:class:`~trio_hedge.LearnedDelay`), or a fixed number;
 * **whether a hedge may be sent** — a ratio budget (:class:`~trio_hedge.HedgeBudget`) and a
-  failure throttle (:class:`~trio_hedge.RetryThrottle`), checked at the moment;
-* **where an attempt goes** — not to a replica this request already used, not to one cooling
-  after server pushback (``Retry-After``), not to one ejected by outlier detection
-  (:class:`~trio_hedge.OutlierDetection`); the least loaded of the rest. If every replica is
-  cooling, the attempt waits for the earliest; if every one is ejected, it goes to the
-  least bad: a request never fails without an attempt.
+  failure throttle (:class:`~trio_hedge.RetryThrottle`), checked at the moment; the budget is
+  spent when the backup really starts;
+* **whether a failover may be sent** — the same throttle (gRFC A6: no retries and no hedges
+  at or below half the tokens), a replica that is not ejected, and for a replica this
+  request already tried, a back-off (:class:`~trio_hedge.Backoff`);
+* **where an attempt goes** — a replica this request has not tried yet before one it has,
+  not one cooling after server pushback (``Retry-After``), not one ejected by outlier
+  detection (:class:`~trio_hedge.OutlierDetection`, which never ejects the whole fleet);
+  the least loaded of the rest. If every usable replica is cooling, the attempt waits for the
+  earliest, at most ``max_pushback_wait`` seconds (beyond that the primary raises
+  :class:`~trio_hedge.ReplicasCooling`, a later attempt is not sent);
+* **whom to blame** — an error that is the replica's own fault (401/403, quota, unknown
+  model) ejects that replica at once and the request does not try it again; errors that are
+  the request's fault never count; an attempt counts as slow only when a later attempt of
+  the same request wins.
 
 Trio is single-threaded, so the shared state needs no locks; every structure is bounded
 (sliding windows with a sample cap, a capped number of groups), so thousands of concurrent
@@ -22,6 +31,7 @@ streams over a long run do not grow it.
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -32,10 +42,18 @@ import attrs
 import httpx
 import trio
 
-from ._budget import BudgetState, HedgeBudget, RetryThrottle, ThrottleState
+from ._budget import (
+    Backoff,
+    BudgetState,
+    HedgeBudget,
+    RetryThrottle,
+    ThrottleState,
+    backoff_delay,
+    jitter_draw,
+)
 from ._client import make_client
 from ._delay import DelayModel, LearnedDelay, _number, empirical_quantile
-from ._errors import AttemptError, StreamInterrupted
+from ._errors import AttemptError, ReplicasCooling, StreamInterrupted
 from ._events import FirstToken
 from ._health import OutlierDetection, ReplicaState, counts_against_replica
 from ._hooks import EventHook, EventKind, HedgeEvent, emit
@@ -99,7 +117,17 @@ class HedgerConfig:
         throttle: a :class:`~trio_hedge.RetryThrottle` (default 10 tokens, ratio 0.1) or
             ``None``.
         outlier_detection: an :class:`~trio_hedge.OutlierDetection` (default 5 failures in
-            a row, 10 s doubling up to 300 s) or ``None`` to never eject.
+            a row, 10 s doubling up to 300 s, at most a third of the replicas) or ``None`` to
+            never eject.
+        backoff: a :class:`~trio_hedge.Backoff` for a request's repeated attempts on one
+            replica (only with ``attempts_per_replica > 1``; default 0.1 s doubling up to
+            5 s, full jitter) or ``None`` to repeat at once (the throttle still applies).
+        max_pushback_wait: seconds an attempt may wait for a replica to end its cooldown
+            (server pushback) when every replica it could use is cooling. Beyond that the
+            primary raises :class:`~trio_hedge.ReplicasCooling` at once (saying until when)
+            and a later attempt is not sent. ``None`` waits as long as the caller's cancel
+            scope allows. Default 10: a rate-limit window usually ends within seconds, and a
+            caller who waits longer should say so (a batch job: raise it).
         pick: ``"least_loaded"`` (default: the eligible replica with the fewest attempts in
             flight, ties in the given order) or ``"in_order"`` (the first eligible one, for
             a preferred primary and fallback providers).
@@ -133,6 +161,8 @@ class HedgerConfig:
     outlier_detection: OutlierDetection | None = attrs.field(
         factory=OutlierDetection, validator=_optional(OutlierDetection)
     )
+    backoff: Backoff | None = attrs.field(factory=Backoff, validator=_optional(Backoff))
+    max_pushback_wait: float | None = attrs.field(default=10.0, validator=_seconds_or_none)
     pick: Literal["least_loaded", "in_order"] = attrs.field(
         default="least_loaded", validator=attrs.validators.in_(("least_loaded", "in_order"))
     )
@@ -176,8 +206,8 @@ class Hedger:
         headers: which headers carry the request id and attempt number
             (:class:`~trio_hedge.HeaderNames`).
         on_event: callbacks receiving a :class:`~trio_hedge.HedgeEvent` for every attempt
-            started, committed, failed or cancelled, every hedge refused, replica cooled or
-            ejected, and request finished. Also the mutable list :attr:`on_event`.
+            started, committed, failed or cancelled, every hedge or failover refused, replica
+            cooled or ejected, and request finished. Also the mutable list :attr:`on_event`.
 
     Raises:
         TypeError, ValueError: bad replicas (empty, wrong type, duplicate names) or config.
@@ -219,11 +249,14 @@ class Hedger:
         self._model = DelayModel(delay) if isinstance(delay, LearnedDelay) else None
         self._budget = BudgetState(config.budget) if config.budget is not None else None
         self._throttle = ThrottleState(config.throttle) if config.throttle is not None else None
+        outlier = config.outlier_detection
+        self._ejection_limit = 0 if outlier is None else outlier.ejection_limit(len(states))
         self._ttfts: deque[tuple[float, float]] = deque(maxlen=_TTFT_SAMPLES)
         self._counts: dict[str, int] = dict.fromkeys(
             (
                 "requests", "finished", "failed", "attempts", "hedges_sent", "failovers",
-                "backup_wins", "budget", "throttle", "no_replica", "prompt_sent",
+                "backup_wins", "budget", "throttle", "no_replica", "failover_throttle",
+                "failover_no_replica", "refused_requests", "ejections_capped", "prompt_sent",
                 "prompt_resent", "wasted",
             ),
             0,
@@ -425,6 +458,11 @@ class Hedger:
             budget_refusals=c["budget"],
             throttle_refusals=c["throttle"],
             no_replica_refusals=c["no_replica"],
+            failovers_refused=c["failover_throttle"] + c["failover_no_replica"],
+            failover_throttle_refusals=c["failover_throttle"],
+            failover_no_replica_refusals=c["failover_no_replica"],
+            requests_refused=c["refused_requests"],
+            ejections_capped=c["ejections_capped"],
             throttle_tokens=None if self._throttle is None else self._throttle.tokens,
             budget_window=None if self._budget is None else self._budget.counts(now),
             prompt_tokens_sent=c["prompt_sent"],
@@ -447,6 +485,41 @@ class Hedger:
     def _emit(self, event: HedgeEvent) -> None:
         if self.on_event:
             emit(self.on_event, event)
+
+    def _health_failure(
+        self,
+        replica: ReplicaState,
+        now: float,
+        reason: str,
+        request_id: str,
+        group: str,
+        *,
+        at_once: bool = False,
+    ) -> None:
+        """Count one failure against ``replica``; eject it if it is due and the fleet-wide
+        cap (``max_ejection_percent``, never the last replica) has room."""
+        config = self._config.outlier_detection
+        if not replica.failure(now, config, at_once=at_once):
+            return
+        assert config is not None
+        ejected = 0
+        for r in self._replicas:
+            ejected += r.ejected_until > now
+        if ejected >= self._ejection_limit:
+            self._counts["ejections_capped"] += 1
+            return
+        replica.eject(now, config)
+        self._emit(
+            HedgeEvent(
+                EventKind.REPLICA_EJECTED,
+                now,
+                request_id,
+                group,
+                replica.name,
+                reason=reason,
+                until=replica.ejected_until,
+            )
+        )
 
 
 class _RequestPlanner:
@@ -477,6 +550,10 @@ class _RequestPlanner:
         self._bound: dict[int, Source] = {}  # replica index -> this request's source
         self._by_source: dict[int, ReplicaState] = {}  # id(source) -> replica
         self._running: dict[int, ReplicaState] = {}  # attempt number -> replica
+        # Replica index -> when this request may try it again (back-off); made on first use.
+        self._retry_at: dict[int, float] | None = None
+        # Attempts a hedge was sent for: counted slow if another attempt wins.
+        self._hedged_over: list[int] | None = None
         self._winner: ReplicaState | None = None
         self._started = 0
         self._finished = False
@@ -488,6 +565,45 @@ class _RequestPlanner:
             return []
         used, limit = self._used, self._per_replica
         return [r for r in self._h._replicas if used[r.index] < limit]
+
+    def _choose(
+        self, candidates: list[ReplicaState], now: float, deadline: float, *, primary: bool
+    ) -> tuple[ReplicaState | None, float, float]:
+        """``(replica, wait_until, beyond)``: the replica for an attempt now, else ``None``,
+        the earliest time one may take it within the wait bound (``deadline``), and the
+        earliest time one may take it at all (``inf``: none will).
+
+        A replica may take an attempt once its cooldown (server pushback), its ejection and
+        this request's back-off for it are over. The wait bound applies to cooldowns and
+        ejections, not to the back-off (bounded by ``Backoff.maximum``). A later attempt
+        never waits for an ejected replica; the primary may (the cap leaves a replica in, so
+        that only matters when every replica left in is cooling)."""
+        ready: list[ReplicaState] = []
+        wait_until = beyond = math.inf
+        retry_at = self._retry_at
+        for r in candidates:
+            at = r.ejected_until
+            if at > now and not primary:
+                continue
+            if r.cooling_until > at:
+                at = r.cooling_until
+            if at > deadline:
+                beyond = min(beyond, at)
+                continue
+            if retry_at is not None:
+                at = max(at, retry_at.get(r.index, at))
+            if at <= now:
+                ready.append(r)
+            elif at < wait_until:
+                wait_until = at
+        if not ready:
+            return None, wait_until, min(wait_until, beyond)
+        if not primary and len(ready) > 1:
+            # A replica this request has not tried yet before one it has.
+            used = self._used
+            fewest = min(used[r.index] for r in ready)
+            ready = [r for r in ready if used[r.index] == fewest]
+        return self._h._pick(ready), now, now
 
     def _bind(self, replica: ReplicaState) -> Source:
         source = self._bound.get(replica.index)
@@ -506,27 +622,33 @@ class _RequestPlanner:
 
     async def next_source(self, number: int, trigger: str) -> Source | None:
         h = self._h
+        primary = number == 1
+        throttle = h._throttle
+        if trigger == "failover" and throttle is not None and not throttle.allows:
+            # gRFC A6: at or below half the tokens, no retries either (a primary always goes).
+            if self._candidates():
+                self._refuse("throttle", trio.current_time(), failover=True)
+            return None
+        wait = h._config.max_pushback_wait
+        deadline = math.inf if wait is None else trio.current_time() + wait
         while True:
             candidates = self._candidates()
             if not candidates:
-                return None
+                return None  # the plan is used up: not a refusal
             now = trio.current_time()
-            healthy = [r for r in candidates if not r.ejected(now) and not r.cooling(now)]
-            if healthy:
-                return self._bind(h._pick(healthy))
-            cooling = [r for r in candidates if not r.ejected(now)]
-            if cooling:
-                # Every usable replica asked us to back off: wait for the first to be free
-                # (the caller's cancel scope and first_token_timeout bound the wait).
-                await trio.sleep_until(min(r.cooling_until for r in cooling))
-                continue
-            # Every remaining replica is ejected: try the least bad rather than fail without
-            # an attempt (Envoy's panic mode), still honouring its cooldown if it has one.
-            least_bad = min(candidates, key=lambda r: (r.available_at(), r.index))
-            if least_bad.cooling(now):
-                await trio.sleep_until(least_bad.cooling_until)
-                continue
-            return self._bind(least_bad)
+            chosen, wait_until, beyond = self._choose(candidates, now, deadline, primary=primary)
+            if chosen is not None:
+                return self._bind(chosen)
+            if wait_until == math.inf:
+                if primary:
+                    assert wait is not None  # without a bound, every replica is in reach
+                    raise ReplicasCooling(until=beyond, retry_in=beyond - now, max_wait=wait)
+                # Every replica left is ejected, or cools for longer than the bound: not sent.
+                self._refuse("no_replica", now, failover=trigger != "hedge")
+                return None
+            # Every usable replica asked us to back off (or is in this request's back-off):
+            # wait for the first to be free (bounded above, and by the caller's cancel scope).
+            await trio.sleep_until(wait_until)
 
     # -- when --------------------------------------------------------------------------------
 
@@ -541,24 +663,27 @@ class _RequestPlanner:
         return model.delay(self._group, self._class, trio.current_time())
 
     def may_hedge(self) -> bool:
+        """Whether a backup may go now. Only checks: the budget is spent when it starts."""
         h = self._h
         candidates = self._candidates()
         if not candidates:
             return True  # nothing left to send: next_source ends the plan; not a refusal
         now = trio.current_time()
-        if all(r.ejected(now) for r in candidates):
-            return self._refuse("no_replica", now)
+        if self._choose(candidates, now, now, primary=False)[0] is None:
+            return self._refuse("no_replica", now)  # ejected, cooling or backing off
         if h._throttle is not None and not h._throttle.allows:
             return self._refuse("throttle", now)
-        if h._budget is not None and not h._budget.try_backup(now):
+        if h._budget is not None and not h._budget.allows(now):
             return self._refuse("budget", now)
         return True
 
-    def _refuse(self, reason: str, now: float) -> bool:
-        self._h._counts[reason] += 1
-        self._h._emit(
-            HedgeEvent(EventKind.HEDGE_REFUSED, now, self._request_id, self._group, reason=reason)
-        )
+    def _refuse(self, reason: str, now: float, *, failover: bool = False) -> bool:
+        """Count and announce a hedge (or failover) not sent, for ``reason``: ``budget``,
+        ``throttle`` or ``no_replica``."""
+        h = self._h
+        h._counts["failover_" + reason if failover else reason] += 1
+        kind = EventKind.FAILOVER_REFUSED if failover else EventKind.HEDGE_REFUSED
+        h._emit(HedgeEvent(kind, now, self._request_id, self._group, reason=reason))
         return False
 
     # -- what happened -----------------------------------------------------------------------
@@ -574,23 +699,15 @@ class _RequestPlanner:
             self._start(replica, record, now)
         elif outcome is AttemptOutcome.WON:
             kind = EventKind.COMMITTED
-            self._winner = replica
-            replica.success()
-            if h._throttle is not None:
-                h._throttle.success()
-            assert record.ttft is not None
-            if h._model is not None:
-                h._model.observe(self._group, self._class, now, record.ttft, True)
-            if record.started_at is not None:
-                h._ttfts.append((now, record.started_at + record.ttft))
-            if record.trigger == "hedge":
-                h._counts["backup_wins"] += 1
+            self._won(replica, record, now)
         elif outcome is AttemptOutcome.FAILED:
             kind = EventKind.ATTEMPT_FAILED
             self._end(record.number)
             if record.error is not None:
                 self._failed(replica, record.error, now)
-        elif outcome is AttemptOutcome.CANCELLED:
+        elif outcome is AttemptOutcome.CANCELLED or outcome is AttemptOutcome.TIMEOUT:
+            # Lost, cancelled by the caller, or stopped by first_token_timeout: no blame here
+            # (a hedged attempt that lost was blamed at the commit), a censored sample.
             kind = EventKind.ATTEMPT_CANCELLED
             self._end(record.number)
             if (
@@ -622,14 +739,37 @@ class _RequestPlanner:
                 h._budget.request(now)
         if record.trigger == "hedge":
             counts["hedges_sent"] += 1
-            # The attempt just hedged had no first token within the delay: a first-token
-            # timeout, which counts against its replica.
-            slow = self._running.get(record.number - 1)
-            outlier = h._config.outlier_detection
-            if slow is not None and outlier is not None and outlier.count_slow:
-                self._health_failure(slow, now, "slow")
+            if h._budget is not None:
+                h._budget.spend(now)  # spent now it really started, not when checked
+            # The attempt before had no first token within the hedge delay. Whether that
+            # makes it slow is known only at the end: only if another attempt wins.
+            if record.number - 1 in self._running:
+                if self._hedged_over is None:
+                    self._hedged_over = []
+                self._hedged_over.append(record.number - 1)
         elif record.trigger == "failover":
             counts["failovers"] += 1
+
+    def _won(self, replica: ReplicaState, record: AttemptRecord, now: float) -> None:
+        h = self._h
+        self._winner = replica
+        replica.success()
+        if h._throttle is not None:
+            h._throttle.success()
+        assert record.ttft is not None
+        if h._model is not None:
+            h._model.observe(self._group, self._class, now, record.ttft, True)
+        if record.started_at is not None:
+            h._ttfts.append((now, record.started_at + record.ttft))
+        if record.trigger == "hedge":
+            h._counts["backup_wins"] += 1
+        hedged_over, self._hedged_over = self._hedged_over, None
+        outlier = h._config.outlier_detection
+        if hedged_over is not None and outlier is not None and outlier.count_slow:
+            for number in hedged_over:
+                slow = self._running.get(number)  # still running: it loses now
+                if number != record.number and slow is not None:
+                    h._health_failure(slow, now, "slow", self._request_id, self._group)
 
     def _end(self, number: int) -> None:
         replica = self._running.pop(number, None)
@@ -651,24 +791,24 @@ class _RequestPlanner:
                     until=replica.cooling_until,
                 )
             )
+        fault = error.replica_fault
         if counts_against_replica(error):
-            self._health_failure(replica, now, error.kind.value)
+            h._health_failure(
+                replica, now, error.kind.value, self._request_id, self._group, at_once=fault
+            )
+        index = replica.index
+        if fault:
+            self._used[index] = self._per_replica  # misconfigured: not again in this request
+        elif self._used[index] < self._per_replica and h._config.backoff is not None:
+            # It may be tried again by this request: not before its back-off has passed.
+            backoff = h._config.backoff
+            repeat = self._used[index]
+            draw = jitter_draw(self._request_id, replica.name, repeat) if backoff.jitter else 1.0
+            if self._retry_at is None:
+                self._retry_at = {}
+            self._retry_at[index] = now + backoff_delay(repeat, backoff, draw)
         if error.retryable and h._throttle is not None:
             h._throttle.failure()
-
-    def _health_failure(self, replica: ReplicaState, now: float, reason: str) -> None:
-        if replica.failure(now, self._h._config.outlier_detection):
-            self._h._emit(
-                HedgeEvent(
-                    EventKind.REPLICA_EJECTED,
-                    now,
-                    self._request_id,
-                    self._group,
-                    replica.name,
-                    reason=reason,
-                    until=replica.ejected_until,
-                )
-            )
 
     def request_finished(self, report: Report) -> None:
         if self._finished:
@@ -679,9 +819,20 @@ class _RequestPlanner:
         for replica in self._running.values():
             replica.in_flight -= 1
         self._running.clear()
-        if not report.attempts:
-            return  # cancelled before anything was sent (e.g. while every replica cooled)
         now = trio.current_time()
+        if not report.attempts:
+            if isinstance(report.error, ReplicasCooling):
+                counts["refused_requests"] += 1
+                h._emit(
+                    HedgeEvent(
+                        EventKind.REQUEST_FINISHED,
+                        now,
+                        self._request_id,
+                        self._group,
+                        report=report,
+                    )
+                )
+            return  # else cancelled before anything was sent (e.g. while every replica cooled)
         counts["finished"] += 1
         if report.error is not None:
             counts["failed"] += 1
@@ -692,7 +843,9 @@ class _RequestPlanner:
             and counts_against_replica(error.error)
         ):
             # The winner failed after commit (a stall, a cut): its replica's health suffers.
-            self._health_failure(self._winner, now, error.error.kind.value)
+            h._health_failure(
+                self._winner, now, error.error.kind.value, self._request_id, self._group
+            )
         counts["wasted"] += report.wasted_tokens
         counts["prompt_resent"] += report.prompt_tokens_resent or 0
         h._emit(

@@ -13,6 +13,7 @@ _INFO = frozenset(
     {
         EventKind.ATTEMPT_FAILED,
         EventKind.HEDGE_REFUSED,
+        EventKind.FAILOVER_REFUSED,
         EventKind.REPLICA_COOLING,
         EventKind.REPLICA_EJECTED,
     }

@@ -35,6 +35,9 @@ class _Collectors:
         self.refused = prom.Counter(
             f"{prefix}_hedges_refused", "Backups not sent.", ["reason"], **kw
         )
+        self.failovers_refused = prom.Counter(
+            f"{prefix}_failovers_refused", "Failovers not sent.", ["reason"], **kw
+        )
         self.replica_events = prom.Counter(
             f"{prefix}_replica_events",
             "Replica cooldowns and ejections.",
@@ -67,6 +70,8 @@ class PrometheusHook:
     - ``trio_hedge_attempts_total{replica,trigger,outcome}``: attempts by how they ended;
     - ``trio_hedge_backups_won_total{replica}``: backups that won (Finagle ``backups_won``);
     - ``trio_hedge_hedges_refused_total{reason}``: Finagle ``budget_exhausted``, by reason;
+    - ``trio_hedge_failovers_refused_total{reason}``: failovers not sent (throttle, no
+      usable replica);
     - ``trio_hedge_replica_events_total{replica,kind}``: cooldowns and ejections;
     - ``trio_hedge_ttft_seconds``: caller-visible time to first token (histogram).
 
@@ -99,6 +104,7 @@ class PrometheusHook:
         self._attempts = shared.attempts
         self._backups_won = shared.backups_won
         self._refused = shared.refused
+        self._failovers_refused = shared.failovers_refused
         self._replica_events = shared.replica_events
         self._ttft = shared.ttft
 
@@ -115,6 +121,8 @@ class PrometheusHook:
                 self._backups_won.labels(record.replica).inc()
         elif kind is EventKind.HEDGE_REFUSED:
             self._refused.labels(event.reason or "unknown").inc()
+        elif kind is EventKind.FAILOVER_REFUSED:
+            self._failovers_refused.labels(event.reason or "unknown").inc()
         elif kind in (EventKind.REPLICA_COOLING, EventKind.REPLICA_EJECTED):
             self._replica_events.labels(event.replica or "", kind.value).inc()
         elif kind is EventKind.REQUEST_FINISHED and event.report is not None:
