@@ -1,6 +1,8 @@
 """The library's own CPU cost per request, with no I/O: ``hedged_stream`` over an in-memory
 iterator source that yields two tokens (one attempt, no hedge). This is what trio_hedge adds
 to every request on top of the HTTP work (race nursery, attempt task, cancel scopes, report).
+``--hedger`` measures the same request through a long-lived ``Hedger`` with its default
+config (learned delay, budget, throttle, outlier detection, back-off: the planner's work).
 
 Run: ``python benchmarks/per_request.py`` (``--quick``: fewer requests, a smoke check).
 """
@@ -32,16 +34,32 @@ async def _requests(n: int) -> float:
     return (time.process_time() - began) / n
 
 
+async def _hedger_requests(n: int) -> float:
+    sources = [th.iterator_source(_two_tokens, name=name) for name in ("a", "b", "c")]
+    hedger = th.Hedger(sources)
+    began = time.process_time()
+    for _ in range(n):
+        async with hedger.stream(None) as stream:
+            async for _token in stream:
+                pass
+    return (time.process_time() - began) / n
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--hedger", action="store_true", help="through a Hedger (3 replicas, default config)"
+    )
     args = parser.parse_args(argv)
     n, repeat = (1_000, 1) if args.quick else (args.requests, args.repeat)
-    trio.run(_requests, 200)  # warm-up
-    runs = sorted(trio.run(_requests, n) for _ in range(repeat))
-    print(f"per_request: {n:,} requests x {repeat}, CPU time (time.process_time)")
+    requests = _hedger_requests if args.hedger else _requests
+    trio.run(requests, 200)  # warm-up
+    runs = sorted(trio.run(requests, n) for _ in range(repeat))
+    what = "Hedger.stream" if args.hedger else "hedged_stream"
+    print(f"per_request ({what}): {n:,} requests x {repeat}, CPU time (time.process_time)")
     print(
         f"library CPU per request: median {runs[len(runs) // 2] * 1e6:.1f} us, "
         f"best {runs[0] * 1e6:.1f} us"
