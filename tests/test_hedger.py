@@ -481,6 +481,33 @@ async def test_a_day_of_pushback_raises_at_once(autojump_clock: trio.testing.Moc
     assert isinstance(events[-1].report.error, th.ReplicasCooling)
 
 
+async def test_a_hedge_that_cannot_go_now_is_refused_or_waits_within_the_bound(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The race asks may_hedge() first; should the only other replica start cooling before
+    # next_source(..., "hedge") runs, the hedge waits within max_pushback_wait or is refused.
+    fleet = Fleet(["a", "b"], table(FAST))
+    events: list[th.HedgeEvent] = []
+    hedger = th.Hedger(fleet.sources(), PLAIN, on_event=[events.append])
+    for cooling, sent_at in [(DAY, None), (2.0, 2.0)]:
+        planner = hedger.stream(None)._planner
+        primary = await planner.next_source(1, "primary")
+        assert primary is not None
+        t = trio.current_time()
+        record = th.AttemptRecord(1, "a", "primary", 0.0, None, None, O.RUNNING)
+        planner.attempt_changed(primary, record)
+        hedger._replicas[1].cooling_until = t + cooling  # type: ignore[attr-defined]
+        source = await planner.next_source(2, "hedge")
+        if sent_at is None:
+            assert source is None
+        else:
+            assert source is not None and source.name == "b"
+            assert trio.current_time() == t + sent_at
+    assert hedger.statistics().no_replica_refusals == 1
+    refused = [(e.kind, e.reason) for e in events if e.kind is EventKind.HEDGE_REFUSED]
+    assert refused == [(EventKind.HEDGE_REFUSED, "no_replica")]
+
+
 WAIT_BOUNDARY = [
     # (retry_after, max_pushback_wait, waits) — a cools until 0.25 + retry_after
     (10.0, 10.0, True),  # exactly the bound: waits
