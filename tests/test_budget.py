@@ -251,6 +251,28 @@ async def test_failover_refusals_reach_the_instrumentation(
     assert "reason=throttle" in line
 
 
+async def test_failover_refusals_are_span_events(autojump_clock: trio.testing.MockClock) -> None:
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from trio_hedge.instrumentation import OpenTelemetryHook
+
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    fleet = Fleet(["a", "b"], table(FAILING))
+    config = th.HedgerConfig(
+        hedge_after=1.0, budget=None, throttle=RetryThrottle(max_tokens=2), outlier_detection=None
+    )
+    hedger = th.Hedger(fleet.sources(), config, on_event=[OpenTelemetryHook(provider)])
+    await run(hedger.stream(None))
+    (request,) = [s for s in spans.get_finished_spans() if s.parent is None]
+    events = [(e.name, dict(e.attributes or {})) for e in request.events]
+    assert ("failover_refused", {"trio_hedge.reason": "throttle"}) in events
+
+
 # -- the budget is spent by backups that start, not by checks ------------------------------------
 
 

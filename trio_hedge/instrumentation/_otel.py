@@ -236,6 +236,7 @@ class OpenTelemetryHook:
             del self._requests[event.request_id]
         elif kind in (
             EventKind.HEDGE_REFUSED,
+            EventKind.FAILOVER_REFUSED,
             EventKind.REPLICA_COOLING,
             EventKind.REPLICA_EJECTED,
         ):
