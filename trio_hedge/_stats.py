@@ -92,7 +92,8 @@ class HedgerStatistics:
             use is ejected, or cooling (or in its back-off) longer than
             ``max_pushback_wait``.
         requests_refused: requests that sent nothing and raised
-            :class:`~trio_hedge.ReplicasCooling` (not counted in ``requests``).
+            :class:`~trio_hedge.ReplicasCooling` (counted neither in ``requests`` nor in
+            ``finished``).
         ejections_capped: times a replica was due for ejection but stayed in because
             ``max_ejection_percent`` of the replicas (or all but one) were already out.
         throttle_tokens: the throttle's token count now (``None`` without a throttle).

@@ -335,7 +335,9 @@ class Hedger:
             request_id: the id every attempt carries; default a fresh UUID4.
 
         Returns:
-            a :class:`~trio_hedge.HedgedStream` (see there for what it raises).
+            a :class:`~trio_hedge.HedgedStream` (see there for what it raises). Entering it
+            also raises :class:`~trio_hedge.ReplicasCooling` when every replica is cooling
+            for longer than ``max_pushback_wait`` (nothing is sent).
 
         Raises:
             RuntimeError: the Hedger was closed.
