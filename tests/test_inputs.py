@@ -167,6 +167,12 @@ CASES = [
         "request['user']",
     ),
     Bad(
+        "Hedger: an idempotency key read from a file",
+        lambda: _hedger_stream(idempotency_key=KEY + "\n"),
+        ValueError,
+        "idempotency_key",
+    ),
+    Bad(
         "overrides: NaN",
         lambda: _replica(overrides={"temperature": math.nan}),
         ValueError,

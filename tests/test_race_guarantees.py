@@ -469,6 +469,16 @@ async def test_an_empty_answer_commits_when_nothing_else_can_answer(
     assert (stream.report.ttft, stream.report.backups_sent) == (pytest.approx(0.1), 0)
 
 
+async def test_a_hedger_takes_an_empty_answer_too(autojump_clock: trio.testing.MockClock) -> None:
+    # The winner has no TTFT to learn from: nothing is observed, nothing breaks.
+    hedger = th.Hedger([th.iterator_source(_empty_then_done(0.1), name="e")])
+    stream = hedger.stream(None)
+    assert await read_all(stream) == []
+    assert stream.report.winner == 1
+    stats = hedger.statistics()
+    assert (stats.finished, stats.failed, stats.ttft_p50) == (1, 0, None)
+
+
 async def test_reasoning_resets_the_stall_clock_under_its_rule(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -69,7 +69,7 @@ from ._report import AttemptOutcome, AttemptRecord, Report
 from ._sizing import estimate_prompt_tokens
 from ._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
 from ._stream import HedgedStream, check_replicas
-from ._validate import check_json_body, check_request_id
+from ._validate import check_header_value, check_json_body, check_request_id
 from .sources._base import Source
 from .sources.openai_http import HeaderNames, Replica
 
@@ -180,15 +180,6 @@ class HedgerConfig:
         )
 
 
-def _check_idempotency_key(key: object) -> None:
-    if key is None:
-        return
-    if not isinstance(key, str):
-        raise TypeError(f"idempotency_key must be a str or None, not {type(key).__name__}")
-    if not key or not key.isascii() or not key.isprintable():
-        raise ValueError("idempotency_key must be a non-empty printable ASCII string")
-
-
 class Hedger:
     """One long-lived hedging policy shared by every request of an application.
 
@@ -225,13 +216,8 @@ class Hedger:
         config = HedgerConfig() if config is None else config
         if not isinstance(config, HedgerConfig):
             raise TypeError(f"config must be a HedgerConfig, not {type(config).__name__}")
-        check_replicas(replicas)
-        states: list[ReplicaState] = []
-        for index, r in enumerate(replicas):
-            states.append(ReplicaState(index=index, name=r.name, source=r))
-        names = [s.name for s in states]
-        if len(set(names)) != len(names):
-            raise ValueError(f"replica names must be unique, got {names!r}")
+        check_replicas(replicas)  # also refuses duplicate names
+        states = [ReplicaState(index=i, name=r.name, source=r) for i, r in enumerate(replicas)]
         if client is not None and not isinstance(client, httpx.AsyncClient):
             raise TypeError(f"client must be an httpx.AsyncClient, not {type(client).__name__}")
         if headers is not None and not isinstance(headers, HeaderNames):
@@ -354,7 +340,8 @@ class Hedger:
         for name, flag in (("hedge", hedge), ("side_effects", side_effects)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, not {flag!r}")
-        _check_idempotency_key(idempotency_key)
+        if idempotency_key is not None:  # sent as a header on every attempt
+            check_header_value(idempotency_key, "idempotency_key", allow_empty=False)
         if prompt_tokens is not None:
             if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int):
                 raise TypeError(f"prompt_tokens must be an int or None, not {prompt_tokens!r}")
@@ -758,11 +745,11 @@ class _RequestPlanner:
         replica.success()
         if h._throttle is not None:
             h._throttle.success()
-        assert record.ttft is not None
-        if h._model is not None:
-            h._model.observe(self._group, self._class, now, record.ttft, True)
-        if record.started_at is not None:
-            h._ttfts.append((now, record.started_at + record.ttft))
+        if record.ttft is not None:  # None: an empty answer won, with no token to time
+            if h._model is not None:
+                h._model.observe(self._group, self._class, now, record.ttft, True)
+            if record.started_at is not None:
+                h._ttfts.append((now, record.started_at + record.ttft))
         if record.trigger == "hedge":
             h._counts["backup_wins"] += 1
         hedged_over, self._hedged_over = self._hedged_over, None
