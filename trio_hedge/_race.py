@@ -10,8 +10,8 @@ cancelled so its server stops.
 
 How it runs. The parent loop (:meth:`_Race._stagger`, in the caller's own task) starts an
 attempt, then waits ``with trio.move_on_after(delay): await news.receive()``: the next attempt
-starts after the delay *or* when an attempt fails; no timer tasks. Every failure is one message
-on a channel, so failures landing together each start their own attempt, and a failure landing
+starts after the delay *or* when an attempt fails; no timer tasks. Every failure is one piece of
+news in a queue, so failures landing together each start their own attempt, and a failure landing
 as the delay ends is a failover, not a hedge. Each attempt runs in a task of the stream's
 nursery, inside its own cancel scope, and owns what it opened until the line that hands it over
 (:meth:`_Race._commit`). The commit cancels the parent loop and every loser's scope and
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections import deque
 from collections.abc import Sequence
 
 import attrs
@@ -190,7 +191,10 @@ class _Race:
         self._live: set[int] = set()  # attempts that may still produce a first token
         self._answer: int | None = None  # the first attempt that ended with an empty answer
         self._stagger_scope = trio.CancelScope()
-        self._send_news, self._news = trio.open_memory_channel[_News](math.inf)
+        # News for the parent loop, one entry per attempt that ended without a first token
+        # (a deque and a parking lot: a memory channel costs more to make, per request).
+        self._news: deque[_News] = deque()
+        self._news_arrived = trio.lowlevel.ParkingLot()
 
     def _changed(self, state: _AttemptState) -> None:
         if not self._observed:  # a frozen record per state change costs; skip it when unused
@@ -248,7 +252,7 @@ class _Race:
             trigger = await self._next_trigger(self._planner.hedge_delay(number))
         # Nothing more starts: wait for the running attempts (a commit cancels this wait).
         while self._live:
-            self._take_news(await self._news.receive())
+            self._take_news(await self._next_news())
         if self._answer is not None:
             self._commit_answer(self._answer)
 
@@ -257,21 +261,28 @@ class _Race:
         ``"hedge"`` (``delay`` passed and the planner allows a hedge), or ``None`` (an empty
         answer is in hand: nothing more starts)."""
         with trio.move_on_after(math.inf if delay is None else delay):
-            return self._take_news(await self._news.receive())
+            return self._take_news(await self._next_news())
         # A first token due at the very instant the delay ends wins without a hedge, and a
         # failure at that instant is a failover: let the tasks woken in this tick run first
         # (a commit cancels us right here).
         await trio.lowlevel.checkpoint()
-        try:
-            return self._take_news(self._news.receive_nowait())
-        except trio.WouldBlock:
-            pass
+        if self._news:
+            return self._take_news(self._news.popleft())
         if self._planner.may_hedge():
             return "hedge"
         # The budget said no: the running attempts go on alone; only a failure may still
         # start another attempt.
         self._recorder.hedges_refused += 1
-        return self._take_news(await self._news.receive())
+        return self._take_news(await self._next_news())
+
+    def _post(self, news: _News) -> None:
+        self._news.append(news)
+        self._news_arrived.unpark()
+
+    async def _next_news(self) -> _News:
+        while not self._news:
+            await self._news_arrived.park()
+        return self._news.popleft()
 
     def _take_news(self, news: _News) -> str | None:
         kind, number = news
@@ -359,7 +370,7 @@ class _Race:
         while True:
             batch = await stream.receive()
             if batch is None:  # ended cleanly before any first token: an answer all the same,
-                self._send_news.send_nowait(("empty", number))  # which waits for the others
+                self._post(("empty", number))  # which waits for the others
                 self._live.discard(number)
                 await trio.sleep_forever()
             pending.extend(batch)
@@ -460,7 +471,7 @@ class _Race:
             self._fatal = error
             self._decide()
         else:
-            self._send_news.send_nowait(("failed", state.number))
+            self._post(("failed", state.number))
 
 
 async def race(
