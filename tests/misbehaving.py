@@ -157,11 +157,13 @@ class ServerConn:
         for event in events:
             await self.send(chunk(event))
 
-    async def drip(self, data: bytes, *, pause: float = 0.0) -> None:
-        """Send ``data`` one byte per write, letting the client read in between."""
+    async def drip(self, data: bytes) -> None:
+        """Send ``data`` one byte per write, each read by the client before the next is sent
+        (on loopback a write is readable at once: once every task is blocked again, the
+        client has taken the byte and waits for more)."""
         for i in range(len(data)):
             await self.send(data[i : i + 1])
-            await trio.sleep(pause)
+            await trio.testing.wait_all_tasks_blocked()
 
     async def close(self) -> None:
         """Close with a FIN (the script ends the connection)."""
