@@ -141,7 +141,7 @@ class ServerConn:
     script is cancelled and the connection is recorded as closed by the client.
     """
 
-    def __init__(self, stream: trio.abc.Stream, record: Conn, sock: socket.socket) -> None:
+    def __init__(self, stream: trio.abc.Stream, record: Conn, sock: trio.socket.SocketType) -> None:
         self._stream = stream
         self._sock = sock
         self.record = record
@@ -273,7 +273,7 @@ class RawServer:
                 return
             record.request, record.request_at = request, trio.current_time()
             self._note()
-            conn = ServerConn(stream, record, sock._sock)  # type: ignore[attr-defined]
+            conn = ServerConn(stream, record, sock)
             await self._run_script(conn, stream)
         finally:
             with trio.CancelScope(shield=True):

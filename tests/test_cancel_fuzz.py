@@ -49,7 +49,7 @@ import random
 import re
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import attrs
@@ -236,18 +236,21 @@ def draw_plan(race: str) -> Plan:
     http2 = rng.random() < 0.4
     hedge_after = rng.choice((None, 0.0, 0.002, 0.005, 0.01, 0.02))
     ftt = BACKSTOP
-    kw: dict[str, object] = {}
+    scope_deadline: float | None = None
+    cancel_after_tokens: int | None = None
+    break_after: int | None = None
+    cancel_on_arrival = False
     ok_ttft = rng.choice((0.003, 0.005, 0.01, 0.02))
     ok_behaviour = Behaviour(ttft=ok_ttft, token_delay=0.001, tokens=rng.randint(1, 4))
     ok = Slot("ok", ok_behaviour)
     jitter = rng.uniform(-0.002, 0.002)
     if cancel == "break":
-        kw["break_after"] = rng.randint(0, 2)
+        break_after = rng.randint(0, 2)
     elif cancel == "during a connect":
         slots[0] = Slot("blackhole")
         how = rng.choice(("scope", "first_token_timeout", "a backup's commit"))
         if how == "scope":
-            kw["scope_deadline"] = rng.uniform(0.0, 0.01)
+            scope_deadline = rng.uniform(0.0, 0.01)
         elif how == "first_token_timeout":
             ftt = rng.uniform(0.001, 0.01)
         else:
@@ -257,7 +260,7 @@ def draw_plan(race: str) -> Plan:
         slots[0] = Slot("headers held back", Behaviour(status=503, error_delay=NEVER))
         how = rng.choice(("on arrival", "first_token_timeout", "a backup's commit"))
         if how == "on arrival":
-            kw["cancel_on_arrival"] = True
+            cancel_on_arrival = True
         elif how == "first_token_timeout":
             ftt = rng.uniform(0.002, 0.02)
         else:
@@ -267,7 +270,7 @@ def draw_plan(race: str) -> Plan:
         slots[0] = Slot("ok", ok_behaviour, at=ok_ttft)  # its first token due at ok_ttft
         how = rng.choice(("scope", "first_token_timeout", "hedge delay"))
         if how == "scope":
-            kw["scope_deadline"] = max(0.0, ok_ttft + jitter)
+            scope_deadline = max(0.0, ok_ttft + jitter)
         elif how == "first_token_timeout":
             ftt = max(0.001, ok_ttft + jitter)
         else:
@@ -275,11 +278,11 @@ def draw_plan(race: str) -> Plan:
             if len(slots) == 1:
                 slots.append(draw_slot(rng))
     elif cancel == "right after the commit":
-        kw["cancel_after_tokens"] = 0
+        cancel_after_tokens = 0
     elif cancel == "mid-stream":
-        kw["cancel_after_tokens"] = rng.randint(1, 3)
+        cancel_after_tokens = rng.randint(1, 3)
     elif cancel == "caller's cancel scope":
-        kw["scope_deadline"] = rng.uniform(0.0, 0.04)
+        scope_deadline = rng.uniform(0.0, 0.04)
     elif cancel == "first_token_timeout":
         ftt = rng.uniform(0.001, 0.04)
     elif cancel == "two first tokens in one tick":
@@ -301,7 +304,10 @@ def draw_plan(race: str) -> Plan:
         hedge_after=hedge_after,
         first_token_timeout=ftt,
         cancel=cancel,
-        **kw,  # type: ignore[arg-type]
+        scope_deadline=scope_deadline,
+        cancel_after_tokens=cancel_after_tokens,
+        break_after=break_after,
+        cancel_on_arrival=cancel_on_arrival,
     )
 
 
@@ -327,7 +333,7 @@ class Fleet:
     races: dict[str, Pending] = attrs.Factory(dict)
     unknown: int = 0
 
-    def behaviour_for(self, slot: int) -> object:
+    def behaviour_for(self, slot: int) -> Callable[[RequestRecord], Behaviour]:
         def behave(record: RequestRecord) -> Behaviour:
             pending = self.races.get(record.headers.get("x-request-id", ""))
             if pending is None or slot >= len(pending.plan.slots):
@@ -360,7 +366,7 @@ async def fleet() -> AsyncIterator[Fleet]:
             for http2, servers in ((False, f.h1), (True, f.h2)):
                 for slot in range(3):
                     replica = FakeReplica(
-                        f.behaviour_for(slot),  # type: ignore[arg-type]
+                        f.behaviour_for(slot),
                         name=f"{'h2' if http2 else 'h1'}-{slot}",
                         http2=http2,
                     )
