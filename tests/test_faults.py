@@ -997,6 +997,70 @@ async def test_caller_cancel_during_a_loser_close_closes_the_winner() -> None:
     problems.raise_if_any()
 
 
+# -- a stray error from the HTTP/2 stack ------------------------------------------------------
+
+
+class StrayH2Error(httpx.AsyncBaseTransport):
+    """httpx's HTTP/2 transport, with the fault the fuzz meets in httpcore 1.0.9 made
+    deterministic: after a request to ``port`` has reached its server, httpcore drops the
+    stream (its own close: no RST_STREAM) and raises ``ValueError("semaphore released too many
+    times")`` out of ``client.send`` (``test_cancel_fuzz``: ~0.2% of h2c races with hedges).
+    ``_pool`` is the inner transport's, as the library finds a client's HTTP/2 connections
+    there."""
+
+    def __init__(self, port: int) -> None:
+        self._inner = httpx.AsyncHTTPTransport(http1=False, http2=True)
+        self._pool = self._inner._pool
+        self._port = port
+        self.raised = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self._inner.handle_async_request(request)
+        if request.url.port == self._port and not self.raised:
+            self.raised += 1
+            await response.aclose()  # httpcore forgets the stream without telling the server
+            raise ValueError("semaphore released too many times")
+        return response
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+async def test_a_stray_error_from_the_http2_stack_fails_over_and_resets_the_stream() -> None:
+    """An exception the HTTP stack should never raise is the connection's trouble, not the
+    request's: that attempt fails (retryable) and the next starts at once; and the stream it
+    leaves behind is reset, so its server stops (issue 8: "an httpcore protocol error on HTTP/2
+    after a cancel is a connection error (retryable), not fatal")."""
+    baseline = Baseline.take()
+    problems = Problems("a ValueError out of httpcore's HTTP/2 code")
+    check = problems.check
+    async with fake_server(Behaviour(ttft=NEVER), "primary", http2=True) as p:
+        async with fake_server(BACKUP, "backup", http2=True) as b:
+            transport = StrayH2Error(p.replica.port)
+            client = httpx.AsyncClient(transport=transport)
+            async with mb.close_cleanly(client):
+                out = await run_stream([p.url, b.url], th.HedgePolicy(hedge_after=NEVER), client)
+                check(transport.raised == 1, "the stray error was not raised")
+                await problems.within(
+                    SOON, "the primary's server never saw its stream end", p.settled()
+                )
+                check(p.saw_disconnect(0), "the primary's server never saw a reset")
+            await problems.within(
+                SOON, "a connection was never closed", p.all_closed(), b.all_closed()
+            )
+    await problems.leaks(baseline)
+    expect(
+        out,
+        problems,
+        error=None,
+        winner=2,
+        attempts=[("primary", O.FAILED), ("failover", O.WON)],
+        kinds=[K.CONNECTION, None],
+        text=BACKUP_TEXT,
+    )
+    problems.raise_if_any()
+
+
 # -- whose fault: replica faults let the others go on; request faults end everything ----------
 
 
