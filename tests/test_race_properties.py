@@ -522,3 +522,61 @@ def test_a_cancel_in_the_tick_of_the_first_token(idle_rounds: int) -> None:
         if a.outcome not in (O.WON, O.CANCELLED, O.FAILED, O.TIMEOUT) or a.ended_at is None:
             problems.append(f"attempt {a.number} ended {a.outcome.value!r} at {a.ended_at}")
     assert not problems, "; ".join(problems)
+
+
+class _Empty:
+    """An attempt that ends cleanly with no token at all (an empty answer) ``at`` seconds
+    after it starts."""
+
+    def __init__(self, at: float, ledger: Ledger, info: th.AttemptInfo) -> None:
+        self._end = trio.current_time() + at
+        self._ledger, self._info = ledger, info
+        ledger.opened.append(("empty", info.number, trio.current_time()))
+
+    def __aiter__(self) -> _Empty:
+        return self
+
+    async def __anext__(self) -> str:
+        await trio.sleep_until(self._end)
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        self._ledger.closed.append(("empty", self._info.number, trio.current_time()))
+
+
+@settings(max_examples=60, deadline=None)
+@given(idle_rounds=st.integers(min_value=0, max_value=60))
+def test_an_empty_answer_and_the_last_failure_in_one_tick(idle_rounds: int) -> None:
+    """The primary fails at 0.25 s, the backup (hedged at 0.125 s) ends with an empty answer
+    at 0.25 s, and the hedge delay ends then too: nothing else can answer, so the empty answer
+    stands, in whichever order the three land (the fuzz met it: the empty answer dropped and
+    ``AllAttemptsFailed`` raised, the empty attempt reported ``cancelled``)."""
+
+    async def main() -> tuple[th.Report, BaseException | None, Ledger]:
+        async def idle() -> None:
+            for _ in range(idle_rounds):
+                await trio.lowlevel.checkpoint()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(idle)
+            nursery.start_soon(idle)
+        ledger = Ledger()
+        failing = sources(ledger, fail(0.25))[0]
+        empty = th.iterator_source(lambda info: _Empty(EIGHTH, ledger, info), name="empty")
+        stream = th.hedged_stream(None, [failing, empty], th.HedgePolicy(hedge_after=EIGHTH))
+        error: BaseException | None = None
+        try:
+            async with stream:
+                async for _ in stream:
+                    pass
+        except th.HedgeError as exc:
+            error = exc
+        return stream.report, error, ledger
+
+    report, error, ledger = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    outcomes = [a.outcome.value for a in report.attempts]
+    assert error is None, f"{error!r}; attempts ended {outcomes}"
+    assert report.winner == 2
+    assert outcomes == ["failed", "won"]
+    assert report.completed and report.text == ""
+    assert ledger.open_now == 0
