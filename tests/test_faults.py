@@ -1061,6 +1061,44 @@ async def test_a_stray_error_from_the_http2_stack_fails_over_and_resets_the_stre
     problems.raise_if_any()
 
 
+async def test_an_http2_connection_a_cancel_corrupted_is_not_the_requests_fault() -> None:
+    """The real fault behind the one above: cancelling the first request of a new HTTP/2
+    connection while httpcore 1.0.9 sets the connection up (a loop of semaphore acquires, each
+    a checkpoint) leaves its stream semaphore over-full, and the next request on that
+    connection raises ``ValueError("semaphore released too many times")``. A hedging library
+    cancels attempts all the time. The next request must not fail as the request's fault:
+    it fails over (here to a second name for the same server) and gets its answer."""
+    baseline = Baseline.take()
+    found: list[str] = []
+    async with fake_server(BACKUP, "h2", http2=True) as server:
+        replicas = [th.Replica(server.url, name="a"), th.Replica(server.url, name="b")]
+        policy = th.HedgePolicy(hedge_after=None)
+        for checkpoints in range(0, 60, 2):
+            client = th.make_client(http1=False, http2=True)
+            async with mb.close_cleanly(client):
+                with trio.CancelScope() as scope:
+
+                    async def cancel_after(n: int, scope: trio.CancelScope = scope) -> None:
+                        for _ in range(n):
+                            await trio.lowlevel.checkpoint()
+                        scope.cancel()  # the first request, while its connection is set up
+
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(cancel_after, checkpoints)
+                        await run_sources(replicas[:1], policy, client=client, body=REQUEST)
+                        nursery.cancel_scope.cancel()
+                out = await run_sources(replicas, policy, client=client, body=REQUEST)
+                if out.error is not None:
+                    found.append(f"cancelled after {checkpoints} checkpoints: {out.error!r}")
+                elif "".join(out.tokens) != BACKUP_TEXT:
+                    found.append(f"cancelled after {checkpoints} checkpoints: read {out.tokens}")
+        with trio.fail_after(SOON):
+            await server.settled()
+            await server.all_closed()
+    await baseline.assert_unchanged("corrupted HTTP/2 connection")
+    assert not found, f"{len(found)} of 30 requests failed:\n" + "\n".join(found)
+
+
 # -- whose fault: replica faults let the others go on; request faults end everything ----------
 
 
