@@ -534,6 +534,16 @@ def check_report(
             bad = [a.outcome.value for a in attempts if a.outcome not in (O.TIMEOUT, O.FAILED)]
             check(not bad, f"first_token_timeout, but attempts ended {bad}")
         else:
+            answered = [
+                slot
+                for slot, record in pending.records
+                if plan.slots[slot].kind == "empty" and record.completed
+            ]
+            check(
+                not answered or cancelled,
+                f"AllAttemptsFailed although s{answered[0] if answered else '?'}'s empty answer "
+                f"arrived whole (attempts ended {[a.outcome.value for a in attempts]})",
+            )
             check(
                 all(a.outcome is O.FAILED for a in attempts) or cancelled,
                 f"AllAttemptsFailed with attempts {[a.outcome.value for a in attempts]}",
