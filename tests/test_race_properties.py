@@ -101,17 +101,25 @@ def reference(scripts: Sequence[Script], hedge_after: float | None) -> Expected:
             next_hedge = t + hedge
 
 
+async def shift_the_scheduler(rounds: int) -> None:
+    """Two tasks checkpointing ``rounds`` times: Trio shuffles each tick's tasks with a random
+    generator (seeded per example under hypothesis), and these ticks move that sequence on,
+    so the ties that follow run in another order."""
+
+    async def idle() -> None:
+        for _ in range(rounds):
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(idle)
+        nursery.start_soon(idle)
+
+
 def run_engine(
     scripts: Sequence[Script], hedge_after: float | None, idle_rounds: int
 ) -> tuple[th.Report, BaseException | None, Ledger]:
     async def main() -> tuple[th.Report, BaseException | None, Ledger]:
-        async def idle() -> None:
-            for _ in range(idle_rounds):
-                await trio.lowlevel.checkpoint()
-
-        async with trio.open_nursery() as nursery:  # shifts the scheduler's random sequence
-            nursery.start_soon(idle)
-            nursery.start_soon(idle)
+        await shift_the_scheduler(idle_rounds)
         ledger = Ledger()
         stream = th.hedged_stream(
             None, sources(ledger, *scripts), th.HedgePolicy(hedge_after=hedge_after)
@@ -406,13 +414,7 @@ def test_a_cancel_at_any_instant_leaves_nothing_open(
     how = data.draw(st.sampled_from(CANCELS), label="how")
 
     async def main() -> tuple[th.Report, BaseException | None, Ledger]:
-        async def idle() -> None:
-            for _ in range(idle_rounds):
-                await trio.lowlevel.checkpoint()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(idle)
-            nursery.start_soon(idle)
+        await shift_the_scheduler(idle_rounds)
         ledger = Ledger()
         timeout = at if how == "first_token_timeout" else None
         policy = th.HedgePolicy(hedge_after=hedge_after, first_token_timeout=timeout)
@@ -487,13 +489,7 @@ def test_a_cancel_in_the_tick_of_the_first_token(idle_rounds: int) -> None:
     the race: whichever runs first, the stream is closed and the report is final."""
 
     async def main() -> tuple[th.Report, Ledger, int]:
-        async def idle() -> None:
-            for _ in range(idle_rounds):
-                await trio.lowlevel.checkpoint()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(idle)
-            nursery.start_soon(idle)
+        await shift_the_scheduler(idle_rounds)
         ledger = Ledger()
         gate = trio.Event()
         source = th.iterator_source(lambda info: _Gated(gate, ledger, info), name="gated")
@@ -553,13 +549,7 @@ def test_an_empty_answer_and_the_last_failure_in_one_tick(idle_rounds: int) -> N
     ``AllAttemptsFailed`` raised, the empty attempt reported ``cancelled``)."""
 
     async def main() -> tuple[th.Report, BaseException | None, Ledger]:
-        async def idle() -> None:
-            for _ in range(idle_rounds):
-                await trio.lowlevel.checkpoint()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(idle)
-            nursery.start_soon(idle)
+        await shift_the_scheduler(idle_rounds)
         ledger = Ledger()
         failing = sources(ledger, fail(0.25))[0]
         empty = th.iterator_source(lambda info: _Empty(EIGHTH, ledger, info), name="empty")
