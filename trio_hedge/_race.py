@@ -215,10 +215,13 @@ class _Race:
                 self._timed_out = True  # the deadline passed with no first token
                 self._decide()
         except BaseException:
-            # Cancelled from outside (or a KeyboardInterrupt) after a commit: the winner was
-            # not handed over, so it is closed here.
+            # Cancelled from outside (or a KeyboardInterrupt). Nothing may commit into the
+            # abandoned race now (an attempt woken in this very tick closes its own stream),
+            # and a winner that committed was not handed over: it is closed here.
+            self._decided = True
             winner, self._winner = self._winner, None
             if winner is not None:
+                self._recorder.attempt(winner.number).ended_at = trio.current_time()
                 await close_quietly(winner.stream, self._close_timeout)
             raise
         winner, self._winner = self._winner, None
@@ -250,8 +253,9 @@ class _Race:
             number += 1
             self._start(number, source, trigger)
             trigger = await self._next_trigger(self._planner.hedge_delay(number))
-        # Nothing more starts: wait for the running attempts (a commit cancels this wait).
-        while self._live:
+        # Nothing more starts: wait for the running attempts (a commit cancels this wait),
+        # and read every piece of news, down to the last one queued in the same tick.
+        while self._live or self._news:
             self._take_news(await self._next_news())
         if self._answer is not None:
             self._commit_answer(self._answer)
@@ -377,7 +381,9 @@ class _Race:
             state.tokens_received += sum(1 for d in batch if d.content)
             for delta in batch:
                 if counts_as_first_token(delta, rule):
-                    if self._commit(state) and getattr(stream, "task_bound", False):
+                    if not self._commit(state):
+                        self._ended_early(state)  # too late: another won, or the caller left
+                    elif getattr(stream, "task_bound", False):
                         await self._relay(number, stream)
                     return
 

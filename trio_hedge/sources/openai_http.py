@@ -252,12 +252,6 @@ class OpenAIChatSource:
         )
         try:
             response = await self._client.send(request, stream=True)
-        except trio.Cancelled:
-            # Cancelled before the response headers: over HTTP/2 httpcore drops the stream
-            # without telling the server (see _reset_orphan_http2_streams).
-            with trio.CancelScope(shield=True, deadline=trio.current_time() + 1.0):
-                await _reset_orphan_http2_streams(self._client)
-            raise
         except httpx.TimeoutException as exc:
             raise _transport_error(ErrorKind.TIMEOUT, exc, self._redact) from exc
         except httpx.TransportError as exc:
@@ -265,6 +259,20 @@ class OpenAIChatSource:
             if tls is not None:
                 raise AttemptError(ErrorKind.PROTOCOL, self._redact(tls)) from exc
             raise _transport_error(ErrorKind.CONNECTION, exc, self._redact) from exc
+        except BaseException as exc:
+            # Cancelled before the response headers (alone, or inside a group from a pending
+            # connect), or a stray error from the HTTP/2 stack: over HTTP/2 httpcore drops the
+            # stream without telling the server (see _reset_orphan_http2_streams).
+            with trio.CancelScope(shield=True, deadline=trio.current_time() + 1.0):
+                await _reset_orphan_http2_streams(self._client)
+            if isinstance(exc, Exception):
+                # httpcore 1.0.9: a cancel while an HTTP/2 connection is being set up leaves
+                # its stream semaphore over-full, and the next request on that connection
+                # raises ValueError("semaphore released too many times")
+                # (tests/test_faults.py). The connection is broken, not the request: another
+                # attempt may succeed.
+                raise _transport_error(ErrorKind.CONNECTION, exc, self._redact) from exc
+            raise
         try:
             return await _attempt_for(response, self._redact)
         except BaseException:
