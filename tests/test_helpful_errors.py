@@ -83,3 +83,18 @@ async def test_a_web_page_where_an_event_stream_was_expected_says_so() -> None:
     assert error.status_code == 200
     assert "text/html" in error.message
     assert f"POST {url}/chat/completions" in error.message
+
+
+async def test_plain_http_on_a_tls_port_says_so() -> None:
+    # nginx's answer to http:// on its TLS port: a 400 page. The URL is wrong, not the request.
+    page = (
+        b"<html><head><title>400 The plain HTTP request was sent to HTTPS port</title></head>"
+        b"<body><center><h1>400 Bad Request</h1></center><center>The plain HTTP request was "
+        b"sent to HTTPS port</center><hr><center>nginx</center></body></html>"
+    )
+    async with raw_server(400, [("content-type", "text/html")], page) as url:
+        error = await _error(th.Replica(url))
+    assert error.kind is ErrorKind.PROTOCOL
+    assert error.retryable  # not fatal: another replica may be configured right
+    assert "https://" in error.message
+    assert f"POST {url}/chat/completions" in error.message

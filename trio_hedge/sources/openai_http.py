@@ -362,6 +362,17 @@ async def _attempt_for(response: httpx.Response, redact: Redactor) -> HTTPAttemp
         except httpx.HTTPError:
             body = b""
         error = classify_http_error(status, response.headers, body, redact=redact)
+        if status == 400 and b"plain HTTP request was sent to HTTPS port" in body:
+            # nginx's 400 page for http:// on a TLS port: the replica's URL is wrong, not the
+            # request (it would be fatal as a plain 400).
+            raise AttemptError(
+                ErrorKind.PROTOCOL,
+                redact(
+                    f"HTTP 400 from {_where(response.request)}: the server speaks TLS on this "
+                    "port (a plain HTTP request was sent to an HTTPS port); use https://"
+                ),
+                status_code=status,
+            )
         if status in (404, 405):
             # A wrong path or base_url (the server's own message rarely names it).
             where = _where(response.request)
