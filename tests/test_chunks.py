@@ -594,3 +594,23 @@ def test_retry_after_invalid(value: str) -> None:
 def test_retry_after_header_names_case_insensitive() -> None:
     assert parse_retry_after(httpx.Headers({"Retry-After-Ms": "1500"})) == 1.5
     assert parse_retry_after({"Retry-After": "4"}) == 4.0
+
+
+def test_deltas_keep_the_raw_event_data_for_relaying() -> None:
+    role = '{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
+    token = '{"choices":[{"delta":{"content":"Hi"}}]}'
+    tool = (
+        '{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c1",'
+        '"function":{"name":"f","arguments":"{}"}}]}}]}'
+    )
+    usage = '{"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2}}'
+    body = "".join(f"data:{e}\r\n\r\n" for e in (role, token, tool, usage)) + "data: [DONE]\n\n"
+    deltas = ChunkDecoder().feed(body.encode())
+    assert [d.raw for d in deltas] == [role, token, tool, usage]
+    # raw is neither part of equality nor shown in the repr.
+    assert deltas[1] == Delta("Hi") and "raw" not in repr(deltas[1])
+    # A whole JSON answer has no event to relay.
+    (whole,) = decode_json_body(
+        200, {}, b'{"choices":[{"message":{"content":"x"},"finish_reason":"stop"}]}'
+    )
+    assert whole.raw is None

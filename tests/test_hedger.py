@@ -926,3 +926,92 @@ async def test_thousands_of_concurrent_streams(autojump_clock: trio.testing.Mock
     assert {r.name: r.attempts > 900 for r in stats.replicas} == {"a": True, "b": True, "c": True}
     # ... and the per-group state is capped (256 groups kept of 300 seen).
     assert len({d.group for d in stats.delays}) == 256
+
+
+# -- per-request hedge delay and headers (the gateway's X-Hedge-After and key forwarding) --------
+
+
+@pytest.mark.parametrize(
+    ("configured", "per_request", "hedged_at"),
+    [
+        (5.0, 0.25, 0.25),  # shorter than the configured delay
+        (None, 0.75, 0.75),  # the config never hedges on time; this request does
+        (th.LearnedDelay(), 0.0, 0.0),  # zero: primary and backup at once
+        (0.5, None, 0.5),  # None: the Hedger's own delay
+    ],
+)
+async def test_per_request_hedge_delay(
+    autojump_clock: trio.testing.MockClock,
+    configured: float | th.LearnedDelay | None,
+    per_request: float | None,
+    hedged_at: float,
+) -> None:
+    fleet = Fleet(["a", "b"], table(FAST, a=SLOW))
+    hedger = th.Hedger(fleet.sources(), _config(hedge_after=configured))
+    report = await run(hedger.stream(None, hedge_after=per_request))
+    assert [(a.replica, a.trigger, a.started_at) for a in report.attempts] == [
+        ("a", "primary", 0.0),
+        ("b", "hedge", hedged_at),
+    ]
+    assert report.ttft == hedged_at + 0.5
+
+
+async def test_per_request_hedge_delay_keeps_the_other_rules(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fleet = Fleet(["a", "b"], table(FAST, a=SLOW))
+    hedger = th.Hedger(fleet.sources(), _config(hedge_after=None))
+    for stream in (
+        hedger.stream(None, hedge_after=0.1, hedge=False),
+        hedger.stream(None, hedge_after=0.1, side_effects=True),
+    ):
+        report = await run(stream)
+        assert [a.replica for a in report.attempts] == ["a"]
+        assert report.ttft == pytest.approx(5.0, abs=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"hedge_after": -0.1}, ValueError),
+        ({"hedge_after": float("nan")}, ValueError),
+        ({"hedge_after": float("inf")}, ValueError),
+        ({"hedge_after": True}, TypeError),
+        ({"hedge_after": "1"}, TypeError),
+        ({"headers": [("a", "b")]}, TypeError),
+        ({"headers": {"x-a": 1}}, TypeError),
+        ({"headers": {"bad name": "v"}}, ValueError),
+        ({"headers": {"x-a": "v\r\nx-b: injected"}}, ValueError),
+    ],
+)
+def test_per_request_arguments_are_validated(kwargs: dict[str, Any], error: type) -> None:
+    hedger = th.Hedger([th.Replica("http://127.0.0.1:1/v1")])
+    request = {"model": "m", "messages": []}
+    with pytest.raises(error) as info:
+        hedger.stream(request, **kwargs)
+    assert "injected" not in str(info.value)  # a header value may be a secret: never echoed
+
+
+async def test_per_request_headers_on_every_http_attempt(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    mock = MockReplicas({"a": Behaviour(ttft=5.0, tokens=2), "b": Behaviour(ttft=0.5, tokens=2)})
+    request = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    async with httpx.AsyncClient(transport=mock.transport) as client:
+        replicas = [
+            th.Replica(mock.url("a"), name="a"),
+            th.Replica(mock.url("b"), name="b", api_key="sk-replica-own"),
+        ]
+        hedger = th.Hedger(replicas, PLAIN, client=client)
+        extra = {"Authorization": "Bearer sk-client", "X-Tenant": "t1"}
+        stream = hedger.stream(request, headers=extra)
+        async with stream:
+            assert "".join([t async for t in stream]) == "tok0 tok1 "
+        plain = hedger.stream(request, hedge=False)
+        async with plain:
+            pass
+    (a0, a1), (b0,) = mock.requests["a"], mock.requests["b"]
+    assert (a0.headers["authorization"], a0.headers["x-tenant"]) == ("Bearer sk-client", "t1")
+    # A replica's own key wins over a per-request Authorization; the rest is added.
+    assert (b0.headers["authorization"], b0.headers["x-tenant"]) == ("Bearer sk-replica-own", "t1")
+    assert "authorization" not in a1.headers and "x-tenant" not in a1.headers

@@ -37,6 +37,10 @@ class Delta:
         usage: the usage object (``prompt_tokens``, ``completion_tokens``, …) when the chunk
             carries one, else ``None``.
         role: the role announced by the chunk, if any (role-only chunks are not output).
+        raw: the SSE event's data exactly as the server sent it (the chunk's JSON text), for
+            relaying it without re-encoding (the gateway's byte-for-byte forwarding); ``None``
+            when the delta has no wire form of its own (a whole JSON answer, a generic source).
+            Not part of equality or the repr.
     """
 
     content: str = ""
@@ -45,6 +49,7 @@ class Delta:
     finish_reason: str | None = None
     usage: dict[str, Any] | None = attrs.field(default=None, eq=False)
     role: str | None = None
+    raw: str | None = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def has_output(self) -> bool:

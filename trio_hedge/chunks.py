@@ -181,9 +181,9 @@ def _usage(obj: dict[str, Any], choice: Any) -> dict[str, Any] | None:
     return None
 
 
-def _delta_from(obj: dict[str, Any], key: str) -> Delta | None:
+def _delta_from(obj: dict[str, Any], key: str, raw: str | None = None) -> Delta | None:
     """The Delta of one chunk (``key="delta"``) or whole completion (``key="message"``);
-    ``None`` when it carries nothing."""
+    ``None`` when it carries nothing. ``raw`` is the event's JSON text, kept on the Delta."""
     choices = obj.get("choices")
     choice = _pick_choice(choices) if type(choices) is list and choices else None
     content = reasoning = ""
@@ -217,7 +217,7 @@ def _delta_from(obj: dict[str, Any], key: str) -> Delta | None:
     usage = _usage(obj, choice)
     if not (content or reasoning or tool_calls or finish or usage or role):
         return None
-    return Delta(content, reasoning, tool_calls, finish, usage, role)
+    return Delta(content, reasoning, tool_calls, finish, usage, role, raw)
 
 
 # -- errors ----------------------------------------------------------------------------------
@@ -879,13 +879,13 @@ class ChunkDecoder:
                 if type(delta) is dict and len(delta) == 1 and not choice.get("index"):
                     content = delta.get("content")
                     if type(content) is str and content and "x_groq" not in obj:
-                        return Delta(content)
+                        return Delta(content, raw=text)
         elif obj.get("type") == "error":
             raise _in_band_error(obj, redact=self._redact)
-        delta = _delta_from(obj, "delta")
+        delta = _delta_from(obj, "delta", text)
         if delta is not None:
             if delta.usage is not None and _inexact(delta.usage):
-                delta = _delta_from(_json_loads(text), "delta")
+                delta = _delta_from(_json_loads(text), "delta", text)
                 assert delta is not None
             if delta.finish_reason is not None:
                 self.finish_reason = delta.finish_reason

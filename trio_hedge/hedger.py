@@ -69,7 +69,7 @@ from ._report import AttemptOutcome, AttemptRecord, Report
 from ._sizing import estimate_prompt_tokens
 from ._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
 from ._stream import HedgedStream, check_replicas
-from ._validate import check_header_value, check_json_body, check_request_id
+from ._validate import check_header_value, check_headers, check_json_body, check_request_id
 from .sources._base import Source
 from .sources.openai_http import HeaderNames, Replica
 
@@ -178,6 +178,27 @@ class HedgerConfig:
             stall_timeout=self.stall_timeout,
             close_timeout=self.close_timeout,
         )
+
+
+def _check_request_hedge_after(value: object) -> float | None:
+    """A per-request hedge delay: ``None`` or finite seconds >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"hedge_after must be seconds (a number) or None, not {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"hedge_after must be finite seconds >= 0, not {value!r}")
+    return float(value)
+
+
+def _request_headers(headers: object) -> dict[str, str] | None:
+    """Per-request extra headers, checked like every header the library sends (values never
+    quoted), with lower-case names as the source's own headers: one key per name."""
+    if headers is None:
+        return None
+    check_headers(headers, "headers")
+    assert isinstance(headers, Mapping)
+    return {name.lower(): value for name, value in headers.items()}
 
 
 class Hedger:
@@ -300,6 +321,8 @@ class Hedger:
         prompt_tokens: int | None = None,
         group: str | None = None,
         request_id: str | None = None,
+        hedge_after: float | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> HedgedStream:
         """Open one hedged request: ``async with hedger.stream(body) as s: async for t in s``.
 
@@ -319,6 +342,15 @@ class Hedger:
             group: what the delay is learned per (a model or replica group); default the
                 request's ``"model"``, else ``"default"``.
             request_id: the id every attempt carries; default a fresh UUID4.
+            hedge_after: this request's hedge delay in seconds (finite, >= 0), instead of the
+                learned or configured one; it hedges even when the config's ``hedge_after``
+                is ``None``, and ``hedge``/``side_effects`` still rule. The budget and
+                throttle still apply. Default ``None`` (the Hedger's delay). A gateway
+                bounds what its clients may ask for (``X-Hedge-After``).
+            headers: extra HTTP headers sent on every attempt of this request to
+                :class:`~trio_hedge.Replica` endpoints, over the replica's own ``headers``
+                (a replica's ``api_key`` still wins over an ``Authorization`` given here).
+                Values are never shown in reprs or reports. Default none.
 
         Returns:
             a :class:`~trio_hedge.HedgedStream` (see there for what it raises). Entering it
@@ -342,6 +374,8 @@ class Hedger:
                 raise TypeError(f"{name} must be a bool, not {flag!r}")
         if idempotency_key is not None:  # sent as a header on every attempt
             check_header_value(idempotency_key, "idempotency_key", allow_empty=False)
+        request_delay = _check_request_hedge_after(hedge_after)
+        extra_headers = _request_headers(headers)
         if prompt_tokens is not None:
             if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int):
                 raise TypeError(f"prompt_tokens must be an int or None, not {prompt_tokens!r}")
@@ -362,7 +396,7 @@ class Hedger:
         hedgeable = (
             hedge
             and (not side_effects or idempotency_key is not None)
-            and self._config.hedge_after is not None
+            and (self._config.hedge_after is not None or request_delay is not None)
         )
         request_id = request_id or str(uuid.uuid4())
         planner = _RequestPlanner(
@@ -373,6 +407,8 @@ class Hedger:
             size_class=size_class,
             tokens=tokens,
             hedgeable=hedgeable,
+            hedge_after=request_delay,
+            extra_headers=extra_headers,
         )
         return HedgedStream(
             planner,
@@ -524,6 +560,8 @@ class _RequestPlanner:
         size_class: int,
         tokens: int | None,
         hedgeable: bool,
+        hedge_after: float | None = None,
+        extra_headers: Mapping[str, str] | None = None,
     ) -> None:
         self._h = hedger
         self._request = request
@@ -532,6 +570,8 @@ class _RequestPlanner:
         self._class = size_class
         self._tokens = tokens
         self._hedgeable = hedgeable
+        self._hedge_after = hedge_after  # this request's own delay, if it has one
+        self._extra_headers = extra_headers
         config = hedger._config
         self._per_replica = config.attempts_per_replica
         self._max_attempts = config.max_attempts
@@ -601,7 +641,10 @@ class _RequestPlanner:
             if isinstance(target, Replica):
                 assert self._request is not None
                 source = target.bind(
-                    self._request, self._h._http_client(), headers=self._h._headers
+                    self._request,
+                    self._h._http_client(),
+                    headers=self._h._headers,
+                    extra_headers=self._extra_headers,
                 )
             else:
                 source = target
@@ -644,6 +687,8 @@ class _RequestPlanner:
     def hedge_delay(self, number: int) -> float | None:
         if not self._hedgeable:
             return None
+        if self._hedge_after is not None:
+            return self._hedge_after
         model = self._h._model
         if model is None:
             delay = self._h._config.hedge_after
