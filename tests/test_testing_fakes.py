@@ -473,3 +473,58 @@ async def test_mock_stall_keepalives_and_non_stream(
         assert trio.current_time() == t1 + 2.5
     assert whole.json()["choices"][0]["message"]["content"] == "tok0 tok1 tok2 tok3 "
     assert mock.requests["r"][1].completed
+
+
+async def test_mock_reasoning_and_tool_calls(autojump_clock: trio.testing.MockClock) -> None:
+    from trio_hedge.chunks import ChunkDecoder, decode_json_body, merge_tool_calls
+
+    behaviour = Behaviour(
+        ttft=1,
+        token_delay=0.5,
+        tokens=1,
+        reasoning=2,
+        tool_calls=[("get_weather", '{"city": "Paris"}')],
+        finish_reason="tool_calls",
+    )
+    mock = MockReplicas({"a": behaviour})
+    async with httpx.AsyncClient(transport=mock.transport) as client:
+        t0 = trio.current_time()
+        times: list[float] = []
+        decoder = ChunkDecoder()
+        deltas = []
+        url = f"{mock.url('a')}/chat/completions"
+        async with client.stream("POST", url, json=CHAT) as resp:
+            async for piece in resp.aiter_raw():
+                batch = decoder.feed(piece)
+                times += [trio.current_time() - t0 for d in batch if d.has_output]
+                deltas += batch
+        whole = await client.post(url, json={**CHAT, "stream": False})
+    assert [d.reasoning for d in deltas if d.reasoning] == ["think0 ", "think1 "]
+    assert [d.content for d in deltas if d.content] == ["tok0 "]
+    # reasoning at ttft, then every output chunk token_delay apart: 2 + 1 + 3 fragments.
+    assert times == [1.0, 1.5, 2.0, 2.5, 3.0, 3.5]
+    calls = merge_tool_calls(deltas)
+    assert calls == [
+        {
+            "id": "call_0",
+            "type": "function",
+            "name": "get_weather",
+            "arguments": '{"city": "Paris"}',
+        }
+    ]
+    assert decoder.finish_reason == "tool_calls"
+    (message,) = decode_json_body(200, {}, whole.content)
+    assert (message.content, message.reasoning) == ("tok0 ", "think0 think1 ")
+    assert merge_tool_calls([message]) == calls
+
+
+async def test_fake_replica_listens_where_asked() -> None:
+    with trio.socket.socket() as probe:
+        await probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # free now that the probe closes
+    async with FakeReplica(port=port) as replica:
+        assert replica.port == port and replica.url == f"http://127.0.0.1:{port}/v1"
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(f"{replica.base_url}/health")).json() == {"status": "ok"}
+    with pytest.raises(TypeError):
+        Behaviour(tool_calls=[("only a name",)])

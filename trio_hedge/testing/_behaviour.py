@@ -58,6 +58,14 @@ def _tokens(value: int | str | Sequence[str]) -> int | tuple[str, ...]:
     return tuple(value)
 
 
+def _tool_calls(value: Sequence[Sequence[str]]) -> tuple[tuple[str, str], ...]:
+    calls = tuple(tuple(call) for call in value)
+    for call in calls:
+        if len(call) != 2 or not all(isinstance(part, str) for part in call):
+            raise TypeError(f"tool_calls must be (name, arguments) pairs of str, not {call!r}")
+    return calls  # type: ignore[return-value]
+
+
 def _non_negative(_inst: object, attribute: attrs.Attribute[Any], value: float | None) -> None:
     if value is None:
         return
@@ -110,6 +118,15 @@ class Behaviour:
         finish_reason: the finish reason of the last chunk.
         usage: send a final usage chunk (``"choices": []``), as with
             ``stream_options.include_usage``.
+        reasoning: reasoning ("thinking") tokens sent as ``delta.reasoning_content`` before
+            the content, like ``tokens`` (an ``int`` *n* gives ``"think0 "``, …). Default none.
+        tool_calls: ``(name, arguments)`` pairs (``arguments`` a JSON text) streamed after the
+            content as OpenAI tool-call fragments: the id and name first, then the arguments
+            in two pieces, one chunk each, ``token_delay`` apart. Set
+            ``finish_reason="tool_calls"`` to say so at the end. Default none.
+
+    With ``reasoning`` or ``tool_calls``, the first output chunk of any kind comes after
+    ``ttft`` and every later one ``token_delay`` after the previous.
     """
 
     ttft: float = attrs.field(default=0.0, validator=_non_negative)
@@ -127,6 +144,8 @@ class Behaviour:
     send_done: bool = True
     finish_reason: str = "stop"
     usage: bool = True
+    reasoning: int | tuple[str, ...] = attrs.field(default=0, converter=_tokens)
+    tool_calls: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_tool_calls)
 
     @tokens.validator
     def _check_tokens(self, _attribute: attrs.Attribute[Any], value: object) -> None:
@@ -146,6 +165,13 @@ class Behaviour:
     def __attrs_post_init__(self) -> None:
         if self.stall_after is not None and self.cut_after is not None:
             raise ValueError("set at most one of stall_after and cut_after")
+
+    @property
+    def reasoning_texts(self) -> tuple[str, ...]:
+        """The reasoning tokens' texts, in order."""
+        if isinstance(self.reasoning, int):
+            return tuple(f"think{i} " for i in range(self.reasoning))
+        return self.reasoning
 
     @property
     def token_texts(self) -> tuple[str, ...]:
@@ -470,7 +496,7 @@ def _render_chat(b: Behaviour, record: RequestRecord, *, model: str, created: in
     if not record.stream:
         return _render_whole(b, texts, ident, model, created, usage)
 
-    def chunk(delta: dict[str, str], finish: str | None = None) -> bytes:
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "finish_reason": finish}
         return sse_event(
             {
@@ -485,8 +511,14 @@ def _render_chat(b: Behaviour, record: RequestRecord, *, model: str, created: in
     head = Head(b.status, (("content-type", "text/event-stream"), ("cache-control", "no-cache")))
     # Headers and the role-only chunk go out at once: a queued request already has them.
     steps = [head, Chunk(chunk({"role": "assistant"}))]
-    for i, text in enumerate(texts):
+    thinking = b.reasoning_texts
+    for i, text in enumerate(thinking):
         gap = b.ttft if i == 0 else b.token_delay
+        if gap:
+            steps.append(Wait(gap))
+        steps.append(Chunk(chunk({"reasoning_content": text})))
+    for i, text in enumerate(texts):
+        gap = b.ttft if i == 0 and not thinking else b.token_delay
         if b.stall_after == i:
             return [*steps, Stall(b.keepalive_interval)]
         if gap:
@@ -499,7 +531,12 @@ def _render_chat(b: Behaviour, record: RequestRecord, *, model: str, created: in
         steps.append(Chunk(chunk({"content": text}), tokens=1))
     if b.stall_after is not None:  # stall_after >= number of tokens: stall before finishing
         return [*steps, Stall(b.keepalive_interval)]
-    if not texts and b.ttft:
+    for i, fragment in enumerate(_tool_call_fragments(b.tool_calls)):
+        gap = b.ttft if i == 0 and not texts and not thinking else b.token_delay
+        if gap:
+            steps.append(Wait(gap))
+        steps.append(Chunk(chunk({"tool_calls": [fragment]})))
+    if not texts and not thinking and not b.tool_calls and b.ttft:
         steps.append(Wait(b.ttft))
     if b.cut_after is not None:
         return [*steps, Cut()]
@@ -517,6 +554,37 @@ def _render_chat(b: Behaviour, record: RequestRecord, *, model: str, created: in
     if b.send_done:
         steps.append(Chunk(b"data: [DONE]\n\n"))
     return steps
+
+
+def _whole_message(b: Behaviour, texts: tuple[str, ...]) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if b.reasoning_texts:
+        message["reasoning_content"] = "".join(b.reasoning_texts)
+    if b.tool_calls:
+        message["content"] = message["content"] or None
+        message["tool_calls"] = [
+            {"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}}
+            for i, (n, a) in enumerate(b.tool_calls)
+        ]
+    return message
+
+
+def _tool_call_fragments(calls: Sequence[tuple[str, str]]) -> list[dict[str, Any]]:
+    """OpenAI's streamed shape: per call, the id and name, then the arguments in two pieces."""
+    out: list[dict[str, Any]] = []
+    for i, (name, arguments) in enumerate(calls):
+        half = len(arguments) // 2
+        out.append(
+            {
+                "index": i,
+                "id": f"call_{i}",
+                "type": "function",
+                "function": {"name": name, "arguments": ""},
+            }
+        )
+        out.append({"index": i, "function": {"arguments": arguments[:half]}})
+        out.append({"index": i, "function": {"arguments": arguments[half:]}})
+    return out
 
 
 def _render_whole(
@@ -545,7 +613,7 @@ def _render_whole(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": "".join(texts)},
+                "message": _whole_message(b, texts),
                 "finish_reason": b.finish_reason,
             }
         ],

@@ -243,6 +243,8 @@ class FakeReplica:
         name: the replica's name (in records and completion ids).
         http2: also accept HTTP/2 with prior knowledge (h2c); needs the ``h2`` package.
         model: the model name listed by ``/v1/models`` (chat answers echo the request's).
+        host: the address to listen on. Default ``"127.0.0.1"``.
+        port: the TCP port; default 0 (any free port: read :attr:`port`).
     """
 
     def __init__(
@@ -252,6 +254,8 @@ class FakeReplica:
         name: str = "replica",
         http2: bool = False,
         model: str = "fake-model",
+        host: str = "127.0.0.1",
+        port: int = 0,
     ) -> None:
         if http2:
             import h2  # noqa: F401 (fail early and clearly when the extra is missing)
@@ -259,6 +263,8 @@ class FakeReplica:
         self.name = name
         self.http2 = http2
         self.model = model
+        self.host = host
+        self._listen_port = port
         self._open_connections = 0
         self._connections_changed = trio.Event()
         self._log = RequestLog(name)
@@ -281,8 +287,9 @@ class FakeReplica:
 
     @property
     def base_url(self) -> str:
-        """``"http://127.0.0.1:PORT"``."""
-        return f"http://127.0.0.1:{self.port}"
+        """``"http://HOST:PORT"`` (``127.0.0.1`` by default)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     @property
     def url(self) -> str:
@@ -328,7 +335,7 @@ class FakeReplica:
     async def __aenter__(self) -> FakeReplica:
         if self._nursery_manager is not None:
             raise RuntimeError("a FakeReplica can be entered only once")
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        listeners = await trio.open_tcp_listeners(self._listen_port, host=self.host)
         manager = trio.open_nursery()
         self._nursery_manager = manager
         self._nursery = await manager.__aenter__()
