@@ -236,6 +236,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     stream.add_argument("--json", action="store_true", help="print the report as one JSON object")
     stream.add_argument("prompt")
+    from .gateway._cli import add_commands  # serve, fake: the gateway's own glue
+
+    add_commands(sub)
     return parser
 
 
@@ -269,6 +272,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``trio-hedge`` and ``python -m trio_hedge``."""
     args = _parser().parse_args(argv)
     out = sys.stdout
+    if args.command in ("serve", "fake"):
+        from .gateway._cli import run
+
+        return run(args)
     progress = _Progress()
     try:
         if args.command == "demo":

@@ -1,0 +1,230 @@
+"""``trio-hedge serve`` (the gateway) and ``trio-hedge fake`` (a fake replica), called from
+``trio_hedge.cli``. Importing this module needs no optional package: ``serve`` imports the
+gateway extra's packages when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import sys
+from typing import Any
+
+import trio
+
+__all__ = ["add_commands", "run"]
+
+COMMANDS = ("serve", "fake")
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be finite seconds >= 0, not {text!r}")
+    return value
+
+
+def _hedge_after(text: str) -> float | str:
+    if text in ("learned", "off"):
+        return text
+    try:
+        return _seconds(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be seconds, 'learned' or 'off', not {text!r}"
+        ) from None
+
+
+def _tool_call(text: str) -> tuple[str, str]:
+    name, sep, arguments = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"must be NAME=JSON_ARGUMENTS, not {text!r}")
+    return name, arguments
+
+
+def add_commands(sub: Any) -> None:
+    """Add ``serve`` and ``fake`` to the ``trio-hedge`` subcommands."""
+    serve = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible hedging gateway for any client (extra: gateway)",
+        description=(
+            "Serve POST /v1/chat/completions (and /v1/models, /healthz, /readyz, /metrics), "
+            "racing the replicas with first-token hedging. Flags override the config file; "
+            "--replica replaces its replicas and groups. Durations are in seconds."
+        ),
+    )
+    serve.add_argument("--config", metavar="FILE", help="a TOML file (see docs/gateway.md)")
+    serve.add_argument(
+        "--replica",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an upstream base URL, e.g. http://10.0.0.1:8000/v1 (repeat; preferred first)",
+    )
+    serve.add_argument(
+        "--api-key-env",
+        metavar="VAR",
+        help="environment variable holding the key for the --replica URLs (never printed)",
+    )
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to listen on (default 8080; 0: any)")
+    serve.add_argument(
+        "--hedge-after",
+        type=_hedge_after,
+        metavar="SECONDS|learned|off",
+        help="hedge delay (default: learned from observed TTFTs)",
+    )
+    serve.add_argument("--first-token-timeout", type=_seconds, metavar="SECONDS")
+    serve.add_argument("--stall-timeout", type=_seconds, metavar="SECONDS")
+    serve.add_argument("--max-concurrent", type=int, metavar="N", help="default 1000")
+    serve.add_argument("--request-timeout", type=_seconds, metavar="SECONDS", help="default 600")
+    serve.add_argument("--drain-timeout", type=_seconds, metavar="SECONDS", help="default 30")
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+    fake = sub.add_parser(
+        "fake",
+        help="run a fake OpenAI-compatible replica (trio_hedge.testing.FakeReplica)",
+        description=(
+            "A fake replica for trying the gateway and for tests: it streams tok0 tok1 … "
+            "(or --text) and prints one line per request it answered. Durations in seconds."
+        ),
+    )
+    fake.add_argument("--port", type=int, default=0, help="default 0: any free port")
+    fake.add_argument("--host", default="127.0.0.1")
+    fake.add_argument("--name", default="fake")
+    fake.add_argument("--model", default="fake-model", help="the model /v1/models lists")
+    fake.add_argument("--ttft", type=_seconds, default=0.0, help="time to first token")
+    fake.add_argument("--tpot", type=_seconds, default=0.02, help="time per output token")
+    fake.add_argument("--tokens", type=int, default=8, help="tokens to send (tok0 tok1 …)")
+    fake.add_argument("--text", help="send these words instead of tok0 tok1 …")
+    fake.add_argument("--reasoning", type=int, default=0, help="reasoning tokens first")
+    fake.add_argument(
+        "--tool-call",
+        type=_tool_call,
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="stream a tool call after the content (repeat; finish_reason tool_calls)",
+    )
+    fake.add_argument("--fail-status", type=int, metavar="CODE", help="answer this error status")
+    fake.add_argument("--retry-after", type=_seconds, help="Retry-After on the error")
+    fake.add_argument("--error-delay", type=_seconds, default=0.0, help="seconds before it")
+    fake.add_argument("--stall-after", type=int, metavar="N", help="stall after N tokens")
+    fake.add_argument("--cut-after", type=int, metavar="N", help="cut the connection after N")
+    fake.add_argument("--http2", action="store_true", help="also accept h2c")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``serve`` or ``fake``; the exit status."""
+    if args.command == "fake":
+        return trio.run(_fake, args)
+    return _serve(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from . import _serve  # noqa: F401 (fail early: the extra may be missing)
+    except ImportError as exc:
+        sys.stderr.write(
+            f"trio-hedge serve needs the gateway extra ({exc.name} is missing): "
+            "pip install 'trio-hedge[gateway]'\n"
+        )
+        return 2
+    from ._config import ConfigError, load_config, with_flags
+    from ._serve import serve
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()), format="%(message)s", stream=sys.stderr
+    )
+    for noisy in ("httpx", "httpcore", "trio_hedge.gateway.server"):  # a line per request
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    api_key = None
+    if args.api_key_env:
+        api_key = os.environ.get(args.api_key_env)
+        if not api_key:
+            sys.stderr.write(f"trio-hedge: environment variable {args.api_key_env} is not set\n")
+            return 2
+    hedger: dict[str, Any] = {}
+    for flag in ("hedge_after", "first_token_timeout", "stall_timeout"):
+        if getattr(args, flag) is not None:
+            hedger[flag] = getattr(args, flag)
+    limits: dict[str, Any] = {}
+    for flag in ("max_concurrent", "request_timeout", "drain_timeout"):
+        if getattr(args, flag) is not None:
+            limits[flag] = getattr(args, flag)
+    try:
+        config = load_config(args.config) if args.config else None
+        config = with_flags(
+            config,
+            replicas=args.replica,
+            api_key=api_key,
+            host=args.host,
+            port=args.port,
+            hedger=hedger,
+            limits=limits,
+        )
+    except (ConfigError, OSError) as exc:
+        sys.stderr.write(f"trio-hedge: {exc}\n")
+        return 2
+    trio.run(lambda: serve(config, handle_signals=True))
+    return 0
+
+
+async def _fake(args: argparse.Namespace) -> int:
+    from ..testing import Behaviour, FakeReplica
+
+    behaviour = Behaviour(
+        ttft=args.ttft,
+        token_delay=args.tpot,
+        tokens=args.text if args.text is not None else args.tokens,
+        status=args.fail_status or 200,
+        retry_after=args.retry_after,
+        error_delay=args.error_delay,
+        stall_after=args.stall_after,
+        cut_after=args.cut_after,
+        reasoning=args.reasoning,
+        tool_calls=args.tool_call,
+        finish_reason="tool_calls" if args.tool_call else "stop",
+    )
+    out = sys.stdout
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with FakeReplica(
+            behaviour,
+            name=args.name,
+            http2=args.http2,
+            model=args.model,
+            host=args.host,
+            port=args.port,
+        ) as replica:
+            out.write(f"fake replica {args.name!r} listening on {replica.url}\n")
+            out.flush()
+            async with trio.open_nursery() as nursery:
+
+                async def report() -> None:
+                    index = 0
+                    while True:
+                        record = await replica.wait_finished(index)
+                        index += 1
+                        if record.path.split("?")[0] != "/v1/chat/completions":
+                            continue
+                        ended = (
+                            "client disconnected"
+                            if record.disconnected_at is not None
+                            else "completed"
+                            if record.completed
+                            else "ended"
+                        )
+                        took = (record.finished_at or record.received_at) - record.received_at
+                        out.write(
+                            f"request {index}: status {record.status}, {record.tokens_sent} "
+                            f"tokens sent, {ended} after {took:.3f} s\n"
+                        )
+                        out.flush()
+
+                nursery.start_soon(report)
+                async for _ in signals:
+                    break
+                nursery.cancel_scope.cancel()
+    return 0

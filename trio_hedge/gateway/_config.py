@@ -1,0 +1,494 @@
+"""The gateway's configuration: a TOML file (read with the standard library's ``tomllib``;
+``tomli`` on Python 3.10) and command-line flags over it.
+
+Everything is validated when the file is loaded, before a socket is opened: a bad field
+raises :class:`ConfigError` naming it (``replicas[1].base_url: ...``). Secrets never sit in
+the file: keys are read from the environment variables it names, and never appear in a repr,
+a log line or an error.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .. import FirstToken, HedgerConfig, LearnedDelay, Replica
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+__all__ = [
+    "DEFAULT_HEDGER",
+    "ConfigError",
+    "GatewayConfig",
+    "Group",
+    "Limits",
+    "hedger_config",
+    "load_config",
+    "parse_config",
+]
+
+#: A gateway relays every event, so the first one a client would see commits the race:
+#: content, reasoning or a tool-call fragment (the library's default counts content only).
+DEFAULT_HEDGER = HedgerConfig(first_token=FirstToken.ANY_OUTPUT)
+
+
+class ConfigError(ValueError):
+    """A configuration file or flag is wrong; the message names the field (never a key)."""
+
+
+def _non_negative_seconds(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{attribute.name} must be seconds (a number), not {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{attribute.name} must be finite seconds >= 0, not {value!r}")
+
+
+def _positive_seconds_or_none(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        return
+    _non_negative_seconds(inst, attribute, value)
+    assert isinstance(value, (int, float))
+    if value == 0:
+        raise ValueError(f"{attribute.name} must be > 0 seconds, not {value!r}")
+
+
+def _positive_int(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{attribute.name} must be an int, not {value!r}")
+    if value < 1:
+        raise ValueError(f"{attribute.name} must be >= 1, not {value!r}")
+
+
+@attrs.frozen
+class Limits:
+    """What protects the fleet. Durations in seconds.
+
+    Attributes:
+        max_concurrent: chat requests handled at once; beyond it the answer is 503 with
+            ``Retry-After`` (no queue: a client or load balancer retries elsewhere).
+            Default 1000.
+        max_body_bytes: the largest request body; beyond it 413. Default 4 MiB.
+        request_timeout: the overall deadline of one chat request, first token to last;
+            before the first token it answers 504, after it ends the stream with an in-band
+            error. ``None``: no deadline. Default 600.
+        drain_timeout: on SIGTERM, how long in-flight requests may go on before they are
+            cancelled (their upstream attempts closed). Default 30.
+        retry_after: the ``Retry-After`` of the gateway's own 503 answers (over the limit,
+            draining) and of upstream 503s that gave none. Default 1.
+        hedge_after_min, hedge_after_max: the range a client's ``X-Hedge-After`` is clamped
+            to. Defaults 0 and 10.
+    """
+
+    max_concurrent: int = attrs.field(default=1000, validator=_positive_int)
+    max_body_bytes: int = attrs.field(default=4 * 1024 * 1024, validator=_positive_int)
+    request_timeout: float | None = attrs.field(default=600.0, validator=_positive_seconds_or_none)
+    drain_timeout: float = attrs.field(default=30.0, validator=_non_negative_seconds)
+    retry_after: float = attrs.field(default=1.0, validator=_non_negative_seconds)
+    hedge_after_min: float = attrs.field(default=0.0, validator=_non_negative_seconds)
+    hedge_after_max: float = attrs.field(default=10.0, validator=_non_negative_seconds)
+
+    def __attrs_post_init__(self) -> None:
+        if self.hedge_after_min > self.hedge_after_max:
+            raise ValueError(
+                f"hedge_after_min ({self.hedge_after_min}) must be <= hedge_after_max "
+                f"({self.hedge_after_max})"
+            )
+
+
+def _names(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
+
+def _replicas(value: Iterable[Replica]) -> tuple[Replica, ...]:
+    return tuple(value)
+
+
+def _groups(value: Iterable[Group]) -> tuple[Group, ...]:
+    return tuple(value)
+
+
+def _patterns(value: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(value, str):
+        raise TypeError("models must be a list of model names or patterns, not a string")
+    return tuple(value)
+
+
+@attrs.frozen
+class Group:
+    """A replica group: the requests whose ``model`` matches one of ``models`` race its
+    ``replicas`` under one :class:`~trio_hedge.Hedger` with config ``hedger``.
+
+    Attributes:
+        name: the group's name (in logs and metrics).
+        replicas: replica names, primary preference first.
+        models: ``fnmatch`` patterns of the request's ``model`` (``"*"`` matches any, and a
+            request without a model). The first group that matches takes the request.
+        hedger: the :class:`~trio_hedge.HedgerConfig` of the group's Hedger.
+        side_effects: the group's requests act besides generating text: hedged on time only
+            when the client sends an ``Idempotency-Key``. Default ``False``.
+    """
+
+    name: str = attrs.field(validator=attrs.validators.instance_of(str))
+    replicas: tuple[str, ...] = attrs.field(converter=_names)
+    models: tuple[str, ...] = attrs.field(default=("*",), converter=_patterns)
+    hedger: HedgerConfig = attrs.field(
+        default=DEFAULT_HEDGER, validator=attrs.validators.instance_of(HedgerConfig)
+    )
+    side_effects: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+    def matches(self, model: str | None) -> bool:
+        """Whether a request for ``model`` belongs here."""
+        if model is None:
+            return "*" in self.models
+        return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
+
+
+def _keys_repr(keys: tuple[str, ...]) -> str:
+    return f"<{len(keys)} keys>"
+
+
+@attrs.frozen
+class GatewayConfig:
+    """The whole gateway.
+
+    Attributes:
+        replicas: the upstream :class:`~trio_hedge.Replica` endpoints (unique names).
+        groups: the :class:`Group` s, matched in order; default one group ``"default"``
+            with every replica, for every model.
+        host, port: where to listen (HTTP/1.1 and h2c on one port). Defaults
+            ``127.0.0.1`` and 8080.
+        keys: the keys clients must send (``Authorization: Bearer …``); empty: no
+            authentication. Compared in constant time. Hidden in the repr.
+        forward_client_key: send a client's own ``Authorization`` upstream, to replicas
+            that have no key of their own. Default ``False``. Not with ``keys``.
+        limits: the :class:`Limits`.
+    """
+
+    replicas: tuple[Replica, ...] = attrs.field(converter=_replicas)
+    groups: tuple[Group, ...] = attrs.field(converter=_groups, default=())
+    host: str = "127.0.0.1"
+    port: int = attrs.field(default=8080)
+    keys: tuple[str, ...] = attrs.field(default=(), converter=_names, repr=_keys_repr)
+    forward_client_key: bool = False
+    limits: Limits = attrs.field(factory=Limits)
+
+    @port.validator
+    def _check_port(self, _attribute: attrs.Attribute[int], value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+            raise ValueError(f"port must be an int in 0..65535, not {value!r}")
+
+    def __attrs_post_init__(self) -> None:
+        if not self.replicas:
+            raise ValueError("at least one replica is needed")
+        for replica in self.replicas:
+            if not isinstance(replica, Replica):
+                raise TypeError(f"replicas must be Replica objects, not {type(replica).__name__}")
+        names = [r.name for r in self.replicas]
+        if len(set(names)) != len(names):
+            raise ValueError(f"replica names must be unique, got {names!r}")
+        if not self.groups:
+            default = Group("default", names)
+            object.__setattr__(self, "groups", (default,))
+        seen: set[str] = set()
+        for group in self.groups:
+            if group.name in seen:
+                raise ValueError(f"group names must be unique: {group.name!r} twice")
+            seen.add(group.name)
+            if not group.replicas:
+                raise ValueError(f"group {group.name!r} has no replicas")
+            for name in group.replicas:
+                if name not in names:
+                    raise ValueError(f"group {group.name!r} names unknown replica {name!r}")
+        for key in self.keys:
+            if not isinstance(key, str) or not key:
+                raise ValueError("gateway keys must be non-empty strings")
+        if self.keys and self.forward_client_key:
+            raise ValueError(
+                "forward_client_key cannot be used with gateway keys: clients send the "
+                "gateway's key, not their own"
+            )
+
+    def replica(self, name: str) -> Replica:
+        """The replica called ``name``."""
+        for replica in self.replicas:
+            if replica.name == name:
+                return replica
+        raise KeyError(name)
+
+    def group_for(self, model: str | None) -> Group | None:
+        """The first group serving ``model``, or ``None``."""
+        for group in self.groups:
+            if group.matches(model):
+                return group
+        return None
+
+
+# -- TOML --------------------------------------------------------------------------------------
+
+
+def _table(value: object, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where} must be a table, not {type(value).__name__}")
+    return value
+
+
+def _known(table: Mapping[str, Any], allowed: Iterable[str], where: str) -> None:
+    allowed = tuple(allowed)
+    for key in table:
+        if key not in allowed:
+            raise ConfigError(f"{where}: unknown field {key!r} (known: {', '.join(allowed)})")
+
+
+def _env(name: object, where: str, environ: Mapping[str, str]) -> str:
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{where} must name an environment variable")
+    value = environ.get(name)
+    if not value:
+        raise ConfigError(f"{where}: environment variable {name} is not set")
+    return value
+
+
+def _build(cls: type[Any], table: Mapping[str, Any], where: str) -> Any:
+    """An attrs class from a TOML table: nested attrs fields from sub-tables, lists as tuples."""
+    fields = attrs.fields_dict(cls)
+    _known(table, fields, where)
+    defaults = cls()
+    kwargs: dict[str, Any] = {}
+    for key, value in table.items():
+        default = getattr(defaults, key)
+        if isinstance(value, Mapping) and attrs.has(type(default)):
+            value = _build(type(default), value, f"{where}.{key}")
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _hedge_after(value: object, where: str) -> Any:
+    if value is False or value == "off":
+        return None
+    if value == "learned":
+        return LearnedDelay()
+    if isinstance(value, Mapping):
+        return _build(LearnedDelay, value, where)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(
+            f'{where} must be seconds, "learned", "off" or a LearnedDelay table, not {value!r}'
+        )
+    return float(value)
+
+
+def hedger_config(table: Mapping[str, Any], base: HedgerConfig, where: str) -> HedgerConfig:
+    """``base`` with the fields of ``table`` (a ``[hedger]`` TOML table): every
+    :class:`~trio_hedge.HedgerConfig` field by name. Policy objects (``budget``,
+    ``throttle``, ``outlier_detection``) take a table of their fields, ``false`` for none or
+    ``true`` for the defaults; ``hedge_after`` takes seconds, ``"learned"``, ``"off"`` or a
+    :class:`~trio_hedge.LearnedDelay` table.
+
+    Raises:
+        ConfigError: an unknown field or a bad value, named by its path.
+    """
+    fields = attrs.fields_dict(HedgerConfig)
+    _known(table, fields, where)
+    changes: dict[str, Any] = {}
+    for key, value in table.items():
+        here = f"{where}.{key}"
+        if key == "hedge_after":
+            changes[key] = _hedge_after(value, here)
+            continue
+        default = getattr(HedgerConfig(), key)
+        if attrs.has(type(default)):
+            if value is False:
+                value = None
+            elif value is True:
+                value = type(default)()
+            elif isinstance(value, Mapping):
+                value = _build(type(default), value, here)
+            else:
+                raise ConfigError(f"{here} must be a table, true or false, not {value!r}")
+        changes[key] = value
+    try:
+        return attrs.evolve(base, **changes)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _str_map(value: object, where: str) -> dict[str, str]:
+    table = _table(value, where)
+    for key, item in table.items():
+        if not isinstance(item, str):
+            raise ConfigError(f"{where}.{key} must be a string")
+    return dict(table)
+
+
+def _replica(table: Mapping[str, Any], where: str, environ: Mapping[str, str]) -> Replica:
+    _known(
+        table,
+        ("name", "base_url", "api_key_env", "overrides", "headers", "headers_env", "path"),
+        where,
+    )
+    if "base_url" not in table:
+        raise ConfigError(f"{where}.base_url is required")
+    headers = _str_map(table.get("headers", {}), f"{where}.headers")
+    for header, var in _str_map(table.get("headers_env", {}), f"{where}.headers_env").items():
+        headers[header] = _env(var, f"{where}.headers_env.{header}", environ)
+    kwargs: dict[str, Any] = {
+        "overrides": _table(table.get("overrides", {}), f"{where}.overrides"),
+        "headers": headers,
+    }
+    if "api_key_env" in table:
+        kwargs["api_key"] = _env(table["api_key_env"], f"{where}.api_key_env", environ)
+    if "name" in table:
+        kwargs["name"] = table["name"]
+    if "path" in table:
+        kwargs["path"] = table["path"]
+    try:
+        return Replica(table["base_url"], **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def parse_config(
+    document: Mapping[str, Any], *, environ: Mapping[str, str] | None = None
+) -> GatewayConfig:
+    """A :class:`GatewayConfig` from a parsed TOML document (see ``docs/gateway.md``).
+
+    Raises:
+        ConfigError: a missing, unknown or bad field, or an environment variable it names
+            that is not set.
+    """
+    environ = os.environ if environ is None else environ
+    _known(document, ("server", "auth", "limits", "hedger", "replicas", "groups"), "config")
+    server = _table(document.get("server", {}), "server")
+    _known(server, ("host", "port"), "server")
+    auth = _table(document.get("auth", {}), "auth")
+    _known(auth, ("keys_env", "forward_client_key"), "auth")
+    keys_env = auth.get("keys_env", [])
+    if isinstance(keys_env, str) or not isinstance(keys_env, list):
+        raise ConfigError("auth.keys_env must be a list of environment variable names")
+    keys = [_env(var, f"auth.keys_env[{i}]", environ) for i, var in enumerate(keys_env)]
+    limits = _build(Limits, _table(document.get("limits", {}), "limits"), "limits")
+    base = hedger_config(_table(document.get("hedger", {}), "hedger"), DEFAULT_HEDGER, "hedger")
+    raw_replicas = document.get("replicas", [])
+    if not isinstance(raw_replicas, list) or not raw_replicas:
+        raise ConfigError("replicas: at least one [[replicas]] table is needed")
+    replicas = [
+        _replica(_table(r, f"replicas[{i}]"), f"replicas[{i}]", environ)
+        for i, r in enumerate(raw_replicas)
+    ]
+    groups: list[Group] = []
+    raw_groups = document.get("groups", [])
+    if not isinstance(raw_groups, list):
+        raise ConfigError("groups must be [[groups]] tables")
+    for i, raw in enumerate(raw_groups):
+        where = f"groups[{i}]"
+        table = _table(raw, where)
+        _known(table, ("name", "replicas", "models", "hedger", "side_effects"), where)
+        hedger = hedger_config(_table(table.get("hedger", {}), f"{where}.hedger"), base, where)
+        try:
+            groups.append(
+                Group(
+                    table.get("name", f"group{i}"),
+                    table.get("replicas", [r.name for r in replicas]),
+                    models=table.get("models", ["*"]),
+                    hedger=hedger,
+                    side_effects=table.get("side_effects", False),
+                )
+            )
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+    if not groups:
+        groups.append(Group("default", [r.name for r in replicas], hedger=base))
+    try:
+        return GatewayConfig(
+            replicas,
+            groups,
+            host=server.get("host", "127.0.0.1"),
+            port=server.get("port", 8080),
+            keys=keys,
+            forward_client_key=auth.get("forward_client_key", False),
+            limits=limits,
+        )
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"config: {exc}") from None
+
+
+def load_config(
+    path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None
+) -> GatewayConfig:
+    """Read and validate a TOML file (see :func:`parse_config`).
+
+    Raises:
+        ConfigError: the file is not valid TOML, or a field is wrong.
+        OSError: the file cannot be read.
+    """
+    data = Path(path).read_bytes()
+    try:
+        document = tomllib.loads(data.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{os.fspath(path)}: not valid TOML: {exc}") from None
+    return parse_config(document, environ=environ)
+
+
+def with_flags(
+    config: GatewayConfig | None,
+    *,
+    replicas: Sequence[str] = (),
+    api_key: str | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    hedger: Mapping[str, Any] | None = None,
+    limits: Mapping[str, Any] | None = None,
+) -> GatewayConfig:
+    """``config`` (or none) with command-line flags over it: ``replicas`` (URLs) replace the
+    file's replicas and groups; ``hedger`` fields apply to every group; ``limits`` fields
+    replace the file's.
+
+    Raises:
+        ConfigError: no replica at all, or a bad value.
+    """
+    try:
+        if replicas:
+            made = [Replica(url, api_key=api_key) for url in replicas]
+            names = [r.name for r in made]
+            if len(set(names)) != len(names):  # the same host:port twice: number them
+                made = [attrs.evolve(r, name=f"r{i}") for i, r in enumerate(made)]
+            base = DEFAULT_HEDGER if config is None else config.groups[0].hedger
+            group = Group("default", [r.name for r in made], hedger=base)
+            config = (
+                GatewayConfig(made, [group])
+                if config is None
+                else attrs.evolve(config, replicas=made, groups=[group])
+            )
+        if config is None:
+            raise ConfigError("give --replica URL (one or more) or --config FILE")
+        changes: dict[str, Any] = {}
+        if host is not None:
+            changes["host"] = host
+        if port is not None:
+            changes["port"] = port
+        if limits:
+            changes["limits"] = attrs.evolve(config.limits, **limits)
+        if hedger:
+            changes["groups"] = [
+                attrs.evolve(g, hedger=hedger_config(hedger, g.hedger, "flags"))
+                for g in config.groups
+            ]
+        return attrs.evolve(config, **changes) if changes else config
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None

@@ -1,0 +1,171 @@
+"""OpenAI-shaped errors: what a client sees when a request fails, with its true status.
+
+Before the commit nothing has been sent, so an error answers with the status the upstream
+replicas gave (400, 401, 404, 429 with ``Retry-After``, 503…) and an OpenAI error body, which
+the official SDKs turn into their own typed exceptions (``BadRequestError``,
+``AuthenticationError``, ``RateLimitError``, ``InternalServerError``…). After the commit the
+status line is gone: the stream ends with the same body as an in-band ``data:`` event, and no
+``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+
+import attrs
+
+from .. import AttemptError, ErrorKind, HedgeError, RequestFailed, StreamInterrupted
+
+__all__ = ["ErrorAnswer", "answer_for", "mask"]
+
+#: The status an upstream error without one stands for.
+_KIND_STATUS = {
+    ErrorKind.RATE_LIMIT: 429,
+    ErrorKind.QUOTA_EXCEEDED: 429,
+    ErrorKind.OVERLOADED: 503,
+    ErrorKind.SERVER_ERROR: 502,
+    ErrorKind.INVALID_REQUEST: 400,
+    ErrorKind.CONTEXT_LENGTH_EXCEEDED: 400,
+    ErrorKind.AUTH: 401,
+    ErrorKind.NOT_FOUND: 404,
+    ErrorKind.STREAM_TRUNCATED: 502,
+    ErrorKind.EMPTY_STREAM: 502,
+    ErrorKind.CONNECTION: 502,
+    ErrorKind.TIMEOUT: 504,
+    ErrorKind.STALL: 504,
+    ErrorKind.PROTOCOL: 502,
+    ErrorKind.UNKNOWN: 502,
+}
+#: Statuses that say "no capacity now, come back": answered as one 503 when mixed.
+_CAPACITY = frozenset({429, 503, 529})
+
+
+def _type_for(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 403:
+        return "permission_error"
+    if status == 429:
+        return "rate_limit_error"
+    if status == 504:
+        return "timeout"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def mask(text: str, secrets: Sequence[str]) -> str:
+    """``text`` with every secret in it replaced by ``***``."""
+    for secret in secrets:
+        if secret and secret in text:
+            text = text.replace(secret, "***")
+    return text
+
+
+@attrs.frozen
+class ErrorAnswer:
+    """One error answer: status, OpenAI error fields, and ``Retry-After`` (seconds)."""
+
+    status: int
+    message: str
+    type: str | None = None
+    code: str | None = None
+    param: str | None = None
+    retry_after: float | None = None
+
+    def body(self) -> bytes:
+        """``{"error": {"message", "type", "param", "code"}}`` as JSON bytes."""
+        error = {
+            "message": self.message,
+            "type": self.type or _type_for(self.status),
+            "param": self.param,
+            "code": self.code,
+        }
+        return json.dumps({"error": error}, ensure_ascii=False).encode()
+
+    def event(self) -> bytes:
+        """The body as one in-band SSE ``data:`` event (after the commit)."""
+        return b"data: " + self.body() + b"\n\n"
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """``content-type``, and ``retry-after`` in whole seconds (RFC 9110) when set."""
+        out = [(b"content-type", b"application/json")]
+        if self.retry_after is not None:
+            out.append((b"retry-after", str(max(0, math.ceil(self.retry_after))).encode()))
+        return out
+
+
+def _status_of(error: AttemptError) -> int:
+    status = error.status_code
+    if status is not None and 400 <= status <= 599:
+        return status
+    return _KIND_STATUS.get(error.kind, 502)
+
+
+def _min_retry_after(errors: Sequence[AttemptError]) -> float | None:
+    found = [e.retry_after for e in errors if e.retry_after is not None]
+    return min(found) if found else None
+
+
+def _from_errors(
+    summary: str, errors: Sequence[AttemptError], default_retry_after: float
+) -> ErrorAnswer:
+    """One answer for the attempts' errors: their status when they agree; 503 when all said
+    "no capacity" in different ways; else 502 (the replicas failed in different ways)."""
+    if not errors:
+        return ErrorAnswer(503, summary, code="no_attempt", retry_after=default_retry_after)
+    statuses = {_status_of(e) for e in errors}
+    last = errors[-1]
+    retry_after = _min_retry_after(errors)
+    if len(statuses) == 1:
+        (status,) = statuses
+    elif statuses <= _CAPACITY:
+        status = 503
+    else:
+        return ErrorAnswer(502, summary, code="upstream_errors")
+    if status in _CAPACITY and retry_after is None:
+        retry_after = default_retry_after
+    message = last.message if len(errors) == 1 else f"{last.message} ({summary})"
+    return ErrorAnswer(status, message, code=last.kind.value, retry_after=retry_after)
+
+
+def answer_for(
+    exc: HedgeError, *, secrets: Sequence[str] = (), default_retry_after: float = 1.0
+) -> ErrorAnswer:
+    """The answer for a failed request.
+
+    * :class:`~trio_hedge.FatalAttemptError` (the request's fault): the fatal error's status
+      and message.
+    * :class:`~trio_hedge.AllAttemptsFailed` and other :class:`~trio_hedge.RequestFailed`:
+      the attempts' common status (401, 404, 429, 503…), 503 for mixed capacity errors,
+      502 for errors that disagree, 504 for the first-token timeout; ``Retry-After`` is the
+      earliest any replica gave.
+    * :class:`~trio_hedge.StreamInterrupted` (after the commit): the winner's error.
+    * any other :class:`~trio_hedge.HedgeError` (e.g. every replica cooling beyond the
+      bound): 503 with its ``retry_after`` when it carries one.
+
+    ``secrets`` (a client's forwarded key, the gateway's keys) are masked in the message.
+    """
+    answer: ErrorAnswer
+    if isinstance(exc, StreamInterrupted):
+        error = exc.error
+        answer = ErrorAnswer(
+            _status_of(error), error.message, code=error.kind.value, retry_after=error.retry_after
+        )
+    elif isinstance(exc, RequestFailed):
+        fatal = getattr(exc, "error", None)
+        if isinstance(fatal, AttemptError):
+            answer = ErrorAnswer(
+                _status_of(fatal), fatal.message, code=fatal.kind.value, param=None
+            )
+        else:
+            summary = str(exc)
+            answer = _from_errors(summary, exc.errors, default_retry_after)
+    else:
+        retry_after = getattr(exc, "retry_after", None)
+        if isinstance(retry_after, bool) or not isinstance(retry_after, (int, float)):
+            retry_after = default_retry_after
+        answer = ErrorAnswer(503, str(exc), code="unavailable", retry_after=float(retry_after))
+    return attrs.evolve(answer, message=mask(answer.message, secrets))

@@ -1,0 +1,92 @@
+"""One HTTP exchange over raw ASGI: request headers in, a response out.
+
+A small raw ASGI layer rather than a framework: the token path is one dict and one ``send``
+per event (``docs/gateway.md`` has the measurement behind the choice).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any
+
+from ._errors import ErrorAnswer
+from ._metrics import AccessRecord
+
+__all__ = ["Exchange", "Receive", "Scope", "Send", "request_id_from"]
+
+Scope = Mapping[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Headers = Iterable[tuple[bytes, bytes]]
+
+
+def request_id_from(value: str | None) -> str:
+    """The client's ``X-Request-ID`` when it is a UUID (in canonical form), else a new
+    UUID4: the id goes upstream too, and some servers refuse one that is not a UUID."""
+    if value:
+        try:
+            return str(uuid.UUID(value))
+        except ValueError:
+            pass
+    return str(uuid.uuid4())
+
+
+class Exchange:
+    """The request's scope and channels, its access record, and what was sent so far."""
+
+    __slots__ = ("finished", "headers", "receive", "record", "send", "started")
+
+    def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.receive = receive
+        self.send = send
+        # Names are lower-case in ASGI; a repeated header keeps its last value.
+        self.headers: dict[bytes, bytes] = dict(scope.get("headers") or ())
+        client = scope.get("client")
+        self.record = AccessRecord(
+            request_id=request_id_from(self.header(b"x-request-id")),
+            method=scope.get("method", ""),
+            path=scope.get("path", ""),
+            client=client[0] if client else None,
+            started=0.0,
+        )
+        self.started = False  # the status line was sent
+        self.finished = False  # the last body byte was sent
+
+    def header(self, name: bytes) -> str | None:
+        """A request header's value, or ``None``."""
+        value = self.headers.get(name)
+        return None if value is None else value.decode("latin-1")
+
+    async def start(self, status: int, headers: Headers = ()) -> None:
+        """Send the status line and headers (``x-request-id`` added)."""
+        self.started = True
+        self.record.status = status
+        await self.send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"x-request-id", self.record.request_id.encode()), *headers],
+            }
+        )
+
+    async def body(self, data: bytes, *, more: bool) -> None:
+        """Send body bytes; ``more=False`` ends the response."""
+        if not more:
+            self.finished = True
+        await self.send({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def respond(self, status: int, data: bytes, headers: Headers = ()) -> None:
+        """A whole response."""
+        await self.start(status, [(b"content-length", str(len(data)).encode()), *headers])
+        await self.body(data, more=False)
+
+    async def json(self, status: int, data: bytes, headers: Headers = ()) -> None:
+        """A whole JSON response."""
+        await self.respond(status, data, [(b"content-type", b"application/json"), *headers])
+
+    async def error(self, answer: ErrorAnswer, headers: Headers = ()) -> None:
+        """An OpenAI-shaped error response (with ``Retry-After`` when the answer has one)."""
+        if self.record.error is None:
+            self.record.error = answer.code or answer.type
+        await self.respond(answer.status, answer.body(), [*answer.headers(), *headers])

@@ -1,0 +1,150 @@
+"""Prometheus metrics (``GET /metrics``) and the JSON access log, one line per request.
+
+Metrics live in the gateway's own registry (two gateways in one process, as in tests, do not
+collide): the library's :class:`~trio_hedge.instrumentation.PrometheusHook` counters
+(requests, attempts, backups won, hedges refused, replica events, TTFT histogram), the
+gateway's requests by path and status, requests in flight, relayed tokens, refusals by
+reason, and, read from each group's ``Hedger.statistics()`` at scrape time, every replica's
+state and the learned hedge delays: what this instance has learned on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import attrs
+import trio
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .. import Hedger
+from ..instrumentation import PrometheusHook
+
+__all__ = ["ACCESS_LOGGER", "AccessRecord", "GatewayMetrics"]
+
+#: The logger of the access log: one JSON object per line, per request.
+ACCESS_LOGGER = logging.getLogger("trio_hedge.gateway.access")
+
+_STATES = ("healthy", "cooling", "ejected")
+
+
+def _count_tasks() -> int:
+    """Trio tasks alive in this run (a leak shows as a count that keeps growing)."""
+
+    def walk(task: trio.lowlevel.Task) -> int:
+        return 1 + sum(walk(t) for n in task.child_nurseries for t in n.child_tasks)
+
+    root = trio.lowlevel.current_root_task()
+    return 0 if root is None else walk(root)
+
+
+class _HedgerCollector(Collector):
+    """Each group's Hedger state, read when Prometheus scrapes (inside Trio)."""
+
+    def __init__(self, hedgers: Mapping[str, Hedger]) -> None:
+        self._hedgers = hedgers
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        state = GaugeMetricFamily(
+            "trio_hedge_gateway_replica_state",
+            "1 for the replica's current state (healthy, cooling, ejected), per group.",
+            labels=["group", "replica", "state"],
+        )
+        in_flight = GaugeMetricFamily(
+            "trio_hedge_gateway_replica_in_flight",
+            "Attempts in flight per replica, per group.",
+            labels=["group", "replica"],
+        )
+        delay = GaugeMetricFamily(
+            "trio_hedge_gateway_hedge_delay_seconds",
+            "The hedge delay a request gets now, per group, model and prompt-size class.",
+            labels=["group", "model", "size_class", "learned"],
+        )
+        tasks = GaugeMetricFamily("trio_hedge_gateway_trio_tasks", "Trio tasks alive.")
+        try:
+            trio.lowlevel.current_task()
+        except RuntimeError:  # not inside Trio (a stray scrape from another thread)
+            return
+        for group, hedger in self._hedgers.items():
+            stats = hedger.statistics()
+            for r in stats.replicas:
+                for name in _STATES:
+                    state.add_metric([group, r.name, name], 1.0 if r.state == name else 0.0)
+                in_flight.add_metric([group, r.name], r.in_flight)
+            for d in stats.delays:
+                delay.add_metric(
+                    [group, d.group, str(d.size_class), str(d.learned).lower()], d.delay
+                )
+        tasks.add_metric([], _count_tasks())
+        yield from (state, in_flight, delay, tasks)
+
+
+class GatewayMetrics:
+    """The gateway's registry and metrics; :attr:`hook` goes on every Hedger's ``on_event``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.hook = PrometheusHook(self.registry)
+        kw: dict[str, Any] = {"registry": self.registry}
+        self.requests = Counter(
+            "trio_hedge_gateway_requests",
+            "HTTP requests answered, by path and status (499: the client left).",
+            ["path", "status"],
+            **kw,
+        )
+        self.in_flight = Gauge(
+            "trio_hedge_gateway_in_flight", "Chat requests in flight (streams open).", **kw
+        )
+        self.tokens = Counter(
+            "trio_hedge_gateway_tokens", "Content tokens relayed to clients.", **kw
+        )
+        self.refused = Counter(
+            "trio_hedge_gateway_refused",
+            "Requests refused before any upstream attempt, by reason.",
+            ["reason"],
+            **kw,
+        )
+
+    def watch(self, hedgers: Mapping[str, Hedger]) -> None:
+        """Export the state of these Hedgers (group name -> Hedger) at each scrape."""
+        self.registry.register(_HedgerCollector(hedgers))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition (call inside Trio)."""
+        return generate_latest(self.registry)
+
+
+@attrs.define
+class AccessRecord:
+    """What one request's access-log line says. Never a header value or a key."""
+
+    request_id: str
+    method: str
+    path: str
+    client: str | None
+    started: float  # time.time()
+    status: int = 0
+    model: str | None = None
+    group: str | None = None
+    stream: bool | None = None
+    hedge: str | None = None  # "off", or the X-Hedge-After seconds in effect
+    winner: str | None = None
+    attempts: int | None = None
+    hedged: bool | None = None
+    ttft: float | None = None
+    tokens: int | None = None
+    wasted_tokens: int | None = None
+    error: str | None = None  # a kind or reason, never a message
+
+    def line(self) -> str:
+        fields = attrs.asdict(self)
+        fields["duration"] = round(time.time() - self.started, 6)
+        fields["started"] = round(self.started, 6)
+        if self.ttft is not None:
+            fields["ttft"] = round(self.ttft, 6)
+        return json.dumps({k: v for k, v in fields.items() if v is not None})
