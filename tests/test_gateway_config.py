@@ -1,0 +1,212 @@
+"""The gateway's TOML configuration and flags: every field read, every mistake named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import trio_hedge as th
+from trio_hedge.gateway import ConfigError, Limits, load_config, parse_config
+from trio_hedge.gateway._config import DEFAULT_HEDGER, with_flags
+from trio_hedge.gateway._errors import answer_for
+
+FULL = """
+[server]
+host = "0.0.0.0"
+port = 9000
+
+[auth]
+keys_env = ["GW_KEY"]
+
+[limits]
+max_concurrent = 50
+max_body_bytes = 65536
+request_timeout = 120
+drain_timeout = 10
+retry_after = 2
+hedge_after_min = 0.05
+hedge_after_max = 3
+
+[hedger]
+hedge_after = { percentile = 0.95, fallback = 0.5, classes = { first = 128 } }
+max_attempts = 3
+first_token = "content"
+first_token_timeout = 20
+stall_timeout = 30
+budget = { ratio = 0.05 }
+throttle = false
+outlier_detection = { consecutive_failures = 3, count_slow = false }
+pick = "in_order"
+
+[[replicas]]
+name = "primary"
+base_url = "http://10.0.0.1:8000/v1"
+api_key_env = "PRIMARY_KEY"
+
+[[replicas]]
+name = "backup"
+base_url = "https://backup.example/v1"
+overrides = { model = "small" }
+headers = { "X-Org" = "acme" }
+headers_env = { "X-Secret" = "BACKUP_SECRET" }
+
+[[groups]]
+name = "chat"
+models = ["llama-*", "gpt-4o"]
+replicas = ["primary", "backup"]
+hedger = { hedge_after = 0.25, budget = false }
+
+[[groups]]
+name = "agents"
+models = ["*"]
+replicas = ["backup"]
+side_effects = true
+"""
+ENV = {"GW_KEY": "sk-gw-secret", "PRIMARY_KEY": "sk-primary", "BACKUP_SECRET": "s3cret"}
+
+
+def test_every_section_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text(FULL)
+    config = load_config(path, environ=ENV)
+    assert (config.host, config.port, config.keys) == ("0.0.0.0", 9000, ("sk-gw-secret",))
+    assert config.limits == Limits(50, 65536, 120.0, 10.0, 2.0, 0.05, 3.0)
+    primary, backup = config.replicas
+    assert (primary.name, primary.api_key) == ("primary", "sk-primary")
+    assert backup.overrides == {"model": "small"}
+    assert backup.headers == {"X-Org": "acme", "X-Secret": "s3cret"}
+    chat, agents = config.groups
+    base = chat.hedger
+    assert base.hedge_after == 0.25 and base.budget is None  # the group's own table
+    assert base.max_attempts == 3 and base.first_token is th.FirstToken.CONTENT
+    assert (base.first_token_timeout, base.stall_timeout, base.pick) == (20.0, 30.0, "in_order")
+    assert base.throttle is None
+    assert base.outlier_detection == th.OutlierDetection(consecutive_failures=3, count_slow=False)
+    learned = agents.hedger.hedge_after
+    assert isinstance(learned, th.LearnedDelay)
+    assert (learned.percentile, learned.fallback, learned.classes.first) == (0.95, 0.5, 128)
+    assert agents.hedger.budget == th.HedgeBudget(ratio=0.05)
+    assert agents.side_effects and not chat.side_effects
+    # Routing: the first group whose pattern matches; "*" takes the rest.
+    assert config.group_for("llama-3-70b") is chat and config.group_for("gpt-4o") is chat
+    assert config.group_for("claude") is agents and config.group_for(None) is agents
+    # No secret in the repr.
+    shown = repr(config)
+    for secret in ENV.values():
+        assert secret not in shown
+
+
+def test_defaults_one_group_and_the_gateway_first_token_rule() -> None:
+    config = parse_config({"replicas": [{"base_url": "http://127.0.0.1:1/v1"}]}, environ={})
+    (group,) = config.groups
+    assert group.name == "default" and group.replicas == ("127.0.0.1:1",)
+    assert group.hedger == DEFAULT_HEDGER
+    assert group.hedger.first_token is th.FirstToken.ANY_OUTPUT
+    assert isinstance(group.hedger.hedge_after, th.LearnedDelay)
+    assert (config.host, config.port, config.keys, config.forward_client_key) == (
+        "127.0.0.1",
+        8080,
+        (),
+        False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        ({}, "replicas: at least one"),
+        ({"replicas": [{"name": "a"}]}, "replicas[0].base_url is required"),
+        ({"replicas": [{"base_url": "ftp://x"}]}, "replicas[0]: base_url must be an http(s) URL"),
+        ({"replicas": [{"base_url": "http://a/v1", "colour": 1}]}, "replicas[0]: unknown field"),
+        ({"replicas": [{"base_url": "http://a/v1", "api_key_env": "NOPE"}]}, "NOPE is not set"),
+        ({"hedger": {"hedge_after": "soon"}}, "hedger.hedge_after must be seconds"),
+        ({"hedger": {"budget": {"ratio": 2}}}, "hedger.budget: ratio must be <= 1"),
+        ({"hedger": {"budget": 3}}, "hedger.budget must be a table, true or false"),
+        ({"hedger": {"max_attempts": 0}}, "hedger: max_attempts must be >= 1"),
+        ({"hedger": {"hedgeafter": 1}}, "hedger: unknown field 'hedgeafter'"),
+        ({"limits": {"max_concurrent": -1}}, "limits: max_concurrent must be >= 1"),
+        ({"limits": {"hedge_after_min": 2, "hedge_after_max": 1}}, "limits: hedge_after_min"),
+        ({"groups": [{"replicas": ["ghost"]}]}, "unknown replica 'ghost'"),
+        ({"auth": {"keys_env": "GW_KEY"}}, "auth.keys_env must be a list"),
+        ({"auth": {"keys_env": ["GW_KEY"], "forward_client_key": True}}, "forward_client_key"),
+        ({"servr": {}}, "config: unknown field 'servr'"),
+    ],
+)
+def test_mistakes_are_named(document: dict[str, Any], message: str) -> None:
+    if document:  # the empty document is about the missing replicas
+        document.setdefault("replicas", [{"base_url": "http://a/v1"}])
+    with pytest.raises(ConfigError) as info:
+        parse_config(document, environ={"GW_KEY": "sk-gw-secret-value"})
+    assert message in str(info.value)
+    assert "sk-gw-secret-value" not in str(info.value)
+
+
+def test_not_toml(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("[server\nport = 1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(path)
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text(FULL)
+    config = with_flags(
+        load_config(path, environ=ENV),
+        port=0,
+        hedger={"hedge_after": "off", "stall_timeout": 5.0},
+        limits={"max_concurrent": 7},
+    )
+    assert config.port == 0 and config.limits.max_concurrent == 7
+    assert [g.hedger.hedge_after for g in config.groups] == [None, None]
+    assert [g.hedger.stall_timeout for g in config.groups] == [5.0, 5.0]
+    replaced = with_flags(
+        load_config(path, environ=ENV),
+        replicas=["http://127.0.0.1:1/v1", "http://127.0.0.1:1/v1"],
+        api_key="sk-flag",
+    )
+    assert [r.name for r in replaced.replicas] == ["r0", "r1"]
+    assert [g.name for g in replaced.groups] == ["default"]
+    assert replaced.replicas[0].api_key == "sk-flag"
+    with pytest.raises(ConfigError, match="give --replica"):
+        with_flags(None)
+
+
+def test_error_answers_keep_the_true_status() -> None:
+    e = th.AttemptError
+    k = th.ErrorKind
+
+    def all_failed(*errors: th.AttemptError) -> th.AllAttemptsFailed:
+        return th.AllAttemptsFailed("all failed", errors)
+
+    cases = [
+        (all_failed(e(k.AUTH, "bad key", status_code=401)), 401, None),
+        (
+            all_failed(
+                e(k.RATE_LIMIT, "slow down", status_code=429, retry_after=4.2),
+                e(k.RATE_LIMIT, "slow down", status_code=429, retry_after=2.5),
+            ),
+            429,
+            "3",
+        ),
+        (
+            all_failed(
+                e(k.RATE_LIMIT, "slow down", status_code=429),
+                e(k.OVERLOADED, "busy", status_code=503),
+            ),
+            503,
+            "1",
+        ),
+        (all_failed(e(k.AUTH, "x", status_code=401), e(k.CONNECTION, "refused")), 502, None),
+        (all_failed(e(k.TIMEOUT, "no first token within first_token_timeout")), 504, None),
+        (all_failed(), 503, "1"),
+        (th.HedgeError("every replica is cooling"), 503, "1"),
+    ]
+    for exc, status, retry_after in cases:
+        answer = answer_for(exc)
+        assert answer.status == status, exc
+        assert dict(answer.headers()).get(b"retry-after") == (
+            None if retry_after is None else retry_after.encode()
+        )

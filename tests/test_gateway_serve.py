@@ -1,0 +1,138 @@
+"""`trio-hedge serve` and `trio-hedge fake` as processes: SIGTERM drains, the fake answers."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from trio_hedge.testing import Behaviour, FakeReplica
+
+from .gateway_support import CHAT
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+
+
+class Process:
+    """A ``python -m trio_hedge`` child whose output lines are read as they come."""
+
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self._buffer = b""
+        self.lines: list[str] = []
+
+    async def line_with(self, text: str) -> str:
+        """Wait for an output line containing ``text`` (bound it with fail_after)."""
+        assert self.process.stdout is not None
+        while True:
+            for line in self.lines:
+                if text in line:
+                    return line
+            chunk = await self.process.stdout.receive_some()
+            if not chunk:
+                raise AssertionError(f"exited without {text!r}: {self.lines}")
+            self._buffer += chunk
+            *done, self._buffer = self._buffer.split(b"\n")
+            self.lines += [d.decode() for d in done]
+
+    async def rest(self) -> list[str]:
+        assert self.process.stdout is not None
+        while chunk := await self.process.stdout.receive_some():
+            self._buffer += chunk
+        self.lines += [d.decode() for d in self._buffer.split(b"\n") if d]
+        return self.lines
+
+
+async def _start(nursery: trio.Nursery, *args: str) -> Process:
+    command = [sys.executable, "-m", "trio_hedge", *args]
+    run = functools.partial(
+        trio.run_process,
+        command,
+        stdout=-1,
+        stderr=-2,  # STDOUT: one stream, in order
+        check=False,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    process = await nursery.start(run)
+    return Process(process)
+
+
+async def _stream(url: str, out: list[bytes], started: trio.Event) -> None:
+    async with httpx.AsyncClient() as http:
+        body: dict[str, Any] = {**CHAT, "stream": True}
+        async with http.stream("POST", f"{url}/chat/completions", json=body) as response:
+            async for piece in response.aiter_raw():
+                out.append(piece)
+                if b"tok0" in piece:
+                    started.set()
+
+
+@pytest.mark.parametrize("drain", ["in time", "timeout"])
+async def test_sigterm_drains_then_cancels(drain: str) -> None:
+    paced = Behaviour(ttft=0.0, token_delay=0.05, tokens=12 if drain == "in time" else 10_000)
+    timeout = "30" if drain == "in time" else "0.3"
+    async with FakeReplica(paced, name="a") as a, trio.open_nursery() as nursery:
+        gw = await _start(
+            nursery, "serve", "--replica", a.url, "--port", "0", "--drain-timeout", timeout
+        )
+        with trio.fail_after(20):
+            line = await gw.line_with("listening on ")
+            url = line.split("listening on ")[1].split()[0] + "/v1"
+            out: list[bytes] = []
+            started = trio.Event()
+            async with trio.open_nursery() as clients:
+                clients.start_soon(_stream, url, out, started)
+                await started.wait()
+                gw.process.send_signal(signal.SIGTERM)
+                await gw.line_with("draining (1 in flight)")
+                with pytest.raises(httpx.ConnectError):  # no longer accepting
+                    async with httpx.AsyncClient() as http:
+                        await http.get(url.removesuffix("/v1") + "/healthz")
+            assert await gw.process.wait() == 0
+            lines = await gw.rest()
+    text = b"".join(out).decode()
+    access = [json.loads(x) for x in lines if x.startswith("{")]
+    if drain == "in time":
+        assert text.endswith("data: [DONE]\n\n") and "tok11" in text
+        assert a.requests[0].completed
+        assert access[-1]["status"] == 200 and access[-1]["tokens"] == 12
+    else:
+        last = json.loads(text.strip().split("\n\n")[-1].removeprefix("data: "))
+        assert last["error"]["code"] == "shutdown"
+        assert "[DONE]" not in text
+        assert a.requests[0].disconnected_at is not None  # the upstream was closed
+        assert access[-1]["error"] == "shutdown"
+
+
+async def test_fake_command_serves_until_sigterm() -> None:
+    async with trio.open_nursery() as nursery:
+        fake = await _start(
+            nursery, "fake", "--port", "0", "--ttft", "0", "--tokens", "3", "--name", "f1"
+        )
+        with trio.fail_after(20):
+            line = await fake.line_with("listening on ")
+            url = line.split("listening on ")[1].strip()
+            async with httpx.AsyncClient() as http:
+                answer = await http.post(f"{url}/chat/completions", json=CHAT)
+                failing = await http.get(url.removesuffix("/v1") + "/health")
+            await fake.line_with("request 1: status 200, 3 tokens sent, completed")
+            fake.process.send_signal(signal.SIGTERM)
+            assert await fake.process.wait() == 0
+    assert answer.json()["choices"][0]["message"]["content"] == "tok0 tok1 tok2 "
+    assert failing.status_code == 200
+
+
+async def test_serve_without_replicas_is_a_usage_error() -> None:
+    done = await trio.run_process(
+        [sys.executable, "-m", "trio_hedge", "serve"], capture_stdout=True, capture_stderr=True,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert b"give --replica URL" in done.stderr
