@@ -9,8 +9,10 @@ counted in the client's ``time.process_time()``.
 
 Requests choose their answer by path: ``POST /d{ms}/n{tokens}/v1/chat/completions`` sends the
 headers and a role-only chunk at once, waits ``ms`` milliseconds, then sends ``tokens``
-content chunks, a finish chunk and ``data: [DONE]``. A client that goes away is noticed at the
-next write (the thread ends).
+content chunks, a finish chunk and ``data: [DONE]``. Without ``/n{tokens}`` the body's
+``max_tokens`` says how many (default 16) and its ``x_pace_ms`` how many milliseconds apart
+(default 0), so one base URL (a gateway's replica) serves every size. A client that goes away
+is noticed at the next write (the thread ends).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-_PATH = re.compile(rb"^/d(\d+)/n(\d+)/v1/chat/completions$")
+_PATH = re.compile(rb"^/d(\d+)(?:/n(\d+))?/v1/chat/completions$")
 _HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
     b"transfer-encoding: chunked\r\n\r\n"
@@ -65,8 +67,9 @@ def _events(tokens: int) -> tuple[bytes, list[bytes], bytes]:
     return first, body, tail
 
 
-def _read_request(sock: socket.socket, buf: bytearray) -> bytes | None:
-    """Read one request; return its path (``None`` at EOF). Leaves extra bytes in ``buf``."""
+def _read_request(sock: socket.socket, buf: bytearray) -> tuple[bytes, bytes] | None:
+    """Read one request; return its path and body (``None`` at EOF). Leaves extra bytes in
+    ``buf``."""
     while b"\r\n\r\n" not in buf:
         more = sock.recv(65536)
         if not more:
@@ -85,8 +88,9 @@ def _read_request(sock: socket.socket, buf: bytearray) -> bytes | None:
         if not more:
             return None
         buf += more
+    body = bytes(buf[:length])
     del buf[:length]
-    return head.split(b" ", 2)[1]
+    return head.split(b" ", 2)[1], body
 
 
 def _serve_connection(sock: socket.socket) -> None:
@@ -94,18 +98,27 @@ def _serve_connection(sock: socket.socket) -> None:
     buf = bytearray()
     try:
         with sock:
-            while (path := _read_request(sock, buf)) is not None:
+            while (request := _read_request(sock, buf)) is not None:
+                path, request_body = request
                 match = _PATH.match(path)
                 if match is None:
                     sock.sendall(_NOT_FOUND)
                     continue
-                delay_ms, tokens = int(match[1]), int(match[2])
+                delay_ms, pace = int(match[1]), 0.0
+                if match[2] is not None:
+                    tokens = int(match[2])
+                else:
+                    asked = json.loads(request_body or b"{}")
+                    tokens = int(asked.get("max_tokens", 16))
+                    pace = float(asked.get("x_pace_ms", 0)) / 1000
                 first, body, tail = _events(tokens)
                 sock.sendall(_HEAD + first)
                 if delay_ms:
                     time.sleep(delay_ms / 1000)
                 send = sock.sendall
                 for chunk in body:
+                    if pace:
+                        time.sleep(pace)
                     send(chunk)
                 send(tail)
     except OSError:

@@ -40,6 +40,12 @@ _SSE_HEADERS = (
 )
 _DONE = b"data: [DONE]\n\n"
 
+_loads: Any
+try:  # orjson (the "speed" extra) parses a request body ~5x faster; json gives the same
+    from orjson import loads as _loads
+except ImportError:  # pragma: no cover - depends on the environment
+    _loads = json.loads
+
 
 class Rejected(Exception):
     """A request refused before anything is sent upstream."""
@@ -62,7 +68,7 @@ def parse_chat(body: bytes) -> dict[str, Any]:
             a non-boolean ``stream``, a non-string ``model``, or ``n`` other than 1.
     """
     try:
-        obj = json.loads(body)
+        obj = _loads(body)
     except (ValueError, UnicodeDecodeError):
         raise _bad("the request body is not valid JSON", code="invalid_json") from None
     if not isinstance(obj, dict):
@@ -252,9 +258,7 @@ def _hedge_headers(report: Report) -> list[tuple[bytes, bytes]]:
     return headers
 
 
-def _note(record: AccessRecord, report: Report | None) -> None:
-    if report is None:
-        return
+def _note(record: AccessRecord, report: Report) -> None:
     record.winner = report.winner_replica
     record.attempts = report.attempts_sent
     record.hedged = report.hedged
@@ -381,6 +385,7 @@ class ChatForwarder:
             await ex.error(ErrorAnswer(400, str(exc), code="invalid_request"))
             return
         completion = Completion() if not streaming else None
+        report: Report | None = None
         try:
             try:
                 async with stream:
@@ -390,7 +395,8 @@ class ChatForwarder:
                         async for delta in stream.events():
                             completion.add(delta)
             finally:
-                _note(record, stream.report)
+                report = stream.report
+                _note(record, report)
         except HedgeError as exc:
             answer = answer_for(
                 exc,
@@ -405,8 +411,9 @@ class ChatForwarder:
                 await ex.error(answer, _hedge_headers(report) if report is not None else ())
             return
         if completion is not None:
+            assert report is not None
             data = completion.body(record.request_id, request.get("model"))
-            await ex.json(200, data, _hedge_headers(stream.report))
+            await ex.json(200, data, _hedge_headers(report))
 
     async def _stream_out(self, ex: Exchange, stream: HedgedStream, model: str | None) -> None:
         """The hot path: one ``send`` per event, the server's bytes as they were."""

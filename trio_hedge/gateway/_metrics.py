@@ -119,7 +119,7 @@ class GatewayMetrics:
         return generate_latest(self.registry)
 
 
-@attrs.define
+@attrs.define(slots=True)
 class AccessRecord:
     """What one request's access-log line says. Never a header value or a key."""
 
@@ -142,9 +142,17 @@ class AccessRecord:
     error: str | None = None  # a kind or reason, never a message
 
     def line(self) -> str:
-        fields = attrs.asdict(self)
-        fields["duration"] = round(time.time() - self.started, 6)
+        """The JSON line (fields that are ``None`` left out)."""
+        fields: dict[str, object] = {}
+        for name in _FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                fields[name] = value
         fields["started"] = round(self.started, 6)
+        fields["duration"] = round(time.time() - self.started, 6)
         if self.ttft is not None:
             fields["ttft"] = round(self.ttft, 6)
-        return json.dumps({k: v for k, v in fields.items() if v is not None})
+        return json.dumps(fields)
+
+
+_FIELDS = tuple(f.name for f in attrs.fields(AccessRecord))
