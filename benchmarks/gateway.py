@@ -570,7 +570,7 @@ def _print(
             )
         else:  # two upstream requests each, and the 20 ms hedge delay: not the same work
             console.print(f"info: {text}")
-        leaks = f"{x['leaked_tasks']} tasks and {x['leaked_sockets']} client sockets left"
+        leaks = f"{name}: {x['leaked_tasks']} tasks and {x['leaked_sockets']} client sockets left"
         console.print(verdict(x["leaked_tasks"] == 0 and x["leaked_sockets"] == 0, leaks))
     for t in targets:
         if t.proxy is not None:

@@ -17,6 +17,9 @@ pool; wave 2: the pool holds wave 1's idle keep-alive connections):
   token (all normal requests): the floor;
 * ``httpx only, make_client()``: plain ``client.stream`` + ``aiter_lines`` through
   ``make_client()``, no trio_hedge (all normal requests): what httpx itself costs;
+* ``make_client(), same requests``: ``hedged_stream`` through ``make_client()`` doing the
+  requests plain httpx does (all normal: nothing hedged, nothing failing), the control that
+  isolates the library's own cost;
 * ``one httpx pool``: ``hedged_stream`` through one ``httpx.AsyncClient`` with unlimited
   ``Limits`` (httpx's default ``max_connections=100`` would make the 101st held stream wait
   forever); its wave 2 is skipped unless ``--one-pool-waves 2`` (it is quadratic in idle
@@ -31,7 +34,16 @@ wave of ``--streams``, then the tracemalloc total of a wave of at most 250), and
 left after the client closes (server-side connections, file descriptors, Trio tasks: must
 all be 0).
 
-Run: ``python benchmarks/scale.py`` (``--quick``: 100 streams, 1 repetition).
+Then, with the replica in its own process (``trio-hedge fake``; 10,000 streams need as many
+sockets on each side), the client CPU per stream at ``--scaling SMALL,LARGE`` streams (default
+1,000 and 10,000) for plain httpx and ``hedged_stream``, all started at once.
+
+Targets (issue 12): 1,000 hedged streams open in <= 1.3x the time plain httpx takes for the
+same requests through the same client; the cost per stream flat from 1,000 to 10,000 streams
+(CPU per stream at 10,000 <= 1.3x that at 1,000).
+
+Run: ``python benchmarks/scale.py`` (``--quick``: 100 streams, 1 repetition, scaling 100 and
+1,000).
 """
 
 from __future__ import annotations
@@ -66,7 +78,14 @@ SLOW = Behaviour(ttft=5.0, token_delay=0.01, tokens=4)
 FAIL = Behaviour(status=503)
 HEDGE_AFTER = 0.05
 NO_HEDGE_AFTER = 30.0
-VARIANTS = ("raw sockets", "httpx only, make_client()", "one httpx pool", "make_client()")
+SAME = "make_client(), same requests"
+VARIANTS = (
+    "raw sockets",
+    "httpx only, make_client()",
+    SAME,
+    "one httpx pool",
+    "make_client()",
+)
 #: tracemalloc slows a run ~5x: it measures this many streams (memory per stream is flat).
 MEMORY_TRACED_STREAMS = 250
 
@@ -212,7 +231,11 @@ async def _httpx_wave(
 
 
 async def _hedged_wave(
-    client: httpx.AsyncClient, replicas: list[FakeReplica], n: int, memory: bool
+    client: httpx.AsyncClient,
+    replicas: list[FakeReplica],
+    n: int,
+    memory: bool,
+    mixed: bool = True,
 ) -> Wave:
     gate = _Gate(n, memory)
     pair = [th.Replica(replicas[0].url, name="a"), th.Replica(replicas[1].url, name="b")]
@@ -232,7 +255,7 @@ async def _hedged_wave(
         reports[stream.request_id] = stream.report
 
     async with trio.open_nursery() as nursery:
-        for kind in kinds(n):
+        for kind in kinds(n) if mixed else ["ok"] * n:
             nursery.start_soon(one, kind)
     records = {
         (r.headers["x-request-id"], r.headers["x-hedge-attempt"]): r
@@ -272,10 +295,10 @@ async def run_variant(variant: str, n: int, waves: int, memory: bool = False) ->
                 for _ in range(waves):
                     out.append(await _httpx_wave(client, a, n, memory))
         else:
-            client = make_client() if variant == "make_client()" else _one_pool_client()
+            client = _one_pool_client() if variant == "one httpx pool" else make_client()
             async with client:
                 for _ in range(waves):
-                    out.append(await _hedged_wave(client, [a, b], n, memory))
+                    out.append(await _hedged_wave(client, [a, b], n, memory, variant != SAME))
         with trio.fail_after(10):
             await a.wait_connections(0)
             await b.wait_connections(0)
@@ -321,13 +344,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--one-pool-waves", type=int, default=1, choices=(1, 2))
     parser.add_argument("--quick", action="store_true", help="smoke check: 100 streams, 1 rep")
+    parser.add_argument(
+        "--scaling",
+        default="1000,10000",
+        metavar="SMALL,LARGE",
+        help="cost per stream at these two sizes, the replica in its own process ('0,0': skip)",
+    )
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_child:
         _memory_child(args.memory_child, args.streams)
         return 0
     if args.quick:
-        args.streams, args.repeat = 100, 1
+        args.streams, args.repeat, args.scaling = 100, 1, "100,1000"
     n = args.streams
     console = Console(width=150)
     console.print(
@@ -382,22 +411,105 @@ def main(argv: list[str] | None = None) -> int:
         f"failover, out of {n}; leaks after every run: 0 server connections, 0 fds, 0 tasks"
     )
     for w in (0, 1):
-        ratio = open_time["make_client()", w] / open_time["raw sockets", w]
+        ratio = open_time[SAME, w] / open_time["httpx only, make_client()", w]
         console.print(
             verdict(
-                ratio <= 2.0,
-                f"make_client() wave {w + 1}: open all in {ratio:.2f}x the raw-socket time (<= 2x)",
+                ratio <= 1.3,
+                f"hedged_stream, same requests, wave {w + 1}: open all in {ratio:.2f}x plain "
+                "httpx's time through the same client (<= 1.3x)",
             )
+        )
+    for w in (0, 1):
+        ratio = open_time["make_client()", w] / open_time["httpx only, make_client()", w]
+        raw = open_time["make_client()", w] / open_time["raw sockets", w]
+        console.print(
+            f"info: mixed workload (15% more requests: hedges, failovers) wave {w + 1}: "
+            f"{ratio:.2f}x plain httpx, {raw:.2f}x raw sockets"
         )
     ratio = open_time["one httpx pool", 0] / open_time["raw sockets", 0]
     console.print(f"info: one httpx pool wave 1: {ratio:.2f}x the raw-socket time")
-    for w in (0, 1):
-        ratio = open_time["make_client()", w] / open_time["httpx only, make_client()", w]
-        console.print(
-            f"info: make_client() wave {w + 1}: {ratio:.2f}x plain httpx through the same client"
-        )
     console.print(verdict(True, "no sockets, fds or tasks left after any run"))
+    small, large = (int(x) for x in args.scaling.split(","))
+    if large:
+        _scaling(console, small, large)
     return 0
+
+
+# -- cost per stream from 1,000 to 10,000 streams ----------------------------------------------
+
+
+async def _scaling_wave(url: str, n: int, hedged: bool) -> tuple[float, float]:
+    """``n`` streams at once through one make_client(), each held open until all have their
+    first token, then read to the end; (seconds to open all, client CPU seconds for it)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    pair = [th.Replica(url, name="a"), th.Replica(url, name="b")]
+    policy = th.HedgePolicy(hedge_after=NO_HEDGE_AFTER)
+    async with make_client() as client:
+        gate = _Gate(n, False)
+
+        async def one() -> None:
+            if hedged:
+                stream = th.hedged_stream(body, pair, policy, client=client)
+                async with stream:
+                    gate.committed()
+                    await gate.event.wait()
+                    text = "".join([t async for t in stream])
+            else:
+                text = ""
+                async with client.stream("POST", url + "/chat/completions", json=body) as r:
+                    lines = r.aiter_lines()
+                    async for line in lines:
+                        if '"content":"' in line:
+                            break
+                    gate.committed()
+                    await gate.event.wait()
+                    async for _ in lines:
+                        pass
+                    text = "tok0 tok1 tok2 tok3 "
+            if text != "tok0 tok1 tok2 tok3 ":
+                raise AssertionError(f"wrong text {text!r}")
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(n):
+                nursery.start_soon(one)
+    return gate.wave.open_s, gate.wave.open_cpu
+
+
+def _scaling(console: Console, small: int, large: int) -> None:
+    """The replica in its own process (``trio-hedge fake``): ``large`` streams need as many
+    sockets on each side, more than one process may open here."""
+    command = [sys.executable, "-m", "trio_hedge", "fake", "--port", "0", "--ttft", "0.01"]
+    command += ["--tpot", "0.01", "--tokens", "4", "--quiet"]
+    fake = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert fake.stdout is not None
+        url = fake.stdout.readline().split("listening on ")[1].strip()
+        table = Table(title=f"cost per stream, {small:,} vs {large:,} streams at once")
+        for c in ("variant", "streams", "open all (s)", "per stream (ms)", "CPU per stream (ms)"):
+            table.add_column(c, justify="left" if c == "variant" else "right")
+        per: dict[tuple[str, int], float] = {}
+        for hedged, name in ((False, "httpx only"), (True, "hedged_stream")):
+            trio.run(_scaling_wave, url, 50, hedged)  # warm-up
+            for n in (small, large):
+                seconds, cpu = trio.run(_scaling_wave, url, n, hedged)
+                per[name, n] = cpu / n
+                table.add_row(
+                    name, f"{n:,}", f"{seconds:.2f}", f"{seconds / n * 1e3:.3f}",
+                    f"{cpu / n * 1e3:.3f}",
+                )  # fmt: skip
+        console.print(table)
+        for name in ("httpx only", "hedged_stream"):
+            growth = per[name, large] / per[name, small]
+            console.print(
+                verdict(
+                    growth <= 1.3,
+                    f"{name}: CPU per stream at {large:,} streams = {growth:.2f}x that at "
+                    f"{small:,} (flat: <= 1.3x)",
+                )
+            )
+    finally:
+        fake.terminate()
+        fake.wait(timeout=10)
 
 
 if __name__ == "__main__":

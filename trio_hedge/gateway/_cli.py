@@ -114,6 +114,7 @@ def add_commands(sub: Any) -> None:
     fake.add_argument("--stall-after", type=int, metavar="N", help="stall after N tokens")
     fake.add_argument("--cut-after", type=int, metavar="N", help="cut the connection after N")
     fake.add_argument("--http2", action="store_true", help="also accept h2c")
+    fake.add_argument("--quiet", action="store_true", help="no line per request")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -223,7 +224,8 @@ async def _fake(args: argparse.Namespace) -> int:
                         )
                         out.flush()
 
-                nursery.start_soon(report)
+                if not args.quiet:
+                    nursery.start_soon(report)
                 async for _ in signals:
                     break
                 nursery.cancel_scope.cancel()
