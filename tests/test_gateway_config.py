@@ -143,6 +143,30 @@ def test_mistakes_are_named(document: dict[str, Any], message: str) -> None:
     assert "sk-gw-secret-value" not in str(info.value)
 
 
+def test_false_stands_for_none() -> None:
+    document = {
+        "replicas": [{"base_url": "http://a/v1"}],
+        "limits": {"request_timeout": False},
+        "hedger": {"max_attempts": False, "first_token_timeout": False, "budget": False},
+    }
+    config = parse_config(document, environ={})
+    assert config.limits.request_timeout is None
+    hedger = config.groups[0].hedger
+    assert (hedger.max_attempts, hedger.first_token_timeout, hedger.budget) == (None, None, None)
+    learned = (
+        parse_config(
+            {
+                "replicas": [{"base_url": "http://a/v1"}],
+                "hedger": {"hedge_after": {"censoring": False}},
+            },
+            environ={},
+        )
+        .groups[0]
+        .hedger.hedge_after
+    )
+    assert isinstance(learned, th.LearnedDelay) and learned.censoring is False  # a bool stays
+
+
 def test_not_toml(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text("[server\nport = 1")

@@ -258,14 +258,21 @@ def _env(name: object, where: str, environ: Mapping[str, str]) -> str:
     return value
 
 
+def _none_for_false(value: object, default: object) -> object:
+    """TOML has no null: ``false`` stands for ``None`` in a field that is not a bool."""
+    return None if value is False and not isinstance(default, bool) else value
+
+
 def _build(cls: type[Any], table: Mapping[str, Any], where: str) -> Any:
-    """An attrs class from a TOML table: nested attrs fields from sub-tables, lists as tuples."""
+    """An attrs class from a TOML table: nested attrs fields from sub-tables, lists as tuples,
+    ``false`` for ``None``."""
     fields = attrs.fields_dict(cls)
     _known(table, fields, where)
     defaults = cls()
     kwargs: dict[str, Any] = {}
     for key, value in table.items():
         default = getattr(defaults, key)
+        value = _none_for_false(value, default)
         if isinstance(value, Mapping) and attrs.has(type(default)):
             value = _build(type(default), value, f"{where}.{key}")
         elif isinstance(value, list):
@@ -296,7 +303,8 @@ def hedger_config(table: Mapping[str, Any], base: HedgerConfig, where: str) -> H
     :class:`~trio_hedge.HedgerConfig` field by name. Policy objects (``budget``,
     ``throttle``, ``outlier_detection``) take a table of their fields, ``false`` for none or
     ``true`` for the defaults; ``hedge_after`` takes seconds, ``"learned"``, ``"off"`` or a
-    :class:`~trio_hedge.LearnedDelay` table.
+    :class:`~trio_hedge.LearnedDelay` table; ``false`` stands for ``None`` elsewhere
+    (``first_token_timeout = false``).
 
     Raises:
         ConfigError: an unknown field or a bad value, named by its path.
@@ -319,7 +327,7 @@ def hedger_config(table: Mapping[str, Any], base: HedgerConfig, where: str) -> H
                 value = _build(type(default), value, here)
             else:
                 raise ConfigError(f"{here} must be a table, true or false, not {value!r}")
-        changes[key] = value
+        changes[key] = _none_for_false(value, default)
     try:
         return attrs.evolve(base, **changes)
     except (TypeError, ValueError) as exc:
