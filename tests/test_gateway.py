@@ -430,7 +430,20 @@ async def test_the_request_deadline() -> None:
             after = await http.post(f"{gw.url}/chat/completions", json={**CHAT, "stream": True})
             with trio.fail_after(5):
                 await paced_replica.wait_disconnected(0)
+            # A body that never completes holds a slot only until the deadline.
+            port = int(gw.base_url.rsplit(":", 1)[1])
+            with trio.fail_after(5):
+                sock = await trio.open_tcp_stream("127.0.0.1", port)
+                async with sock:
+                    await sock.send_all(
+                        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                        b"content-type: application/json\r\ncontent-length: 100\r\n\r\n{"
+                    )
+                    trickled = b""
+                    while b"\r\n\r\n" not in trickled:
+                        trickled += await sock.receive_some()
     assert before.status_code == 504 and before.json()["error"]["code"] == "request_timeout"
+    assert trickled.startswith(b"HTTP/1.1 408")
     assert after.status_code == 200
     last = [e for e in after.text.split("\n\n") if e][-1]
     assert json.loads(last.removeprefix("data: "))["error"]["code"] == "request_timeout"

@@ -37,10 +37,11 @@ class Delta:
         usage: the usage object (``prompt_tokens``, ``completion_tokens``, …) when the chunk
             carries one, else ``None``.
         role: the role announced by the chunk, if any (role-only chunks are not output).
-        raw: the SSE event's data exactly as the server sent it (the chunk's JSON text), for
-            relaying it without re-encoding (the gateway's byte-for-byte forwarding); ``None``
-            when the delta has no wire form of its own (a whole JSON answer, a generic source).
-            Not part of equality or the repr.
+        raw: the SSE event's data as the server sent it (the chunk's JSON text, without the
+            ``data:`` field names and surrounding whitespace), for relaying it without
+            re-encoding (the gateway's byte-for-byte forwarding); ``None`` when the delta has
+            no wire form of its own (a whole JSON answer, a generic source). Not part of
+            equality or the repr.
     """
 
     content: str = ""

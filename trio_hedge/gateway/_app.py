@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -155,9 +156,17 @@ class GatewayApp:
             )
             await ex.error(answer)
             return
+        timeout = limits.request_timeout
+        deadline_at = math.inf if timeout is None else trio.current_time() + timeout
         try:
             try:
-                body = await read_body(ex.receive, limits.max_body_bytes, declared)
+                body = b""
+                with trio.move_on_at(deadline_at):  # a client trickling its body holds a slot
+                    body = await read_body(ex.receive, limits.max_body_bytes, declared)
+                if trio.current_time() >= deadline_at:
+                    message = f"the request body took longer than request_timeout={timeout} s"
+                    await ex.error(ErrorAnswer(408, message, code="request_timeout"))
+                    return
                 request, group, options, streaming = self._chat.prepare(ex, body)
             except BodyTooLarge:
                 refused.labels("body_size").inc()
@@ -171,7 +180,7 @@ class GatewayApp:
             except ClientGone:
                 ex.record.status, ex.record.error = 499, "client_disconnected"
                 return
-            await self._chat.handle(ex, request, group, options, streaming, admitted)
+            await self._chat.handle(ex, request, group, options, streaming, admitted, deadline_at)
         finally:
             self.limiter.release(admitted)
 

@@ -326,8 +326,10 @@ class ChatForwarder:
         options: RequestOptions,
         streaming: bool,
         admitted: trio.CancelScope,
+        deadline_at: float,
     ) -> None:
-        """Race and relay one admitted request (see the module docstring)."""
+        """Race and relay one admitted request (see the module docstring) until
+        ``deadline_at`` (Trio time: its admission plus ``request_timeout``)."""
         hedger = self._hedgers[group.name]
         limits = self._config.limits
         timeout = limits.request_timeout
@@ -337,9 +339,7 @@ class ChatForwarder:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_watch_disconnect, ex, nursery.cancel_scope)
                 with admitted:
-                    deadline = trio.CancelScope(
-                        deadline=math.inf if timeout is None else trio.current_time() + timeout
-                    )
+                    deadline = trio.CancelScope(deadline=deadline_at)
                     with deadline:
                         await self._race(ex, hedger, request, group, options, streaming)
                     if deadline.cancelled_caught:
