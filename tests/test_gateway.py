@@ -21,7 +21,6 @@ import openai
 import pytest
 import trio
 
-import trio_hedge as th
 from trio_hedge.gateway import Limits
 from trio_hedge.testing import Behaviour, FakeReplica, fake_replicas
 
@@ -497,26 +496,32 @@ async def test_a_forwarded_client_key_is_never_shown(caplog: pytest.LogCaptureFi
 # -- operations ------------------------------------------------------------------------------
 
 
-async def test_health_readiness_and_metrics() -> None:
-    failing = Behaviour(status=500)
-    hedger = attrs.evolve(HEDGER, outlier_detection=th.OutlierDetection(consecutive_failures=1))
-    async with fake_replicas(failing, failing, names=["a", "b"]) as replicas:
+async def test_health_readiness_metrics_and_pushback() -> None:
+    # Both replicas push back for 5 s; the Hedger waits at most 0.1 s for a cooling replica.
+    pushback = Behaviour(status=503, retry_after=5)
+    hedger = attrs.evolve(HEDGER, max_pushback_wait=0.1)
+    async with fake_replicas(pushback, pushback, names=["a", "b"]) as replicas:
         async with Gateway(config_for(replicas, hedger=hedger)) as gw, httpx.AsyncClient() as http:
             ready = await http.get(f"{gw.base_url}/readyz")
             failed = await http.post(f"{gw.url}/chat/completions", json=CHAT)
+            cooling = await http.post(f"{gw.url}/chat/completions", json=CHAT)
             not_ready = await http.get(f"{gw.base_url}/readyz")
             health = await http.get(f"{gw.base_url}/healthz")
             metrics = (await http.get(f"{gw.base_url}/metrics")).text
     assert ready.status_code == 200 and ready.json()["status"] == "ready"
-    assert failed.status_code == 500
+    assert failed.status_code == 503 and failed.headers["retry-after"] == "5"
+    # Every replica cooling longer than the Hedger waits: refused at once, nothing sent.
+    assert cooling.status_code == 503 and cooling.json()["error"]["code"] == "replicas_cooling"
+    assert 4 <= int(cooling.headers["retry-after"]) <= 5
+    assert [len(r.requests) for r in replicas] == [1, 1]
     assert not_ready.status_code == 503
-    assert not_ready.json()["groups"] == {"default": {"a": "ejected", "b": "ejected"}}
+    assert not_ready.json()["groups"] == {"default": {"a": "cooling", "b": "cooling"}}
     assert health.status_code == 200
     for line in (
-        'trio_hedge_gateway_requests_total{path="/v1/chat/completions",status="500"} 1.0',
+        'trio_hedge_gateway_requests_total{path="/v1/chat/completions",status="503"} 2.0',
         'trio_hedge_gateway_requests_total{path="/readyz",status="200"} 1.0',
         'trio_hedge_attempts_total{outcome="failed",replica="a",trigger="primary"} 1.0',
-        'trio_hedge_gateway_replica_state{group="default",replica="b",state="ejected"} 1.0',
+        'trio_hedge_gateway_replica_state{group="default",replica="b",state="cooling"} 1.0',
         "trio_hedge_gateway_in_flight 0.0",
     ):
         assert line in metrics

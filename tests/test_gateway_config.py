@@ -226,7 +226,8 @@ def test_error_answers_keep_the_true_status() -> None:
         (all_failed(e(k.AUTH, "x", status_code=401), e(k.CONNECTION, "refused")), 502, None),
         (all_failed(e(k.TIMEOUT, "no first token within first_token_timeout")), 504, None),
         (all_failed(), 503, "1"),
-        (th.HedgeError("every replica is cooling"), 503, "1"),
+        (th.ReplicasCooling(until=12.0, retry_in=2.2, max_wait=1.0), 503, "3"),
+        (th.HedgeError("something else"), 503, "1"),
     ]
     for exc, status, retry_after in cases:
         answer = answer_for(exc)

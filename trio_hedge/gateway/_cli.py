@@ -18,6 +18,9 @@ import trio
 __all__ = ["add_commands", "run"]
 
 COMMANDS = ("serve", "fake")
+#: The gen-0 threshold `serve` sets: CPython's default (700) collects every 700 net
+#: allocations, and each collection of the older generations walks every live object.
+GC_THRESHOLD = 100_000
 #: The gen-0 threshold `serve` sets: CPython's default (700) runs a collection every 700 net
 #: allocations, and the older generations' collections walk every live object.
 GC_THRESHOLD = 100_000
@@ -86,6 +89,15 @@ def add_commands(sub: Any) -> None:
     serve.add_argument("--request-timeout", type=_seconds, metavar="SECONDS", help="default 600")
     serve.add_argument("--drain-timeout", type=_seconds, metavar="SECONDS", help="default 30")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    serve.add_argument(
+        "--gc-threshold",
+        type=int,
+        default=GC_THRESHOLD,
+        metavar="N",
+        help=f"CPython's gen-0 garbage-collection threshold (default {GC_THRESHOLD:,}; 0 keeps "
+        "Python's): with thousands of streams alive, the default collector's cost per stream "
+        "grows with their number (benchmarks/scale.py)",
+    )
 
     fake = sub.add_parser(
         "fake",

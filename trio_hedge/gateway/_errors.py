@@ -16,7 +16,14 @@ from collections.abc import Sequence
 
 import attrs
 
-from .. import AttemptError, ErrorKind, HedgeError, RequestFailed, StreamInterrupted
+from .. import (
+    AttemptError,
+    ErrorKind,
+    HedgeError,
+    ReplicasCooling,
+    RequestFailed,
+    StreamInterrupted,
+)
 
 __all__ = ["ErrorAnswer", "answer_for", "mask"]
 
@@ -142,14 +149,19 @@ def answer_for(
       the attempts' common status (401, 404, 429, 503…), 503 for mixed capacity errors,
       502 for errors that disagree, 504 for the first-token timeout; ``Retry-After`` is the
       earliest any replica gave.
+    * :class:`~trio_hedge.ReplicasCooling` (every replica asked to be left alone for longer
+      than the Hedger waits; nothing was sent): 503 with ``Retry-After`` until the first
+      of them may take a request again.
     * :class:`~trio_hedge.StreamInterrupted` (after the commit): the winner's error.
-    * any other :class:`~trio_hedge.HedgeError` (e.g. every replica cooling beyond the
-      bound): 503 with its ``retry_after`` when it carries one.
+    * any other :class:`~trio_hedge.HedgeError`: 503 with its ``retry_after`` when it
+      carries one.
 
     ``secrets`` (a client's forwarded key, the gateway's keys) are masked in the message.
     """
     answer: ErrorAnswer
-    if isinstance(exc, StreamInterrupted):
+    if isinstance(exc, ReplicasCooling):
+        answer = ErrorAnswer(503, str(exc), code="replicas_cooling", retry_after=exc.retry_in)
+    elif isinstance(exc, StreamInterrupted):
         error = exc.error
         answer = ErrorAnswer(
             _status_of(error), error.message, code=error.kind.value, retry_after=error.retry_after
