@@ -235,3 +235,14 @@ def test_error_answers_keep_the_true_status() -> None:
         assert dict(answer.headers()).get(b"retry-after") == (
             None if retry_after is None else retry_after.encode()
         )
+
+
+def test_the_documented_example_is_valid(tmp_path: Path) -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "gateway.md").read_text()
+    path = tmp_path / "example.toml"
+    path.write_text(doc.split("```toml\n", 1)[1].split("```", 1)[0])
+    env = {"GATEWAY_KEY": "k", "PRIMARY_KEY": "p", "PROVIDER_KEY": "q", "SECRET_ENV": "s"}
+    config = load_config(path, environ=env)
+    (group,) = config.groups
+    assert group.hedger.max_pushback_wait == 10 and group.hedger.hedge_after == 0.5
+    assert [r.name for r in config.replicas] == ["primary", "backup"]
