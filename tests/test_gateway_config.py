@@ -246,3 +246,47 @@ def test_the_documented_example_is_valid(tmp_path: Path) -> None:
     (group,) = config.groups
     assert group.hedger.max_pushback_wait == 10 and group.hedger.hedge_after == 0.5
     assert [r.name for r in config.replicas] == ["primary", "backup"]
+
+
+def test_deltas_without_a_wire_form_are_encoded_as_chunks() -> None:
+    import json
+
+    from trio_hedge.gateway._forward import ChunkEncoder, Completion
+
+    encoder = ChunkEncoder("rid", "m")
+    call = th.ToolCallDelta(0, "call_1", "f", '{"a"')
+    deltas = [
+        th.Delta(role="assistant"),
+        th.Delta("Hi", reasoning="hmm"),
+        th.Delta(tool_calls=(call,)),
+        th.Delta(tool_calls=(th.ToolCallDelta(0, None, None, ": 1}"),), finish_reason="stop"),
+        th.Delta(usage={"completion_tokens": 2}),
+    ]
+    events = [encoder.encode(d) for d in deltas]
+    assert all(e.startswith(b"data: ") and e.endswith(b"\n\n") for e in events)
+    chunks = [json.loads(e[6:]) for e in events]
+    assert {c["id"] for c in chunks} == {"chatcmpl-rid"} and chunks[0]["model"] == "m"
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert chunks[1]["choices"][0]["delta"] == {"content": "Hi", "reasoning_content": "hmm"}
+    assert chunks[2]["choices"][0]["delta"]["tool_calls"] == [
+        {
+            "index": 0,
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "f", "arguments": '{"a"'},
+        }
+    ]
+    assert chunks[3]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[4]["choices"] == [] and chunks[4]["usage"] == {"completion_tokens": 2}
+    # A multi-line raw event keeps SSE framing: one data field per line.
+    assert encoder.encode(th.Delta("x", raw='{"a":\n1}')) == b'data: {"a":\ndata: 1}\n\n'
+    whole = Completion()
+    for d in deltas:
+        whole.add(d)
+    body = json.loads(whole.body("rid", "m"))
+    message = body["choices"][0]["message"]
+    assert (message["content"], message["reasoning_content"]) == ("Hi", "hmm")
+    assert message["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    ]
+    assert body["object"] == "chat.completion" and body["usage"] == {"completion_tokens": 2}
