@@ -48,9 +48,32 @@ def test_demo_json_shows_the_backup_winning_and_the_primary_cancelled() -> None:
 def test_demo_text_streams_then_reports() -> None:
     done = _run("demo")
     assert done.returncode == 0, done.stderr
-    out = done.stdout
-    assert out.index("A hedged request") < out.index("winner          attempt 2 (backup)")
-    assert "primary saw its request cancelled" in out
+    # As with `stream`: the answer on stdout, the report on stderr.
+    assert done.stdout.startswith("A hedged request")
+    assert "winner" not in done.stdout
+    assert "winner          attempt 2 (backup)" in done.stderr
+    assert "primary saw its request cancelled" in done.stderr
+
+
+def test_version_and_help() -> None:
+    from trio_hedge import __version__
+
+    done = _run("--version")
+    assert (done.returncode, done.stdout.strip()) == (0, f"trio-hedge {__version__}")
+    help_text = _run("stream", "--help").stdout
+    assert "(default: 1.0)" in help_text  # --hedge-after, in seconds
+    assert "(default: 120; 0: wait forever)" in help_text  # --first-token-timeout
+    assert "Exit status" in help_text
+    assert "fake replicas on loopback" in _run("demo", "--help").stdout
+
+
+def test_a_failed_request_leads_with_its_error() -> None:
+    port = _dead_port()
+    done = _run("stream", "--replica", f"http://127.0.0.1:{port}/v1", "--model", "m", "hi")
+    assert done.returncode == 1
+    first = done.stderr.splitlines()[0]
+    assert first.startswith("error           AllAttemptsFailed: the only attempt failed")
+    assert "winner" not in done.stderr and "caller TTFT" not in done.stderr
 
 
 def _dead_port() -> int:

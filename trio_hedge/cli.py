@@ -21,6 +21,7 @@ from typing import Any, TextIO
 import attrs
 import trio
 
+from . import __version__
 from ._errors import HedgeError
 from ._policy import HedgePolicy
 from ._report import Report
@@ -52,21 +53,26 @@ def _format_seconds(value: float | None) -> str:
 
 
 def format_report(report: Report) -> str:
-    """A human-readable, multi-line summary of ``report`` (no credentials in it)."""
-    lines = [
-        f"request id      {report.request_id}",
-        f"winner          attempt {report.winner} ({report.winner_replica})"
-        if report.winner is not None
-        else "winner          none",
-        f"hedged          {'yes' if report.hedged else 'no'}",
-        f"caller TTFT     {_format_seconds(report.ttft)}",
-        f"total           {_format_seconds(report.total)}",
-        f"tokens          {report.token_count}",
-        f"mean TPOT       {_format_seconds(report.tpot_mean)}",
-        f"max token gap   {_format_seconds(report.max_gap)}",
-        f"wasted tokens   {report.wasted_tokens}",
-        "attempts:",
-    ]
+    """A human-readable, multi-line summary of ``report`` (no credentials in it). A failed
+    request leads with its error; a request that never committed shows only what it has."""
+    lines: list[str] = []
+    if report.error is not None:
+        lines.append(f"error           {type(report.error).__name__}: {report.error}")
+    lines.append(f"request id      {report.request_id}")
+    if report.winner is not None:
+        lines += [
+            f"winner          attempt {report.winner} ({report.winner_replica})",
+            f"hedged          {'yes' if report.hedged else 'no'}",
+            f"caller TTFT     {_format_seconds(report.ttft)}",
+            f"total           {_format_seconds(report.total)}",
+            f"tokens          {report.token_count}",
+            f"mean TPOT       {_format_seconds(report.tpot_mean)}",
+            f"max token gap   {_format_seconds(report.max_gap)}",
+            f"wasted tokens   {report.wasted_tokens}",
+        ]
+    else:
+        lines.append(f"total           {_format_seconds(report.total)}")
+    lines.append("attempts:")
     for a in report.attempts:
         detail = f"TTFT {_format_seconds(a.ttft)}" if a.ttft is not None else ""
         if a.error is not None:
@@ -75,8 +81,6 @@ def format_report(report: Report) -> str:
             f"  #{a.number} {a.replica:<22} {a.trigger:<8} start {a.started_at:.3f} s"
             f"  {a.outcome.value:<10} {detail}"
         )
-    if report.error is not None:
-        lines.append(f"error           {type(report.error).__name__}: {report.error}")
     return "\n".join(lines)
 
 
@@ -109,7 +113,7 @@ async def _run_stream(
     return stream.report
 
 
-async def _demo(as_json: bool, out: TextIO) -> int:
+async def _demo(as_json: bool, out: TextIO, err: TextIO) -> int:
     from .testing import Behaviour, FakeReplica  # only the demo needs them
 
     words = tuple(w + " " for w in DEMO_ANSWER.split())
@@ -121,7 +125,7 @@ async def _demo(as_json: bool, out: TextIO) -> int:
         replicas = [Replica(slow.url, name="primary"), Replica(fast.url, name="backup")]
         request = {"model": "demo", "messages": [{"role": "user", "content": DEMO_PROMPT}]}
         if not as_json:
-            out.write(
+            err.write(
                 f"primary {slow.url} answers after 5.0 s; backup {fast.url} after 0.5 s; "
                 f"hedge_after = {policy.hedge_after} s\n\n"
             )
@@ -137,9 +141,10 @@ async def _demo(as_json: bool, out: TextIO) -> int:
         payload["primary_saw_cancel_at"] = cancel_seen
         out.write(json.dumps(payload, indent=2) + "\n")
     else:
-        out.write("\n" + format_report(report) + "\n")
+        # As in ``stream``: the answer on stdout, the report on stderr.
+        err.write(format_report(report) + "\n")
         if cancel_seen is not None and report.ttft is not None:
-            out.write(
+            err.write(
                 f"primary saw its request cancelled at {cancel_seen:.3f} s "
                 f"({(cancel_seen - report.ttft) * 1000:.1f} ms after commit)\n"
             )
@@ -186,14 +191,28 @@ async def _stream(args: argparse.Namespace, out: TextIO, progress: _Progress) ->
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="trio-hedge", description="First-token hedged streaming for LLM calls."
+        prog="trio-hedge",
+        description="First-token hedged streaming for LLM calls: send a request to a primary "
+        "replica, send a backup when no first token arrives within the hedge delay, relay the "
+        "first stream to produce a token and cancel the others. Durations are in seconds.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = sub.add_parser(
-        "demo", help="race a slow primary and a fast backup on two local fake replicas"
+        "demo",
+        help="race a slow primary and a fast backup on two local fake replicas",
+        description="Start two fake replicas on loopback (the primary answers after 5 s, the "
+        "backup after 0.5 s), hedge after 1 s, stream the backup's answer to stdout and the "
+        "report to stderr. Needs nothing installed beyond trio-hedge.",
     )
     demo.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    stream = sub.add_parser("stream", help="stream one prompt from OpenAI-compatible replicas")
+    stream = sub.add_parser(
+        "stream",
+        help="stream one prompt from OpenAI-compatible replicas",
+        description="Stream one chat completion, hedged over the replicas given (primary "
+        "first): the answer goes to stdout as it arrives, the report to stderr (or one JSON "
+        "object with --json). Exit status: 0 answered, 1 failed, 2 bad usage, 130 Ctrl-C.",
+    )
     stream.add_argument(
         "--replica",
         action="append",
@@ -201,7 +220,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="base URL, e.g. http://127.0.0.1:8000/v1 (repeat: primary first)",
     )
-    stream.add_argument("--model", required=True)
+    stream.add_argument("--model", required=True, help="the request's model")
     stream.add_argument(
         "--hedge-after",
         type=float,
@@ -225,8 +244,18 @@ def _parser() -> argparse.ArgumentParser:
         help="after the first token, give up when the answer goes quiet for SECONDS "
         f"(default: {DEFAULT_STALL_TIMEOUT:g}; 0: wait forever)",
     )
-    stream.add_argument("--max-tokens", type=int, default=None)
-    stream.add_argument("--temperature", type=float, default=None)
+    stream.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="the answer's length limit, in tokens (default: the server's)",
+    )
+    stream.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature (default: the server's)",
+    )
     stream.add_argument("--system", default=None, help="a system message")
     stream.add_argument(
         "--api-key-env",
@@ -279,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress = _Progress()
     try:
         if args.command == "demo":
-            return trio.run(_demo, args.json, out)
+            return trio.run(_demo, args.json, out, sys.stderr)
         return trio.run(_stream, args, out, progress)
     except (ValueError, TypeError) as exc:
         sys.stderr.write(f"trio-hedge: {exc}\n")
