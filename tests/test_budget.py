@@ -279,7 +279,9 @@ async def test_failover_refusals_are_span_events(autojump_clock: trio.testing.Mo
 async def test_budget_spent_when_the_backup_starts(autojump_clock: trio.testing.MockClock) -> None:
     fleet = Fleet(["a", "b"], table(Script(ttft=0.5, tokens=1), a=Script(ttft=5.0, tokens=1)))
     budget = HedgeBudget(ratio=0.1, min_per_second=0.1, window=10.0)  # a floor of 1 backup
-    config = th.HedgerConfig(hedge_after=1.0, budget=budget, throttle=None, outlier_detection=None)
+    config = th.HedgerConfig(
+        hedge_after=1.0, budget=budget, throttle=None, outlier_detection=None, pick="in_order"
+    )
     hedger = th.Hedger(fleet.sources(), config)
     # A check that is not followed by a start (the race committed first) costs nothing.
     planner = hedger.stream(None)._planner

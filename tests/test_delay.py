@@ -6,13 +6,14 @@ from __future__ import annotations
 import math
 import random
 
+import attrs
 import pytest
 import trio
 import trio.testing
 
 import trio_hedge as th
 from trio_hedge import EventKind, LearnedDelay, SizeClasses
-from trio_hedge._delay import DelayModel
+from trio_hedge._delay import DelayModel, PrefillFit, fit_line
 
 from .fleet import Fleet, run
 from .scripted import Script
@@ -120,19 +121,82 @@ async def test_fallback_window_clamp_and_monotone(autojump_clock: trio.testing.M
     assert model.delay("g", 1, t0 + 10.5) == 1.0
 
 
-def test_unlearned_classes_borrow_from_the_nearest_smaller_one() -> None:
+def test_unlearned_classes_grow_at_least_linearly_from_the_nearest_smaller_one() -> None:
     model = DelayModel(LearnedDelay(min_samples=2, refresh=0, max_delay=60.0))
     now = 0.0
     assert model.delay("g", 6, now) == 1.0  # nothing learned anywhere: the fallback
     for v in (0.4, 0.5):
-        model.observe("g", 1, now, v, True)
-    # 5 classes up is 2**5 = 32 times the prompt: 0.5 s x 32, not the 1.0 s fallback that
-    # would hedge every rare long prompt (benchmarks/tail.py: it made P99 worse)
+        model.observe("g", 1, now, v, True)  # size unknown: class 1's lower bound, 256
+    # Class 6 starts at 8,192 tokens, 32 times the prompt: 0.5 s x 32, not the 1.0 s fallback
+    # that would hedge every rare long prompt (benchmarks/tail.py: it made P99 worse)
     assert model.delay("g", 6, now) == 16.0
-    assert model.delay("g", 0, now) == 1.0  # nothing smaller learned: the fallback
+    # ... and for a prompt of 12,000 tokens, in proportion to its own size
+    assert model.delay("g", 6, now, tokens=12_000) == 0.5 * 12_000 / 256
+    # Below the only size seen, the model is flat (a shorter prompt is not assumed slower):
+    # the line's 0.4 s median x the spread's P90 (0.5 / 0.4), not the 1.0 s fallback.
+    assert model.delay("g", 0, now) == 0.5
     for v in (2.0, 3.0):
-        model.observe("g", 4, now, v, True)
+        model.observe("g", 4, now, v, True)  # 2,048 tokens
     assert model.delay("g", 6, now) == 12.0  # the nearest learned class wins: 3.0 x 4
+
+
+# -- the prefill model --------------------------------------------------------------------------
+
+FIT_CASES = [
+    # (name, points (tokens, seconds, weight), (intercept, slope))
+    ("one point: flat", [(100, 0.5, 10)], (0.5, 0.0)),
+    ("one size: flat", [(100, 0.4, 10), (100, 0.6, 10)], (0.5, 0.0)),
+    ("a line", [(100, 0.3, 10), (1100, 1.3, 10)], (0.2, 0.001)),
+    ("weights pull the mean", [(100, 0.3, 30), (1100, 1.3, 10)], (0.2, 0.001)),
+    ("shrinking: flat at the weighted mean", [(100, 1.0, 10), (1000, 0.5, 10)], (0.75, 0.0)),
+    # (0.1, 0.1) and (1000, 2.0) pass through a negative intercept: through the origin
+    ("superlinear: through the origin", [(100, 0.1, 1), (1000, 2.0, 1)], (0.0, 2010 / 1_010_000)),
+]
+
+
+@pytest.mark.parametrize(("name", "points", "line"), FIT_CASES, ids=[c[0] for c in FIT_CASES])
+def test_fit_line(
+    name: str, points: list[tuple[int, float, int]], line: tuple[float, float]
+) -> None:
+    intercept, slope = fit_line(points)
+    assert intercept == pytest.approx(line[0], abs=1e-12)
+    assert slope == pytest.approx(line[1], abs=1e-15)
+
+
+def test_the_prefill_model_continues_in_proportion_beyond_its_data() -> None:
+    fit = PrefillFit("g", intercept=0.2, slope=0.001, max_tokens=1000, points=2, observations=40)
+    assert fit.median(500) == 0.7
+    assert fit.median(1000) == 1.2
+    # Beyond 1,000 tokens the line (0.2 + 0.001 x) would grow slower than the prompt:
+    # TTFT/tokens never falls, so 3,000 tokens take 3 x 1.2 s.
+    assert fit.median(3000) == pytest.approx(3.6, abs=1e-12)
+    assert fit.quantile(3000) is None  # no spread computed
+    assert attrs.evolve(fit, spread=1.5).quantile(3000) == pytest.approx(5.4, abs=1e-12)
+
+
+def test_the_model_pools_classes_short_of_data() -> None:
+    # Ten observations in each of two classes (min_samples 20): neither class is learned,
+    # but together they are enough for the model. TTFT = 0.1 + 0.001 x tokens, exactly.
+    model = DelayModel(LearnedDelay(min_samples=20, refresh=0))
+    for i in range(10):
+        model.observe("g", 0, 0.0, 0.1 + 0.001 * (100 + i), True, tokens=100 + i)
+        model.observe("g", 2, 0.0, 0.1 + 0.001 * (600 + i), True, tokens=600 + i)
+    fit = model.fit("g", 0.0, spread=True)
+    assert fit is not None
+    assert (fit.points, fit.observations, fit.max_tokens) == (2, 20, 604)
+    # The class medians (104, 0.204) and (604, 0.704) give the line back.
+    assert fit.intercept == pytest.approx(0.1, abs=1e-9)
+    assert fit.slope == pytest.approx(0.001, abs=1e-12)
+    assert fit.spread == pytest.approx(1.0, abs=1e-9)  # no noise: every ratio is 1
+    # A class in between, of 300 tokens, is hedged at the line (x the spread) ...
+    assert model.delay("g", 1, 0.0, tokens=300) == pytest.approx(0.4, abs=1e-9)
+    # ... and one beyond, of 6,040 tokens, in proportion to the largest size fitted.
+    assert model.delay("g", 5, 0.0, tokens=6040) == pytest.approx(7.04, abs=1e-9)
+    # With half the observations the model is not trusted yet: the fallback.
+    few = DelayModel(LearnedDelay(min_samples=20, refresh=0))
+    for i in range(10):
+        few.observe("g", 0, 0.0, 0.1 + 0.001 * (100 + i), True, tokens=100 + i)
+    assert few.delay("g", 5, 0.0, tokens=6040) == 1.0
 
 
 # -- convergence in virtual time ---------------------------------------------------------------
@@ -288,3 +352,55 @@ def test_prompt_size_estimate() -> None:
     assert th.estimate_prompt_tokens(None) == 0
     with pytest.raises(ValueError, match="chars_per_token"):
         th.estimate_prompt_tokens(body, chars_per_token=0)
+
+
+# -- rare long prompts (issue 9) -----------------------------------------------------------------
+
+A, B = 0.02, 0.0008  # TTFT = (A + B x tokens) x lognormal noise: llama.cpp-like prefill
+
+
+def _prefill_workload(seed: int, n: int) -> list[tuple[float, int, float, float]]:
+    """(gap before the request, prompt tokens, TTFT of attempt 1, of attempt 2): short
+    prompts of 30-110 tokens, 0.8% long ones of 2,000-3,000 tokens, Poisson arrivals at
+    2 per second."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        tokens = rng.randint(2000, 3000) if rng.random() < 0.008 else rng.randint(30, 110)
+        ttfts = [(A + B * tokens) * rng.lognormvariate(0.0, 0.25) for _ in range(2)]
+        out.append((rng.expovariate(2.0), tokens, ttfts[0], ttfts[1]))
+    return out
+
+
+async def test_rare_long_prompts_are_not_hedged(autojump_clock: trio.testing.MockClock) -> None:
+    # Issue 9: the long class never learns (0.8% of requests: ~5 in the 300 s window, 20
+    # needed). Borrowing the short class's P90 x the class ratio (16 for class 0 -> 4, 8 for
+    # class 3) gave ~0.1 x 16 = 1.7 s against the long prompts' own ~2 s TTFT: nearly all of
+    # them were hedged, each backup repeating the whole prefill. The prefill model grows with
+    # the prompt's own size: none is hedged.
+    workload = _prefill_workload(9, 1500)
+    fleet = Fleet(
+        ["a", "b"],
+        lambda _n, info: Script(ttft=workload[int(info.request_id[1:])][1 + info.number], tokens=1),
+    )
+    hedger = th.Hedger(fleet.sources(), th.HedgerConfig(budget=None, outlier_detection=None))
+    hedged = {"short": 0, "long": 0}
+    seen = {"short": 0, "long": 0}
+    for i, (gap, tokens, _, _) in enumerate(workload):
+        await trio.sleep(gap)
+        report = await run(hedger.stream(None, request_id=f"r{i}", prompt_tokens=tokens))
+        if i >= 100:  # after a warm-up
+            size = "long" if tokens >= 2000 else "short"
+            seen[size] += 1
+            hedged[size] += report.hedged
+    assert seen == {"short": 1389, "long": 11}
+    assert hedged == {"short": 141, "long": 0}  # short ones at their own P90: 10.2%
+    # The delay a 2,500-token prompt gets now: the short class's P90 (0.115 s, at a median
+    # of 72 tokens) x 2,500 / 72 = 3.99 s, above its TTFT's P90 of 2.02 s x 1.38 = 2.78 s.
+    short = hedger.hedge_delay(prompt_tokens=70)
+    long = hedger.hedge_delay(prompt_tokens=2500)
+    (fit,) = hedger.statistics().prefill
+    assert (fit.points, fit.max_tokens) == (1, 72)
+    assert short == pytest.approx(0.11495, abs=1e-5)
+    assert long == pytest.approx(short * 2500 / 72, abs=1e-12)
+    assert long > (A + B * 2500) * math.exp(0.25 * 1.2816)

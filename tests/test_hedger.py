@@ -24,6 +24,9 @@ FAST = Script(ttft=0.5, tokens=3)
 SLOW = Script(ttft=5.0, tokens=3)
 #: No learning, budget, throttle or ejection: each test switches on what it is about.
 PLAIN = HedgerConfig(hedge_after=1.0, budget=None, throttle=None, outlier_detection=None)
+#: The same with ``a`` as the preferred primary: for tests whose scenario is "a is the primary"
+#: (the default pick would learn to avoid a slow a, which tests/test_pick.py is about).
+PRIMARY_A = attrs.evolve(PLAIN, pick="in_order")
 
 
 def _config(**changes: Any) -> HedgerConfig:
@@ -152,7 +155,9 @@ async def test_ejection_and_return(autojump_clock: trio.testing.MockClock) -> No
     outlier = OutlierDetection(consecutive_failures=3, base_ejection=10.0, max_ejection=40.0)
     events: list[th.HedgeEvent] = []
     hedger = th.Hedger(
-        fleet.sources(), _config(outlier_detection=outlier), on_event=[events.append]
+        fleet.sources(),
+        _config(outlier_detection=outlier, pick="in_order"),
+        on_event=[events.append],
     )
 
     async def primary() -> str:
@@ -193,7 +198,7 @@ async def test_slow_attempts_count_against_their_replica(
 ) -> None:
     fleet = Fleet(["a", "b"], table(FAST, a=SLOW))
     outlier = OutlierDetection(consecutive_failures=2, base_ejection=30.0)
-    hedger = th.Hedger(fleet.sources(), _config(outlier_detection=outlier))
+    hedger = th.Hedger(fleet.sources(), _config(outlier_detection=outlier, pick="in_order"))
     for _ in range(2):
         report = await run(hedger.stream(None))
         assert [(a.replica, a.outcome) for a in report.attempts] == [
@@ -763,7 +768,7 @@ async def test_idempotency_key_header_on_every_http_attempt(
     request = {"model": "m", "messages": [{"role": "user", "content": "pay invoice 7"}]}
     async with httpx.AsyncClient(transport=mock.transport) as client:
         replicas = [th.Replica(mock.url(n), name=n) for n in ("a", "b")]
-        hedger = th.Hedger(replicas, PLAIN, client=client)
+        hedger = th.Hedger(replicas, PRIMARY_A, client=client)
         stream = hedger.stream(request, side_effects=True, idempotency_key="pay-7-v1")
         async with stream:
             assert "".join([t async for t in stream]) == "tok0 tok1 "
@@ -784,7 +789,7 @@ async def test_idempotency_key_header_on_every_http_attempt(
 
 async def test_cost_accounting_and_statistics(autojump_clock: trio.testing.MockClock) -> None:
     fleet = Fleet(["a", "b"], table(FAST, a=SLOW))
-    hedger = th.Hedger(fleet.sources(), PLAIN)
+    hedger = th.Hedger(fleet.sources(), PRIMARY_A)
     body = {"model": "gpt-x", "messages": [{"role": "user", "content": "z" * 4000}]}
     report = await run(hedger.stream(body))  # hedged: b wins at 1.5
     assert report.prompt_tokens == 1004  # 4000 chars / 4 + 4 framing

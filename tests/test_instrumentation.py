@@ -13,7 +13,9 @@ from trio_hedge.instrumentation import LoggingHook, PrometheusHook
 from .fleet import Fail, Fleet, run
 from .scripted import Script
 
-CONFIG = th.HedgerConfig(hedge_after=1.0, budget=None, throttle=None, outlier_detection=None)
+CONFIG = th.HedgerConfig(
+    hedge_after=1.0, budget=None, throttle=None, outlier_detection=None, pick="in_order"
+)
 
 
 def _fleet() -> Fleet:

@@ -13,6 +13,10 @@ ones, so the estimate is biased low and the delay shrinks into a hedge storm. Th
 product-limit estimator (Kaplan & Meier, "Nonparametric estimation from incomplete
 observations", JASA 1958) uses both kinds of observation without that bias.
 
+Why a prefill model: a class of rare long prompts may never collect enough observations of its
+own. Its delay then comes from a model of TTFT against prompt tokens fitted on every class of
+the group (:class:`PrefillFit`), which grows at least linearly with the prompt, as prefill does.
+
 Everything uses Trio's clock (``trio.current_time()``), so virtual time in tests is exact.
 """
 
@@ -27,6 +31,7 @@ import attrs
 
 __all__ = [
     "LearnedDelay",
+    "PrefillFit",
     "SizeClasses",
     "TTFTWindow",
     "empirical_quantile",
@@ -175,14 +180,22 @@ class LearnedDelay:
     ``BackupRequestFilter`` couples the two: ``LearnedDelay.for_extra_load(0.05)`` hedges at
     the percentile ``1 − 0.05``.
 
-    Until a class has ``min_samples`` observations in the window, it borrows the estimate of
-    the nearest smaller class that has them, scaled by the ratio of the classes' sizes
-    (``base ** k`` for classes ``k`` apart: prefill cost grows about linearly with prompt
-    tokens); only when no smaller class has learned anything is its delay ``fallback``. Rare
-    long prompts rarely fill their own class, and hedging them at the short prompts' delay, or
-    at a fixed fallback, makes the tail worse (field notes; ``benchmarks/tail.py`` showed
-    P99 TTFT 11.4 s against 10.1 s without hedging before this rule). With ``monotone``
-    (default) a class's delay is also never below that of a smaller class with enough data.
+    Until a class has ``min_samples`` observations in the window, its delay comes from the
+    group's *prefill model* (:class:`PrefillFit`): ``TTFT ≈ (a + b·tokens) · E``, a line
+    fitted on the censoring-aware medians of the classes that have at least half
+    ``min_samples`` observations (``min_samples`` in all), with a spread ``E`` estimated
+    (Kaplan–Meier) from every observation divided by the line, evaluated at the request's
+    own prompt size. Beyond the
+    largest size it was fitted on the model grows in proportion to tokens, and the delay is
+    never below the nearest smaller learned class's delay scaled by the ratio of prompt
+    sizes: the delay grows at least as fast as prefill does. Rare long prompts rarely fill
+    their own class; a delay that grows slower than their prefill hedges them, and each such
+    backup repeats the whole prefill on a second replica (on llama.cpp, which aborts a
+    prefill only when it ends, both stay busy): the tail gets worse (field notes; issue 9:
+    borrowing a short class's P90 × the class ratio, 16, for prompts 40× longer hedged 5 of
+    9 long prompts, none of whose backups won). Only when a group has no data at all is the
+    delay ``fallback``. With ``monotone`` (default) a class's delay is also never below that
+    of a smaller class with enough data.
 
     Attributes:
         percentile: the TTFT quantile to hedge at, in ``(0, 1)``. Default 0.9 (P90).
@@ -192,7 +205,7 @@ class LearnedDelay:
             TTFT 3.9 s against 2.2 s at 300 s).
         min_samples: observations (exact or censored) a class needs before its estimate is
             used. Default 20.
-        fallback: the delay in seconds before that. Default 1.0.
+        fallback: the delay in seconds while the group has no data. Default 1.0.
         min_delay, max_delay: the clamp, in seconds. Defaults 0.05 and 60.
         refresh: seconds an estimate is cached before it is recomputed (Finagle refreshes
             every 3 s); 0 recomputes whenever new data arrived. Default 1.0.
@@ -242,25 +255,50 @@ class LearnedDelay:
         return cls(percentile=1.0 - max_extra_load, **kwargs)  # type: ignore[arg-type]
 
 
+#: One observation: (when, seconds, got a first token, prompt tokens, replica or None,
+#: attempt number).
+Sample = tuple[float, float, bool, int, "str | None", int]
+
+
 class TTFTWindow:
     """The observations of one (group, size class) over a sliding window, and the cached
-    estimate of their percentile. Memory: at most ``max_samples`` entries."""
+    estimates made from them: the class's percentile (once it has ``min_samples``
+    observations) and its median with the median prompt size (once it has enough for the
+    prefill model, :data:`_fit_samples`). Memory: at most ``max_samples`` entries."""
 
-    __slots__ = ("_cached", "_cached_at", "_config", "_dirty", "_samples")
+    __slots__ = (
+        "_cached",
+        "_cached_at",
+        "_config",
+        "_dirty",
+        "_median",
+        "_samples",
+        "_tokens",
+    )
 
     def __init__(self, config: LearnedDelay) -> None:
         self._config = config
-        self._samples: deque[tuple[float, float, bool]] = deque(maxlen=config.max_samples)
+        self._samples: deque[Sample] = deque(maxlen=config.max_samples)
         self._cached: float | None = None
+        self._median: float | None = None
+        self._tokens = 0
         self._cached_at = -math.inf
         self._dirty = False
 
-    def add(self, now: float, seconds: float, observed: bool) -> None:
+    def add(
+        self,
+        now: float,
+        seconds: float,
+        observed: bool,
+        tokens: int,
+        replica: str | None = None,
+        attempt: int = 1,
+    ) -> None:
         """Record one attempt that ran ``seconds`` and got (``observed``) or did not get
-        (censored) its first token."""
+        (censored) its first token, for a prompt of ``tokens`` tokens."""
         if not observed and not self._config.censoring:
             return
-        self._samples.append((now, seconds, observed))
+        self._samples.append((now, seconds, observed, tokens, replica, attempt))
         self._dirty = True
 
     def _expire(self, now: float) -> None:
@@ -276,64 +314,282 @@ class TTFTWindow:
         censored = sum(1 for s in self._samples if not s[2])
         return len(self._samples), censored
 
-    def estimate(self, now: float) -> float | None:
-        """The percentile (unclamped), or ``None`` below ``min_samples`` observations."""
+    def samples(self, now: float) -> tuple[Sample, ...]:
+        """The observations in the window, oldest first."""
+        self._expire(now)
+        return tuple(self._samples)
+
+    def _update(self, now: float) -> None:
         self._expire(now)
         config = self._config
-        if len(self._samples) < config.min_samples:
+        if not self._dirty or now - self._cached_at < config.refresh:
+            return
+        samples = self._samples
+        n = len(samples)
+        self._cached = self._median = None
+        if n >= _fit_samples(config):
+            observations = [(s[1], s[2]) for s in samples]
+            self._median, percentile = km_quantiles(observations, (0.5, config.percentile))
+            if n >= config.min_samples:
+                self._cached = percentile
+            self._tokens = _median_int([s[3] for s in samples])
+        self._cached_at = now
+        self._dirty = False
+
+    def estimate(self, now: float) -> float | None:
+        """The percentile (unclamped), or ``None`` below ``min_samples`` observations."""
+        self._update(now)
+        return self._cached if len(self._samples) >= self._config.min_samples else None
+
+    def summary(self, now: float) -> tuple[float, int, int] | None:
+        """``(median TTFT, median prompt tokens, observations)`` for the prefill model, or
+        ``None`` with too few observations."""
+        self._update(now)
+        if self._median is None or len(self._samples) < _fit_samples(self._config):
             return None
-        if self._dirty and now - self._cached_at >= config.refresh:
-            self._cached = km_quantile(((s[1], s[2]) for s in self._samples), config.percentile)
-            self._cached_at = now
-            self._dirty = False
-        return self._cached
+        return self._median, self._tokens, len(self._samples)
+
+
+def _fit_samples(config: LearnedDelay) -> int:
+    """Observations a class needs to be a point of the prefill model: half ``min_samples``
+    (a median is steadier than a P90), at least 2."""
+    return max(2, (config.min_samples + 1) // 2)
+
+
+def _median_int(values: list[int]) -> int:
+    values.sort()
+    return values[(len(values) - 1) // 2]
+
+
+def km_quantiles(
+    observations: Iterable[tuple[float, bool]], qs: tuple[float, ...]
+) -> tuple[float | None, ...]:
+    """:func:`km_quantile` for several increasing quantiles in one pass."""
+    items = sorted(observations, key=lambda o: (o[0], not o[1]))
+    n = len(items)
+    if n == 0:
+        return tuple(None for _ in qs)
+    out: list[float] = []
+    survival = 1.0
+    i = 0
+    while i < n and len(out) < len(qs):
+        t = items[i][0]
+        at_risk = n - i
+        deaths = 0
+        while i < n and items[i][0] == t:
+            deaths += items[i][1]
+            i += 1
+        if deaths:
+            survival *= 1.0 - deaths / at_risk
+            while len(out) < len(qs) and 1.0 - survival >= qs[len(out)] - 1e-12:
+                out.append(t)
+    while len(out) < len(qs):
+        out.append(items[-1][0])
+    return tuple(out)
+
+
+@attrs.frozen
+class PrefillFit:
+    """The prefill model of one group: ``TTFT ≈ (intercept + slope · tokens) · E``, where the
+    line is fitted on the size classes' censoring-aware medians and ``E`` is the spread, a
+    multiplicative noise whose quantiles are estimated (Kaplan–Meier) from every observation
+    divided by the line. Beyond the largest prompt size it was fitted on, the line continues
+    in proportion to tokens (``TTFT/tokens`` never falls): prefill grows at least linearly
+    with the prompt (attention makes it superlinear on long contexts), and a line with a
+    positive intercept would grow slower.
+
+    This is an accelerated-failure-time model (log TTFT = log line + log E) with the
+    Kaplan–Meier estimate of the residual distribution, as in Buckley & James, "Linear
+    regression with censored data" (Biometrika 1979).
+
+    Attributes:
+        group: the group it was fitted on.
+        intercept: seconds (``≥ 0``).
+        slope: seconds per prompt token (``≥ 0``).
+        max_tokens: the largest class median the line was fitted on (tokens).
+        points: size classes the line was fitted on.
+        observations: observations behind it.
+        spread: the ``percentile`` quantile of ``E`` (≥ 1 in practice), or ``None`` when not
+            computed (only the line was needed).
+    """
+
+    group: str
+    intercept: float
+    slope: float
+    max_tokens: int
+    points: int
+    observations: int
+    spread: float | None = None
+
+    def median(self, tokens: int) -> float:
+        """The model's median TTFT, in seconds, of a prompt of ``tokens`` tokens."""
+        line = self.intercept + self.slope * tokens
+        if tokens <= self.max_tokens:
+            return line
+        edge = self.intercept + self.slope * self.max_tokens
+        return max(line, edge * tokens / max(self.max_tokens, 1))
+
+    def quantile(self, tokens: int) -> float | None:
+        """The model's ``percentile`` TTFT of a prompt of ``tokens`` tokens (``None`` without
+        a spread)."""
+        return None if self.spread is None else self.median(tokens) * self.spread
+
+
+def fit_line(points: list[tuple[int, float, int]]) -> tuple[float, float]:
+    """``(intercept, slope)`` of the line through ``(tokens, seconds, weight)`` points by
+    weighted least squares, both kept ``≥ 0``. One point (or prompts all of one size) gives
+    the flat line through it, which with the proportional continuation above it is the most
+    cautious line a single size allows (the longest delay for every other size)."""
+    total = sum(w for _, _, w in points)
+    mean_x = sum(x * w for x, _, w in points) / total
+    mean_y = sum(y * w for _, y, w in points) / total
+    sxx = sum(w * (x - mean_x) ** 2 for x, _, w in points)
+    if sxx <= 0:
+        return mean_y, 0.0
+    slope = sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / sxx
+    if slope <= 0:
+        return mean_y, 0.0  # no growth seen: flat (the proportional continuation still grows)
+    intercept = mean_y - slope * mean_x
+    if intercept < 0:  # superlinear data: a line through the origin
+        slope = sum(w * x * y for x, y, w in points) / sum(w * x * x for x, _, w in points)
+        intercept = 0.0
+    return intercept, slope
+
+
+class _Group:
+    """The windows of one group and its cached prefill model."""
+
+    __slots__ = ("fit", "fit_at", "spread_at", "windows")
+
+    def __init__(self, count: int) -> None:
+        self.windows: list[TTFTWindow | None] = [None] * count
+        self.fit: PrefillFit | None = None
+        self.fit_at = -math.inf
+        self.spread_at = -math.inf
 
 
 class DelayModel:
-    """Per-group, per-class windows of one :class:`LearnedDelay` (internal to the Hedger).
+    """Per-group, per-class windows of one :class:`LearnedDelay` (internal to the Hedger),
+    and each group's prefill model (:class:`PrefillFit`).
 
     Groups are kept in least-recently-used order and capped at ``max_groups``."""
 
     def __init__(self, config: LearnedDelay, *, max_groups: int = 256) -> None:
         self.config = config
         self._max_groups = max_groups
-        self._groups: OrderedDict[str, list[TTFTWindow | None]] = OrderedDict()
+        self._groups: OrderedDict[str, _Group] = OrderedDict()
 
-    def _windows(self, group: str) -> list[TTFTWindow | None]:
-        windows = self._groups.get(group)
-        if windows is None:
-            windows = [None] * self.config.classes.count
-            self._groups[group] = windows
+    def _group(self, group: str) -> _Group:
+        entry = self._groups.get(group)
+        if entry is None:
+            entry = self._groups[group] = _Group(self.config.classes.count)
             if len(self._groups) > self._max_groups:
                 self._groups.popitem(last=False)
         else:
             self._groups.move_to_end(group)
-        return windows
+        return entry
+
+    def tokens_of(self, size_class: int) -> int:
+        """The prompt size assumed for an observation or request of unknown size: the
+        class's lower bound (``first / base`` for class 0)."""
+        classes = self.config.classes
+        if size_class == 0:
+            return max(1, round(classes.first / classes.base))
+        return classes.bounds(size_class)[0]
 
     def observe(
-        self, group: str, size_class: int, now: float, seconds: float, observed: bool
+        self,
+        group: str,
+        size_class: int,
+        now: float,
+        seconds: float,
+        observed: bool,
+        tokens: int | None = None,
+        replica: str | None = None,
+        attempt: int = 1,
     ) -> None:
-        windows = self._windows(group)
+        windows = self._group(group).windows
         window = windows[size_class]
         if window is None:
             window = windows[size_class] = TTFTWindow(self.config)
-        window.add(now, seconds, observed)
+        window.add(
+            now,
+            seconds,
+            observed,
+            self.tokens_of(size_class) if tokens is None else tokens,
+            replica,
+            attempt,
+        )
 
     def raw(self, group: str, size_class: int, now: float) -> float | None:
         """The class's own estimate (unclamped), or ``None`` without enough data."""
-        windows = self._groups.get(group)
-        if windows is None:
+        entry = self._groups.get(group)
+        if entry is None:
             return None
-        window = windows[size_class]
+        window = entry.windows[size_class]
         return None if window is None else window.estimate(now)
 
-    def delay(self, group: str, size_class: int, now: float) -> float:
-        """The hedge delay in seconds for a request of this group and class."""
+    def fit(self, group: str, now: float, *, spread: bool = False) -> PrefillFit | None:
+        """The group's prefill model (cached for ``refresh`` seconds), or ``None`` while no
+        class has enough observations. ``spread``: also estimate the spread (a pass over
+        every observation of the group; only needed for a delay of an unlearned class)."""
+        entry = self._groups.get(group)
+        if entry is None:
+            return None
         config = self.config
-        windows = self._groups.get(group)
+        if now - entry.fit_at >= config.refresh:
+            entry.fit = self._fit_line(group, entry, now)
+            entry.fit_at = now
+            entry.spread_at = -math.inf
+        fit = entry.fit
+        if spread and fit is not None and (fit.spread is None or entry.spread_at < entry.fit_at):
+            fit = entry.fit = attrs.evolve(fit, spread=self._spread(entry, fit, now))
+            entry.spread_at = entry.fit_at
+        return fit
+
+    def _fit_line(self, group: str, entry: _Group, now: float) -> PrefillFit | None:
+        points: list[tuple[int, float, int]] = []
+        for window in entry.windows:
+            summary = None if window is None else window.summary(now)
+            if summary is not None:
+                median, tokens, n = summary
+                points.append((max(tokens, 1), median, n))
+        if not points:
+            return None
+        intercept, slope = fit_line(points)
+        return PrefillFit(
+            group=group,
+            intercept=intercept,
+            slope=slope,
+            max_tokens=max(x for x, _, _ in points),
+            points=len(points),
+            observations=sum(n for _, _, n in points),
+        )
+
+    def _spread(self, entry: _Group, fit: PrefillFit, now: float) -> float | None:
+        ratios: list[tuple[float, bool]] = []
+        need = _fit_samples(self.config)
+        for window in entry.windows:
+            if window is None:
+                continue
+            samples = window.samples(now)
+            if len(samples) < need:
+                continue
+            for _, seconds, observed, tokens, _, _ in samples:
+                line = fit.median(max(tokens, 1))
+                if line > 0:
+                    ratios.append((seconds / line, observed))
+        return km_quantile(ratios, self.config.percentile)
+
+    def delay(self, group: str, size_class: int, now: float, tokens: int | None = None) -> float:
+        """The hedge delay in seconds for a request of this group and class, of ``tokens``
+        prompt tokens (``None``: unknown, the class's lower bound is assumed)."""
+        config = self.config
+        entry = self._groups.get(group)
         own: float | None = None
         floor = 0.0
-        if windows is not None:
+        if entry is not None:
+            windows = entry.windows
             window = windows[size_class]
             own = None if window is None else window.estimate(now)
             if config.monotone:
@@ -343,31 +599,56 @@ class DelayModel:
                         if estimate is not None and estimate > floor:
                             floor = estimate
         if own is None:
-            borrowed = None if windows is None else self._extrapolate(windows, size_class, now)
-            value = config.fallback if borrowed is None else borrowed
+            x = self.tokens_of(size_class) if tokens is None else max(tokens, 1)
+            estimate = None if entry is None else self._unlearned(group, entry, size_class, now, x)
+            value = config.fallback if estimate is None else estimate
         else:
             value = own
         value = max(value, floor)
         return min(max(value, config.min_delay), config.max_delay)
 
-    def _extrapolate(
-        self, windows: list[TTFTWindow | None], size_class: int, now: float
+    def _unlearned(
+        self, group: str, entry: _Group, size_class: int, now: float, tokens: int
     ) -> float | None:
-        """The nearest smaller learned class's estimate, scaled up to ``size_class``."""
-        base = self.config.classes.base
+        """The delay of a class short of data: the prefill model's percentile at ``tokens``,
+        and never below the nearest smaller learned class's delay scaled by the prompt sizes'
+        ratio (so the delay grows at least linearly with the prompt, from what was learned)."""
+        estimate: float | None = None
         for smaller in range(size_class - 1, -1, -1):
-            window = windows[smaller]
-            estimate = None if window is None else window.estimate(now)
-            if estimate is not None:
-                return float(estimate * base ** (size_class - smaller))
-        return None
+            window = entry.windows[smaller]
+            learned = None if window is None else window.estimate(now)
+            if learned is not None:
+                assert window is not None
+                summary = window.summary(now)
+                assert summary is not None  # learned implies enough for a summary
+                estimate = learned * tokens / max(summary[1], 1)
+                break
+        fit = self.fit(group, now, spread=True)
+        # Pooled over classes, the model needs as many observations as a class needs alone.
+        enough = fit is not None and fit.observations >= self.config.min_samples
+        modelled = fit.quantile(tokens) if fit is not None and enough else None
+        if modelled is not None and (estimate is None or modelled > estimate):
+            estimate = modelled
+        return estimate
+
+    def samples(self, now: float) -> list[tuple[str, Sample]]:
+        """``(group, sample)`` for every observation in the windows, oldest first."""
+        rows = [
+            (group, sample)
+            for group, entry in self._groups.items()
+            for window in entry.windows
+            if window is not None
+            for sample in window.samples(now)
+        ]
+        rows.sort(key=lambda row: row[1][0])
+        return rows
 
     def describe(self, now: float) -> list[tuple[str, int, int, int, float, bool]]:
         """``(group, class, observations, censored, delay, learned)`` for every class with
         data."""
         rows = []
-        for group, windows in self._groups.items():
-            for index, window in enumerate(windows):
+        for group, entry in self._groups.items():
+            for index, window in enumerate(entry.windows):
                 if window is None:
                     continue
                 observations, censored = window.count(now)
@@ -378,3 +659,12 @@ class DelayModel:
                     (group, index, observations, censored, self.delay(group, index, now), learned)
                 )
         return rows
+
+    def fits(self, now: float) -> list[PrefillFit]:
+        """The prefill model of every group that has one."""
+        out = []
+        for group in list(self._groups):
+            fit = self.fit(group, now, spread=True)
+            if fit is not None:
+                out.append(fit)
+        return out

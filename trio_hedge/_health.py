@@ -111,6 +111,53 @@ class ReplicaState:
     attempts: int = 0
     wins: int = 0
     failures: int = 0
+    # The latency-aware pick (peak EWMA, Finagle/Linkerd): a recent TTFT estimate (seconds,
+    # at ``latency_at``; it decays toward zero from there), the start times of attempts still
+    # waiting for a first token (keyed per attempt, oldest first), and (until, started) of
+    # cancelled attempts whose server may still be prefilling them.
+    latency: float = 0.0
+    latency_at: float = float("-inf")
+    waiting: dict[object, float] = attrs.Factory(dict)
+    lingering: list[tuple[float, float]] = attrs.Factory(list)
+
+    def latency_now(self, now: float, decay: float) -> float:
+        """The peak-EWMA TTFT estimate now: the last value, decayed toward zero with time
+        constant ``decay`` seconds (Finagle decays it on every read, so that a replica left
+        alone is tried again)."""
+        if self.latency <= 0.0:
+            return 0.0
+        return self.latency * math.exp((self.latency_at - now) / decay)
+
+    def observe_latency(self, now: float, seconds: float, decay: float) -> None:
+        """One TTFT sample (a lower bound for an attempt that never got a first token): a
+        sample above the decayed estimate replaces it at once (the *peak*); a lower one pulls
+        it down as an EWMA weighted by the time since the last sample (tower's
+        ``PeakEwma``)."""
+        current = self.latency_now(now, decay)
+        if seconds < current:
+            recency = 1.0 - math.exp((self.latency_at - now) / decay)
+            seconds = current + (seconds - current) * recency
+        self.latency = seconds
+        self.latency_at = now
+
+    def load(self, now: float, decay: float) -> tuple[float, int]:
+        """``(latency, attempts)``: the peak-EWMA estimate, raised to the age of the oldest
+        attempt still waiting here for its first token (it says the replica is at least that
+        slow *now*), and the attempts in flight including cancelled ones it may still be
+        working on."""
+        latency = self.latency_now(now, decay)
+        n = self.in_flight
+        if self.waiting:
+            oldest = next(iter(self.waiting.values()))
+            if now - oldest > latency:
+                latency = now - oldest
+        if self.lingering:
+            self.lingering = [entry for entry in self.lingering if entry[0] > now]
+            for _, started in self.lingering:
+                if now - started > latency:
+                    latency = now - started
+            n += len(self.lingering)
+        return latency, n
 
     def cooling(self, now: float) -> bool:
         return self.cooling_until > now

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import attrs
 
+from ._delay import PrefillFit
+
 __all__ = ["DelayStatistics", "HedgerStatistics", "ReplicaStatistics"]
 
 
@@ -50,6 +52,11 @@ class ReplicaStatistics:
         cooling_for, ejected_for: seconds left of cooldown / ejection (0 when none).
         times_ejected: ejections since the Hedger was created.
         consecutive_failures: failures in a row now.
+        latency: what the ``peak_ewma`` pick sees now, in seconds: the peak-EWMA TTFT
+            estimate (excess over predicted prefill), raised to the age of the oldest
+            attempt waiting there for its first token (0 with other picks).
+        lingering: cancelled attempts the server may still be prefilling (counted as in
+            flight by the ``peak_ewma`` pick).
     """
 
     name: str
@@ -62,6 +69,8 @@ class ReplicaStatistics:
     ejected_for: float
     times_ejected: int
     consecutive_failures: int
+    latency: float = 0.0
+    lingering: int = 0
 
 
 @attrs.frozen
@@ -105,6 +114,8 @@ class HedgerStatistics:
             statistics window, or ``None`` before the first commit.
         delays: the current hedge delay of every (group, size class) with data.
         replicas: every replica's health, in the order given to the Hedger.
+        prefill: each group's prefill model (:class:`~trio_hedge.PrefillFit`: TTFT against
+            prompt tokens), for groups with enough data (learned delays only).
     """
 
     time: float
@@ -134,6 +145,7 @@ class HedgerStatistics:
     ttft_p99: float | None
     delays: tuple[DelayStatistics, ...]
     replicas: tuple[ReplicaStatistics, ...]
+    prefill: tuple[PrefillFit, ...] = ()
 
     @property
     def ejected(self) -> tuple[str, ...]:

@@ -16,9 +16,12 @@ protocol; the race and stream code are the same):
 * **where an attempt goes** — a replica this request has not tried yet before one it has,
   not one cooling after server pushback (``Retry-After``), not one ejected by outlier
   detection (:class:`~trio_hedge.OutlierDetection`, which never ejects the whole fleet);
-  the least loaded of the rest. If every usable replica is cooling, the attempt waits for the
-  earliest, at most ``max_pushback_wait`` seconds (beyond that the primary raises
-  :class:`~trio_hedge.ReplicasCooling`, a later attempt is not sent);
+  of the rest, the one with the lowest peak-EWMA cost (Finagle's and Linkerd's balancers):
+  its recent TTFT, where a lost race counts as "at least this slow" and an attempt still
+  waiting there as "at least this slow now", times its attempts in flight plus one, counting
+  cancelled attempts its server may still be prefilling. If every usable replica is cooling,
+  the attempt waits for the earliest, at most ``max_pushback_wait`` seconds (beyond that the
+  primary raises :class:`~trio_hedge.ReplicasCooling`, a later attempt is not sent);
 * **whom to blame** — an error that is the replica's own fault (401/403, quota, unknown
   model) ejects that replica at once and the request does not try it again; errors that are
   the request's fault never count; an attempt counts as slow only when a later attempt of
@@ -32,6 +35,7 @@ streams over a long run do not grow it.
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -77,6 +81,8 @@ __all__ = ["Hedger", "HedgerConfig"]
 
 #: Commits kept for the caller-visible TTFT percentiles in ``statistics()``.
 _TTFT_SAMPLES = 4096
+#: Cancelled attempts a replica may count as still being prefilled (a memory bound).
+_MAX_LINGERING = 1024
 
 
 def _check_hedge_after(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -128,9 +134,22 @@ class HedgerConfig:
             and a later attempt is not sent. ``None`` waits as long as the caller's cancel
             scope allows. Default 10: a rate-limit window usually ends within seconds, and a
             caller who waits longer should say so (a batch job: raise it).
-        pick: ``"least_loaded"`` (default: the eligible replica with the fewest attempts in
-            flight, ties in the given order) or ``"in_order"`` (the first eligible one, for
-            a preferred primary and fallback providers).
+        pick: where an attempt goes among the eligible replicas (ties in the given order):
+            ``"peak_ewma"`` (default), the lowest ``latency × (attempts + 1)``, as Finagle's
+            ``P2CPeakEwma`` and Linkerd's balancer cost a replica: ``latency`` is a peak-EWMA
+            of its TTFTs (excess over the prompt's predicted prefill, so a long prompt's own
+            prefill does not mark a replica slow; an attempt cancelled before its first token
+            counts as "at least this slow"; the estimate decays toward zero with
+            ``latency_decay``), raised to the age of the oldest attempt still waiting there
+            for a first token; ``attempts`` are those in flight plus cancelled ones whose
+            prefill the server may still be running (until the prefill model's median for
+            their size has passed since they started). ``"least_loaded"``: the fewest
+            attempts in flight (this process's only). ``"in_order"``: the first eligible
+            one, for a preferred primary and fallback providers. Server pushback keeps a
+            replica out of every pick until its cooldown ends, and failures count through
+            outlier detection, not the latency.
+        latency_decay: seconds, the time constant of the peak-EWMA latency's decay. Default
+            10 (Finagle's and Linkerd's default decay time).
         chars_per_token: for estimating prompt tokens from the messages. Default 4.0.
         stats_window: seconds of commits behind the TTFT percentiles in ``statistics()``.
             Default 60.
@@ -163,9 +182,11 @@ class HedgerConfig:
     )
     backoff: Backoff | None = attrs.field(factory=Backoff, validator=_optional(Backoff))
     max_pushback_wait: float | None = attrs.field(default=10.0, validator=_seconds_or_none)
-    pick: Literal["least_loaded", "in_order"] = attrs.field(
-        default="least_loaded", validator=attrs.validators.in_(("least_loaded", "in_order"))
+    pick: Literal["peak_ewma", "least_loaded", "in_order"] = attrs.field(
+        default="peak_ewma",
+        validator=attrs.validators.in_(("peak_ewma", "least_loaded", "in_order")),
     )
+    latency_decay: float = attrs.field(default=10.0, validator=_number(0.0, open_lo=True))
     chars_per_token: float = attrs.field(default=4.0, validator=_number(0.0, open_lo=True))
     stats_window: float = attrs.field(default=60.0, validator=_number(0.0, open_lo=True))
 
@@ -428,7 +449,7 @@ class Hedger:
             assert isinstance(delay, (int, float))
             return float(delay)
         size_class = self._model.config.classes.of(prompt_tokens)
-        return self._model.delay(group, size_class, trio.current_time())
+        return self._model.delay(group, size_class, trio.current_time(), prompt_tokens)
 
     # -- statistics --------------------------------------------------------------------------
 
@@ -455,6 +476,8 @@ class Hedger:
                         learned=learned,
                     )
                 )
+        decay = self._config.latency_decay
+        peak_ewma = self._config.pick == "peak_ewma"
         replicas = tuple(
             ReplicaStatistics(
                 name=r.name,
@@ -467,6 +490,8 @@ class Hedger:
                 ejected_for=max(0.0, r.ejected_until - now),
                 times_ejected=r.times_ejected,
                 consecutive_failures=r.consecutive,
+                latency=r.load(now, decay)[0] if peak_ewma else 0.0,
+                lingering=len(r.lingering),
             )
             for r in self._replicas
         )
@@ -498,14 +523,66 @@ class Hedger:
             ttft_p99=empirical_quantile(ttfts, 0.99),
             delays=tuple(delays),
             replicas=replicas,
+            prefill=() if self._model is None else tuple(self._model.fits(now)),
         )
+
+    def samples(self) -> list[dict[str, Any]]:
+        """The TTFT observations the delay learner holds now (the last ``window`` seconds,
+        at most ``max_samples`` per group and size class), oldest first, as the records
+        ``trio-hedge tune`` reads (write one JSON object per line): ``ts`` (Unix time of
+        the observation, seconds), ``group``, ``prompt_tokens``, ``replica``, ``attempt``
+        (1 for the primary) and either ``ttft`` (seconds from the attempt's start to its
+        first token) or ``cancelled_at`` (seconds it ran before it was cancelled without
+        one). Empty unless ``hedge_after`` is a :class:`~trio_hedge.LearnedDelay`. Call
+        inside Trio.
+
+        Example::
+
+            with open("ttft.jsonl", "w") as f:
+                for record in hedger.samples():
+                    f.write(json.dumps(record) + "\n")
+        """
+        if self._model is None:
+            return []
+        now = trio.current_time()
+        offset = time.time() - now  # Trio time to Unix time
+        out: list[dict[str, Any]] = []
+        for group, (at, seconds, observed, tokens, replica, attempt) in self._model.samples(now):
+            record: dict[str, Any] = {
+                "ts": round(at + offset, 6),
+                "group": group,
+                "prompt_tokens": tokens,
+                "replica": replica,
+                "attempt": attempt,
+            }
+            record["ttft" if observed else "cancelled_at"] = round(seconds, 6)
+            out.append(record)
+        return out
 
     # -- shared decisions (used by the per-request planners) ---------------------------------
 
-    def _pick(self, eligible: list[ReplicaState]) -> ReplicaState:
-        if self._config.pick == "in_order":
+    def _pick(self, eligible: list[ReplicaState], now: float) -> ReplicaState:
+        pick = self._config.pick
+        if pick == "in_order" or len(eligible) == 1:
             return eligible[0]
-        return min(eligible, key=lambda r: (r.in_flight, r.index))
+        if pick == "least_loaded":
+            return min(eligible, key=lambda r: (r.in_flight, r.index))
+        decay = self._config.latency_decay
+        best = eligible[0]
+        best_key = (math.inf, 0)
+        for r in eligible:
+            latency, n = r.load(now, decay)
+            key = (latency * (n + 1), n)  # ties: fewer attempts, then the given order
+            if key < best_key:
+                best, best_key = r, key
+        return best
+
+    def _prefill_slope(self, group: str, now: float) -> float:
+        """Seconds per prompt token of the group's prefill model (0 without one)."""
+        if self._model is None:
+            return 0.0
+        fit = self._model.fit(group, now)
+        return 0.0 if fit is None else fit.slope
 
     def _emit(self, event: HedgeEvent) -> None:
         if self.on_event:
@@ -632,7 +709,7 @@ class _RequestPlanner:
             used = self._used
             fewest = min(used[r.index] for r in ready)
             ready = [r for r in ready if used[r.index] == fewest]
-        return self._h._pick(ready), now, now
+        return self._h._pick(ready, now), now, now
 
     def _bind(self, replica: ReplicaState) -> Source:
         source = self._bound.get(replica.index)
@@ -694,7 +771,7 @@ class _RequestPlanner:
             delay = self._h._config.hedge_after
             assert isinstance(delay, (int, float))
             return float(delay)
-        return model.delay(self._group, self._class, trio.current_time())
+        return model.delay(self._group, self._class, trio.current_time(), self._tokens)
 
     def may_hedge(self) -> bool:
         """Whether a backup may go now. Only checks: the budget is spent when it starts."""
@@ -745,17 +822,42 @@ class _RequestPlanner:
             kind = EventKind.ATTEMPT_CANCELLED
             self._end(record.number)
             if (
-                h._model is not None
-                and record.ttft is None
+                record.ttft is None
                 and record.started_at is not None
                 and record.ended_at is not None
             ):
-                # Right-censored: its TTFT is at least the time it ran.
-                ran = record.ended_at - record.started_at
-                h._model.observe(self._group, self._class, now, ran, False)
+                self._censored(replica, record, record.ended_at - record.started_at, now)
         else:  # pragma: no cover - the race reports no other outcome
             return
         h._emit(HedgeEvent(kind, now, self._request_id, self._group, replica.name, record=record))
+
+    def _censored(
+        self, replica: ReplicaState, record: AttemptRecord, ran: float, now: float
+    ) -> None:
+        """An attempt cancelled after ``ran`` seconds without a first token: its TTFT is at
+        least that (right-censored) for the delay learner and for its replica's latency; and
+        its server may still be prefilling it (llama.cpp notices a disconnect only when the
+        prefill ends): it counts as in flight there until the prefill model's median for its
+        size has passed since it started."""
+        h = self._h
+        tokens = self._tokens
+        model = h._model
+        if model is not None:
+            model.observe(
+                self._group, self._class, now, ran, False, tokens, replica.name, record.number
+            )
+            fit = model.fit(self._group, now)
+            if fit is not None:
+                x = model.tokens_of(self._class) if tokens is None else tokens
+                expected = fit.median(x)
+                if expected > ran:
+                    lingering = replica.lingering
+                    if len(lingering) < _MAX_LINGERING:
+                        lingering.append((now - ran + expected, now - ran))
+        if h._config.pick == "peak_ewma":
+            slope = h._prefill_slope(self._group, now)
+            excess = ran - slope * (tokens or 0)
+            replica.observe_latency(now, max(excess, 0.0), h._config.latency_decay)
 
     def _start(self, replica: ReplicaState, record: AttemptRecord, now: float) -> None:
         h = self._h
@@ -763,6 +865,7 @@ class _RequestPlanner:
         self._started += 1
         self._used[replica.index] += 1
         self._running[record.number] = replica
+        replica.waiting[(self, record.number)] = now
         replica.in_flight += 1
         replica.attempts += 1
         counts["attempts"] += 1
@@ -790,9 +893,24 @@ class _RequestPlanner:
         replica.success()
         if h._throttle is not None:
             h._throttle.success()
+        replica.waiting.pop((self, record.number), None)
         if record.ttft is not None:  # None: an empty answer won, with no token to time
-            if h._model is not None:
-                h._model.observe(self._group, self._class, now, record.ttft, True)
+            model = h._model
+            if model is not None:
+                model.observe(
+                    self._group,
+                    self._class,
+                    now,
+                    record.ttft,
+                    True,
+                    self._tokens,
+                    replica.name,
+                    record.number,
+                )
+            if h._config.pick == "peak_ewma":
+                slope = h._prefill_slope(self._group, now)
+                excess = record.ttft - slope * (self._tokens or 0)
+                replica.observe_latency(now, max(excess, 0.0), h._config.latency_decay)
             if record.started_at is not None:
                 h._ttfts.append((now, record.started_at + record.ttft))
         if record.trigger == "hedge":
@@ -809,6 +927,7 @@ class _RequestPlanner:
         replica = self._running.pop(number, None)
         if replica is not None:
             replica.in_flight -= 1
+            replica.waiting.pop((self, number), None)
 
     def _failed(self, replica: ReplicaState, error: AttemptError, now: float) -> None:
         h = self._h
@@ -850,8 +969,9 @@ class _RequestPlanner:
         self._finished = True
         h = self._h
         counts = h._counts
-        for replica in self._running.values():
+        for number, replica in self._running.items():
             replica.in_flight -= 1
+            replica.waiting.pop((self, number), None)
         self._running.clear()
         now = trio.current_time()
         if not report.attempts:
