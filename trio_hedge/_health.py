@@ -143,10 +143,15 @@ class ReplicaState:
     def load(self, now: float, decay: float) -> tuple[float, int]:
         """``(latency, attempts)``: the peak-EWMA estimate, raised to the age of the oldest
         attempt still waiting here for its first token (it says the replica is at least that
-        slow *now*), and the attempts in flight including cancelled ones it may still be
-        working on."""
+        slow *now*), and the attempts ahead of a new one: those waiting for a first token
+        and cancelled ones the server may still be prefilling. A stream already answering
+        is not counted: an engine that batches decodes prefills a new request beside it
+        (where it does delay one, as llama-cpp-python's one-request-at-a-time server does,
+        the TTFT samples show it); counting streams kept traffic on a replica stuck in a
+        long prefill (``benchmarks/tail.py --tenants others``: P99 TTFT 1.92 s, against
+        1.67 s)."""
         latency = self.latency_now(now, decay)
-        n = self.in_flight
+        n = len(self.waiting)
         if self.waiting:
             oldest = next(iter(self.waiting.values()))
             if now - oldest > latency:

@@ -18,10 +18,11 @@ protocol; the race and stream code are the same):
   detection (:class:`~trio_hedge.OutlierDetection`, which never ejects the whole fleet);
   of the rest, the one with the lowest peak-EWMA cost (Finagle's and Linkerd's balancers):
   its recent TTFT, where a lost race counts as "at least this slow" and an attempt still
-  waiting there as "at least this slow now", times its attempts in flight plus one, counting
-  cancelled attempts its server may still be prefilling. If every usable replica is cooling,
-  the attempt waits for the earliest, at most ``max_pushback_wait`` seconds (beyond that the
-  primary raises :class:`~trio_hedge.ReplicasCooling`, a later attempt is not sent);
+  waiting there as "at least this slow now", times one plus its attempts waiting for a first
+  token, counting cancelled attempts its server may still be prefilling. If every usable
+  replica is cooling, the attempt waits for the earliest, at most ``max_pushback_wait``
+  seconds (beyond that the primary raises :class:`~trio_hedge.ReplicasCooling`, a later
+  attempt is not sent);
 * **whom to blame** — an error that is the replica's own fault (401/403, quota, unknown
   model) ejects that replica at once and the request does not try it again; errors that are
   the request's fault never count; an attempt counts as slow only when a later attempt of
@@ -141,9 +142,11 @@ class HedgerConfig:
             prefill does not mark a replica slow; an attempt cancelled before its first token
             counts as "at least this slow"; the estimate decays toward zero with
             ``latency_decay``), raised to the age of the oldest attempt still waiting there
-            for a first token; ``attempts`` are those in flight plus cancelled ones whose
-            prefill the server may still be running (until the prefill model's median for
-            their size has passed since they started). ``"least_loaded"``: the fewest
+            for a first token; ``attempts`` are those waiting there for a first token plus
+            cancelled ones whose prefill the server may still be running (until the prefill
+            model's median for their size has passed since they started); a stream already
+            answering is not counted (a batching engine prefills beside it).
+            ``"least_loaded"``: the fewest
             attempts in flight (this process's only). ``"in_order"``: the first eligible
             one, for a preferred primary and fallback providers. Server pushback keeps a
             replica out of every pick until its cooldown ends, and failures count through
