@@ -1,4 +1,5 @@
-"""The ``trio-hedge`` command: ``demo`` (no set-up) and ``stream`` (any OpenAI-compatible servers).
+"""The ``trio-hedge`` command: ``demo`` (no set-up), ``stream`` (any OpenAI-compatible servers)
+and ``tune`` (choose the policy from a TTFT log: :mod:`trio_hedge.tune`).
 
 Exit status: 0 on success, 1 when the request failed (the error is printed, and included in
 ``--json`` output), 2 on bad usage, 130 when interrupted (Ctrl-C: what arrived so far, the
@@ -21,7 +22,7 @@ from typing import Any, TextIO
 import attrs
 import trio
 
-from . import __version__
+from . import __version__, tune
 from ._errors import HedgeError
 from ._policy import HedgePolicy
 from ._report import Report
@@ -268,6 +269,7 @@ def _parser() -> argparse.ArgumentParser:
     from .gateway._cli import add_commands  # serve, fake: the gateway's own glue
 
     add_commands(sub)
+    tune.add_parser(sub)
     return parser
 
 
@@ -309,6 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return trio.run(_demo, args.json, out, sys.stderr)
+        if args.command == "tune":
+            return tune.run(args, out)
         return trio.run(_stream, args, out, progress)
     except (ValueError, TypeError) as exc:
         sys.stderr.write(f"trio-hedge: {exc}\n")

@@ -1,0 +1,668 @@
+"""Hedging on real LLM servers: two llama.cpp replicas, one seeded schedule, every strategy.
+
+What it runs. Two OpenAI-compatible llama.cpp servers (llama-cpp-python, a tiny random-weight
+model: real prefill whose cost grows with the prompt, one request at a time in FIFO order,
+real SSE framing; ``../shared/engine/``). It starts them itself when the engine is installed
+(``$ENGINE_HOME``, default ``~/.cache/trio-hedge-engine``), each with ``--n_threads 1
+--n_threads_batch 1 --interrupt_requests False``; without it, it says so and exits 0 (CI does
+not build the engine). ``--replica URL`` (twice) runs against any OpenAI-compatible servers
+instead, a user's own fleet (``--model`` names the model; server CPU is then not measured).
+
+The schedule (seeded, the same for every strategy): Poisson arrivals at ``--rate`` requests/s;
+each prompt is a run of words from the model's vocabulary (one word = one token): short ones
+of 20-80 words, and ``--long-fraction`` of them long (2,000 words, ~2 s of prefill). By
+default the long prompts come from **other tenants**: a plain httpx client sends each to a
+random replica, unseen by the library, and only the library's own (short) requests are
+measured; that is the case hedging exists for. ``--tenants self`` sends them through the
+library too (a lone client: routing alone can then see them).
+
+The strategies, one after another over the same schedule, each on idle replicas:
+* no hedging: one attempt to a random (seeded) replica;
+* fixed P90 delay: ``hedged_stream`` with ``hedge_after`` = the no-hedging run's short-request
+  P90 TTFT (an oracle: tuned on that very run), random primary, the other as backup;
+* the ``Hedger`` with its defaults (learned delay, budget, throttle, peak-EWMA pick), after a
+  warm-up of ``--warmup`` short requests;
+* the same with the least-loaded pick (what the pick was before issue 9);
+* routing only: the ``Hedger``'s pick with ``hedge_after=None`` (the control that separates
+  routing from hedging);
+* double send: ``hedge_after=0``, both replicas at once, the first token wins.
+
+Reported per strategy: the library's short-request TTFT P50/P90/P99/max (from the scheduled
+send to the first content token), extra requests (attempts beyond one per request), short
+requests whose primary went to a replica busy with a long prompt (one was in flight there
+when it was sent), hedges while the primary was busy vs idle, long prompts hedged (the
+library's own, with ``--tenants self``), and the CPU seconds the two servers spent.
+
+Run: ``python benchmarks/real_engine.py`` (240 requests, ~10 minutes with the warm-ups);
+``--quick`` for a smoke run (40 requests). Run it on a quiet machine: the load average is
+printed with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import trio
+from rich.console import Console
+from rich.table import Table
+
+import trio_hedge as th
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import percentile
+
+ENGINE_HOME = Path(os.environ.get("ENGINE_HOME", Path.home() / ".cache" / "trio-hedge-engine"))
+MODEL_FILE = "tiny-random-llama.gguf"
+#: Words of the engine's tiny vocabulary (``../shared/engine/make_model.py``): each one,
+#: preceded by a space, is exactly one token, so a prompt of N words is ~N tokens.
+_VOCABULARY = """the of and to in is that it was for on are as with his they at be this have from
+or one had by word but not what all were we when your can said there use an each which she do
+how their if will up other about out many then them these so some her would make like him into
+time has look two more write go see number no way could people my than first water been call
+who oil its now find long down day did get come made may part over new sound take only little
+work know place year live me back give most very after thing our just name good sentence man
+think say great where help through much before line right too mean old any same tell boy
+follow came want show also around form three small set put end does another well large must big
+even such because turn here why ask went men read need land different home us move try kind
+hand picture again change off play spell air away animal house point page letter mother answer
+found study still learn should world hello token stream server model test client queue fast
+slow request engine"""
+WORDS = _VOCABULARY.split()
+
+NONE = "no hedging"
+FIXED = "fixed P90 delay (oracle)"
+HEDGER = "Hedger (defaults)"
+HEDGER_LEAST = "Hedger, least-loaded pick"
+ROUTING = "routing only (Hedger, hedge_after=None)"
+DOUBLE = "double send"
+#: Short names for ``--strategies``, in the order they run.
+STRATEGIES = {
+    "none": NONE,
+    "fixed": FIXED,
+    "hedger": HEDGER,
+    "least": HEDGER_LEAST,
+    "routing": ROUTING,
+    "double": DOUBLE,
+}
+
+
+@attrs.frozen
+class Params:
+    requests: int = 240
+    rate: float = 2.5  # requests per second
+    long_fraction: float = 0.05
+    long_words: int = 2000
+    short_words: tuple[int, int] = (20, 80)
+    max_tokens: int = 16
+    warmup: int = 60  # short requests before the schedule, for the Hedger rows
+    seed: int = 1
+    tenants: str = "others"
+
+
+@attrs.frozen
+class Item:
+    """One request of the schedule."""
+
+    index: int
+    at: float  # seconds after the schedule starts
+    words: int
+    long: bool
+    tenant: bool  # sent by another client, around the library
+    replica: int  # the tenant's replica, or the random primary of the fixed strategies
+
+
+def make_schedule(p: Params, count: int, seed: int) -> list[Item]:
+    rng = random.Random(seed)
+    now = 0.0
+    items = []
+    for i in range(count):
+        now += rng.expovariate(p.rate)
+        long = rng.random() < p.long_fraction
+        words = p.long_words if long else rng.randint(*p.short_words)
+        tenant = long and p.tenants == "others"
+        items.append(Item(i, now, words, long, tenant, rng.randrange(2)))
+    return items
+
+
+def texts(schedule: Sequence[Item], seed: int) -> dict[int, str]:
+    """A prompt per item: the sizes are the schedule's, the words are drawn anew for each
+    strategy (llama.cpp reuses the KV cache of a prompt that starts like the previous one on
+    the same replica: a repeated prompt would prefill in no time)."""
+    rng = random.Random(seed)
+    return {item.index: " ".join(rng.choice(WORDS) for _ in range(item.words)) for item in schedule}
+
+
+@attrs.define
+class Outcome:
+    item: Item
+    ttft: float | None  # caller-visible, seconds
+    attempts: int
+    hedged: bool
+    primary: str | None  # the primary's replica name
+    sent_at: float  # Trio time
+    ended_at: float
+    error: str | None = None
+    trace: str = ""  # the attempts: replica, trigger, start, TTFT or outcome
+
+
+# -- the servers --------------------------------------------------------------------------------
+
+
+def engine_paths(home: Path) -> tuple[Path, Path] | None:
+    """(python, model) of the engine built by ``../shared/engine/setup.sh``, or ``None``."""
+    python, model = home / "venv" / "bin" / "python", home / MODEL_FILE
+    if not python.exists() or not model.exists():
+        return None
+    check = subprocess.run(
+        [str(python), "-c", "import llama_cpp.server"], capture_output=True, check=False
+    )
+    return (python, model) if check.returncode == 0 else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def llama_replicas(
+    python: Path, model: Path, log_dir: Path, count: int = 2
+) -> Iterator[list[tuple[str, int]]]:
+    """Start ``count`` llama.cpp servers; yield ``[(base URL, pid)]``; stop them on exit."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs: list[subprocess.Popen[bytes]] = []
+    urls = []
+    try:
+        for i in range(count):
+            port = _free_port()
+            log = open(log_dir / f"llama-{i}.log", "wb")  # noqa: SIM115 - closed with the process
+            procs.append(
+                subprocess.Popen(
+                    [
+                        str(python), "-m", "llama_cpp.server", "--model", str(model),
+                        "--model_alias", "tiny", "--host", "127.0.0.1", "--port", str(port),
+                        "--n_ctx", "4096", "--n_threads", "1", "--n_threads_batch", "1",
+                        "--interrupt_requests", "False", "--verbose", "False",
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )  # fmt: skip
+            urls.append(f"http://127.0.0.1:{port}/v1")
+        deadline = time.monotonic() + 120
+        for url, proc in zip(urls, procs, strict=True):
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"llama.cpp server exited (see {log_dir})")
+                try:
+                    if httpx.get(url + "/models", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"llama.cpp server did not start (see {log_dir})")
+                time.sleep(0.2)
+        yield [(url, proc.pid) for url, proc in zip(urls, procs, strict=True)]
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def cpu_seconds(pids: Sequence[int]) -> float | None:
+    """User + system CPU seconds of the processes (Linux ``/proc``), or ``None``."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+# -- the strategies -----------------------------------------------------------------------------
+
+
+def body(p: Params, model: str, text: str) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": p.max_tokens,
+        "temperature": 0.0,
+    }
+
+
+async def _read(stream: th.HedgedStream, sent_at: float) -> float | None:
+    ttft = None
+    async with stream:
+        async for _token in stream:
+            if ttft is None:
+                ttft = trio.current_time() - sent_at
+    return ttft
+
+
+Send = Callable[[Item, float], Awaitable[Outcome]]
+
+
+def fixed(
+    replicas: Sequence[th.Replica], client: httpx.AsyncClient, p: Params, model: str,
+    hedge_after: float | None, prompts: dict[int, str],
+) -> Send:  # fmt: skip
+    """``hedged_stream`` with a fixed delay (``None``: never), the item's random primary
+    first and the other replica as backup."""
+    policy = th.HedgePolicy(hedge_after=hedge_after, first_token_timeout=120.0)
+
+    async def send(item: Item, sent_at: float) -> Outcome:
+        order = [replicas[item.replica], replicas[1 - item.replica]]
+        stream = th.hedged_stream(body(p, model, prompts[item.index]), order, policy, client=client)
+        return await _outcome(item, stream, sent_at)
+
+    return send
+
+
+def hedger_send(hedger: th.Hedger, p: Params, model: str, prompts: dict[int, str]) -> Send:
+    async def send(item: Item, sent_at: float) -> Outcome:
+        stream = hedger.stream(body(p, model, prompts[item.index]))  # prompt size estimated
+        return await _outcome(item, stream, sent_at)
+
+    return send
+
+
+async def _outcome(item: Item, stream: th.HedgedStream, sent_at: float) -> Outcome:
+    error = None
+    ttft = None
+    try:
+        ttft = await _read(stream, sent_at)
+    except th.HedgeError as exc:
+        error = type(exc).__name__
+    report = stream.report
+    trace = " ".join(
+        f"{a.replica}/{a.trigger}@{a.started_at or 0:.3f}:"
+        + (f"{a.ttft:.3f}" if a.ttft is not None else a.outcome.value)
+        for a in report.attempts
+    )
+    return Outcome(
+        trace=trace,
+        item=item,
+        ttft=ttft,
+        attempts=len(report.attempts),
+        hedged=report.hedged,
+        primary=report.attempts[0].replica if report.attempts else None,
+        sent_at=sent_at,
+        ended_at=trio.current_time(),
+        error=error,
+    )
+
+
+async def tenant(
+    client: httpx.AsyncClient, url: str, p: Params, model: str, item: Item, text: str
+) -> Outcome:
+    """Another client's request, straight to one replica, read to its end."""
+    sent_at = trio.current_time()
+    ttft = None
+    payload = body(p, model, text) | {"stream": True}
+    async with client.stream("POST", url + "/chat/completions", json=payload) as response:
+        async for line in response.aiter_lines():
+            if ttft is None and line.startswith("data: {"):
+                (choice,) = json.loads(line[6:])["choices"]
+                if choice["delta"].get("content"):
+                    ttft = trio.current_time() - sent_at
+    return Outcome(item, ttft, 1, False, f"r{item.replica}", sent_at, trio.current_time())
+
+
+async def run_schedule(
+    schedule: Sequence[Item], send: Send, client: httpx.AsyncClient, urls: Sequence[str],
+    p: Params, model: str, prompts: dict[int, str],
+) -> list[Outcome]:  # fmt: skip
+    outcomes: list[Outcome] = []
+
+    async def one(item: Item, sent_at: float) -> None:
+        if item.tenant:
+            text = prompts[item.index]
+            outcomes.append(await tenant(client, urls[item.replica], p, model, item, text))
+        else:
+            outcomes.append(await send(item, sent_at))
+
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        for item in schedule:
+            await trio.sleep_until(start + item.at)
+            nursery.start_soon(one, item, start + item.at)
+    return sorted(outcomes, key=lambda o: o.item.index)
+
+
+async def wait_idle(client: httpx.AsyncClient, urls: Sequence[str], model: str) -> None:
+    """Let every replica finish what it queued (cancelled prefills included): a one-token
+    request waits behind anything still queued there (FIFO)."""
+    await trio.sleep(1.0)
+    probe = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 1,
+    }
+    for url in urls:
+        response = await client.post(url + "/chat/completions", json=probe, timeout=120)
+        response.raise_for_status()
+
+
+# -- measuring ----------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Row:
+    name: str
+    ttft: tuple[float, float, float, float]  # P50, P90, P99, max of short requests
+    requests: int
+    extra: float  # %
+    errors: int
+    to_busy: int  # short requests whose primary went to a replica busy with a long prompt
+    hedged_busy: tuple[int, int]  # (hedged, primaries busy)
+    hedged_idle: tuple[int, int]  # (hedged, primaries idle)
+    long_hedged: tuple[int, int]  # the library's own long prompts: (hedged, sent)
+    server_cpu: float | None  # seconds, both replicas
+    load: float  # 1-minute load average after the run
+
+
+def busy_intervals(outcomes: Sequence[Outcome]) -> dict[str, list[tuple[float, float]]]:
+    """When each replica had a long prompt in flight (sent, not finished)."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for o in outcomes:
+        if o.item.long and o.primary is not None:
+            out.setdefault(o.primary, []).append((o.sent_at, o.ended_at))
+    return out
+
+
+def summarize(name: str, outcomes: Sequence[Outcome], cpu: float | None) -> Row:
+    busy = busy_intervals(outcomes)
+    own = [o for o in outcomes if not o.item.tenant]
+    short = [o for o in own if not o.item.long]
+    ttfts = [o.ttft if o.ttft is not None else math.inf for o in short]
+
+    def was_busy(o: Outcome) -> bool:
+        return any(a <= o.sent_at < b for a, b in busy.get(o.primary or "", []))
+
+    on_busy = [o for o in short if was_busy(o)]
+    on_idle = [o for o in short if not was_busy(o)]
+    long = [o for o in own if o.item.long]
+    return Row(
+        name=name,
+        ttft=(
+            percentile(ttfts, 50),
+            percentile(ttfts, 90),
+            percentile(ttfts, 99),
+            max(ttfts),
+        ),
+        requests=len(own),
+        extra=100 * (sum(o.attempts for o in own) - len(own)) / max(1, len(own)),
+        errors=sum(o.error is not None for o in own),
+        to_busy=len(on_busy),
+        hedged_busy=(sum(o.hedged for o in on_busy), len(on_busy)),
+        hedged_idle=(sum(o.hedged for o in on_idle), len(on_idle)),
+        long_hedged=(sum(o.hedged for o in long), len(long)),
+        server_cpu=cpu,
+        load=os.getloadavg()[0],
+    )
+
+
+def print_table(console: Console, rows: Sequence[Row], p: Params) -> None:
+    table = Table(
+        title=f"Short-request TTFT on two llama.cpp replicas ({p.requests} requests at "
+        f"{p.rate:g}/s, {p.long_fraction:.0%} long prompts from "
+        f"{'other tenants' if p.tenants == 'others' else 'this client'})"
+    )
+    table.add_column("strategy")
+    table.add_column("TTFT P50 / P90 / P99 / max (s)", justify="right")
+    table.add_column("extra req", justify="right")
+    table.add_column("primary busy", justify="right")
+    table.add_column("hedged | busy", justify="right")
+    table.add_column("hedged | idle", justify="right")
+    table.add_column("long hedged", justify="right")
+    table.add_column("server CPU (s)", justify="right")
+    table.add_column("load", justify="right")
+    for r in rows:
+        table.add_row(
+            r.name + (f" ({r.errors} errors)" if r.errors else ""),
+            " / ".join(f"{v:.3f}" for v in r.ttft),
+            f"{r.extra:.1f}%",
+            f"{r.to_busy}",
+            f"{r.hedged_busy[0]} of {r.hedged_busy[1]}",
+            f"{r.hedged_idle[0]} of {r.hedged_idle[1]}",
+            f"{r.long_hedged[0]} of {r.long_hedged[1]}",
+            "-" if r.server_cpu is None else f"{r.server_cpu:.1f}",
+            f"{r.load:.2f}",
+        )
+    console.print(table)
+
+
+def check_targets(console: Console, rows: Sequence[Row]) -> bool:
+    by = {r.name: r for r in rows}
+    if not all(name in by for name in (HEDGER, DOUBLE, ROUTING)):
+        return True
+    ours, double, routing = by[HEDGER], by[DOUBLE], by[ROUTING]
+    checks = [
+        (
+            f"{HEDGER}: short-request P99 TTFT <= 1.3x double send's ({ours.ttft[2]:.3f} vs "
+            f"1.3 x {double.ttft[2]:.3f} = {1.3 * double.ttft[2]:.3f} s)",
+            ours.ttft[2] <= 1.3 * double.ttft[2],
+        ),
+        (f"{HEDGER}: <= 8% extra requests ({ours.extra:.1f}%)", ours.extra <= 8),
+        (
+            f"{HEDGER}: no long prompt hedged ({ours.long_hedged[0]} of {ours.long_hedged[1]})",
+            ours.long_hedged[0] == 0,
+        ),
+        (
+            f"{HEDGER}: lower short-request P99 TTFT than routing alone ({ours.ttft[2]:.3f} vs "
+            f"{routing.ttft[2]:.3f} s)",
+            ours.ttft[2] < routing.ttft[2],
+        ),
+    ]
+    if HEDGER_LEAST in by:
+        least = by[HEDGER_LEAST]
+        checks.append(
+            (
+                f"{HEDGER}: fewer short requests sent to a busy replica than the least-loaded "
+                f"pick ({ours.to_busy} vs {least.to_busy})",
+                ours.to_busy < least.to_busy,
+            )
+        )
+    for text, ok in checks:
+        console.print(f"[{'green' if ok else 'red'}]{'PASS' if ok else 'FAIL'}[/] {text}")
+    return all(ok for _, ok in checks)
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+async def run_all(
+    p: Params, urls: Sequence[str], pids: Sequence[int], model: str, names: Sequence[str],
+    console: Console, verbose: float | None = None, samples: Path | None = None,
+) -> list[Row]:  # fmt: skip
+    schedule = make_schedule(p, p.requests, p.seed)
+    warmup = make_schedule(attrs.evolve(p, long_fraction=0.0), p.warmup, p.seed + 1)
+    rows: list[Row] = []
+    replicas = [th.Replica(url, name=f"r{i}") for i, url in enumerate(urls)]
+    p90: float | None = None
+    async with th.make_client() as client:
+        await wait_idle(client, urls, model)
+        for number, name in enumerate(names):
+            prompts = texts(schedule, p.seed * 1000 + number)
+            hedger: th.Hedger | None = None
+            if name in (HEDGER, HEDGER_LEAST, ROUTING):
+                config = {
+                    HEDGER: th.HedgerConfig(),
+                    HEDGER_LEAST: th.HedgerConfig(pick="least_loaded"),
+                    ROUTING: th.HedgerConfig(hedge_after=None),
+                }[name]
+                config = attrs.evolve(config, first_token_timeout=120.0)
+                hedger = th.Hedger(replicas, config, client=client)
+                send = hedger_send(hedger, p, model, prompts)
+                if warmup:
+                    warm = texts(warmup, p.seed * 1000 + 500 + number)
+                    await run_schedule(
+                        warmup, hedger_send(hedger, p, model, warm), client, urls, p, model, warm
+                    )
+                    await wait_idle(client, urls, model)
+            elif name == FIXED:
+                if p90 is None:
+                    console.print(f"skipping {FIXED}: it needs the {NONE} run first")
+                    continue
+                send = fixed(replicas, client, p, model, p90, prompts)
+            else:
+                delay = None if name == NONE else 0.0
+                send = fixed(replicas, client, p, model, delay, prompts)
+            began = time.monotonic()
+            cpu_before = cpu_seconds(pids) if pids else None
+            outcomes = await run_schedule(schedule, send, client, urls, p, model, prompts)
+            await wait_idle(client, urls, model)
+            cpu_after = cpu_seconds(pids) if pids else None
+            cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
+            row = summarize(name, outcomes, cpu)
+            rows.append(row)
+            if verbose:
+                t0 = min(o.sent_at for o in outcomes)
+                for o in outcomes:
+                    if o.item.long or (o.ttft or math.inf) > verbose:
+                        who = "tenant" if o.item.tenant else "own"
+                        console.print(
+                            f"    #{o.item.index} {who} {o.item.words} words at "
+                            f"{o.sent_at - t0:.2f} s: TTFT "
+                            f"{'-' if o.ttft is None else f'{o.ttft:.3f}'} s, to {o.primary} "
+                            f"(ended {o.ended_at - t0:.2f} s) {o.trace}"
+                        )
+            if name == NONE:
+                p90 = row.ttft[1]
+            extra = ""
+            if hedger is not None and name == HEDGER and samples is not None:
+                # What the Hedger learned from, in the records `trio-hedge tune` reads.
+                samples.parent.mkdir(parents=True, exist_ok=True)
+                with samples.open("w") as f:
+                    f.writelines(json.dumps(record) + "\n" for record in hedger.samples())
+                extra += f"; its samples: {samples}"
+            if hedger is not None and name != ROUTING:
+                stats = hedger.statistics()
+                delays = ", ".join(
+                    f"class {d.size_class}: {d.delay:.3f} s{'' if d.learned else ' (model)'}"
+                    for d in stats.delays
+                )
+                extra = f"; delays {delays}" + extra
+            console.print(
+                f"  {name}: {time.monotonic() - began:.0f} s, P99 {row.ttft[2]:.3f} s, "
+                f"extra {row.extra:.1f}%, load {row.load:.2f}{extra}"
+                + (f"; fixed delay {p90:.3f} s" if name == FIXED and p90 is not None else "")
+            )
+    return rows
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    d = Params()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--replica", action="append", metavar="URL", help="use these servers")
+    parser.add_argument("--model", default="tiny", help="the model name (with --replica)")
+    parser.add_argument("--engine-home", type=Path, default=ENGINE_HOME)
+    parser.add_argument("--requests", type=int, default=d.requests)
+    parser.add_argument("--rate", type=float, default=d.rate)
+    parser.add_argument("--long-fraction", type=float, default=d.long_fraction)
+    parser.add_argument("--long-words", type=int, default=d.long_words)
+    parser.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    parser.add_argument("--warmup", type=int, default=d.warmup)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--tenants", choices=("others", "self"), default=d.tenants)
+    parser.add_argument(
+        "--strategies",
+        default=",".join(STRATEGIES),
+        help=f"comma-separated, from {','.join(STRATEGIES)} (fixed needs none before it)",
+    )
+    parser.add_argument("--quick", action="store_true", help="40 requests, a smoke run")
+    parser.add_argument(
+        "--show-slower-than",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="print every long prompt and every request slower than SECONDS, with its attempts",
+    )
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
+    parser.add_argument(
+        "--samples",
+        type=Path,
+        default=Path(__file__).parent / "out" / "real_engine_samples.jsonl",
+        help="where the Hedger row's TTFT samples go (JSON lines, for trio-hedge tune)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console(width=160)
+    p = Params(
+        requests=40 if args.quick else args.requests,
+        rate=args.rate,
+        long_fraction=args.long_fraction,
+        long_words=args.long_words,
+        max_tokens=args.max_tokens,
+        warmup=25 if args.quick else args.warmup,
+        seed=args.seed,
+        tenants=args.tenants,
+    )
+    keys = [n.strip() for n in args.strategies.split(",") if n.strip()]
+    unknown = [k for k in keys if k not in STRATEGIES]
+    if unknown:
+        console.print(f"unknown strategies {unknown}; choose from {list(STRATEGIES)}")
+        return 2
+    names = [STRATEGIES[k] for k in keys]
+    console.print(
+        f"parameters: {attrs.asdict(p)}; load average {os.getloadavg()}, nproc {os.cpu_count()}"
+    )
+    if args.replica:
+        if len(args.replica) != 2:
+            console.print("give --replica exactly twice (two replicas)")
+            return 2
+        rows = trio.run(
+            run_all, p, args.replica, [], args.model, names, console, args.show_slower_than,
+            args.samples,
+        )  # fmt: skip
+    else:
+        engine = engine_paths(args.engine_home)
+        if engine is None:
+            console.print(
+                f"SKIP: no llama.cpp engine in {args.engine_home} (build it with "
+                "`bash ../shared/engine/setup.sh`, ~17 minutes once per machine), and no "
+                "--replica URL given: nothing to measure."
+            )
+            return 0
+        with llama_replicas(*engine, args.out / "real_engine_logs") as servers:
+            urls = [u for u, _ in servers]
+            pids = [pid for _, pid in servers]
+            rows = trio.run(
+                run_all, p, urls, pids, "tiny", names, console, args.show_slower_than,
+                args.samples,
+            )  # fmt: skip
+    print_table(console, rows, p)
+    ok = check_targets(console, rows)
+    if args.quick:
+        console.print("(--quick: 40 requests; targets are indicative only)")
+    return 0 if ok or args.quick else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
