@@ -99,9 +99,11 @@ DURATION = 60  # seconds
 SLOW = Script(ttft=5.0, tokens=1)
 
 
-async def _overload(budget: HedgeBudget | None) -> th.HedgerStatistics:
+async def _overload(budget: HedgeBudget | None, pick: str = "least_loaded") -> th.HedgerStatistics:
     fleet = Fleet(["a", "b", "c"], table(SLOW))
-    config = th.HedgerConfig(hedge_after=1.0, budget=budget, throttle=None, outlier_detection=None)
+    config = th.HedgerConfig(
+        hedge_after=1.0, budget=budget, throttle=None, outlier_detection=None, pick=pick
+    )
     hedger = th.Hedger(fleet.sources(), config)
     async with trio.open_nursery() as nursery:
         for _ in range(RATE * DURATION):

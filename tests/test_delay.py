@@ -92,6 +92,8 @@ def test_validation() -> None:
         LearnedDelay(min_samples=0)
     with pytest.raises(ValueError, match="base"):
         SizeClasses(base=1.0)
+    with pytest.raises(ValueError, match="stuck_ratio"):
+        LearnedDelay(stuck_ratio=1.0)
     with pytest.raises(ValueError, match="max_extra_load"):
         LearnedDelay.for_extra_load(1.5)
     assert LearnedDelay.for_extra_load(0.05).percentile == pytest.approx(0.95)
@@ -138,6 +140,33 @@ def test_unlearned_classes_grow_at_least_linearly_from_the_nearest_smaller_one()
     for v in (2.0, 3.0):
         model.observe("g", 4, now, v, True)  # 2,048 tokens
     assert model.delay("g", 6, now) == 12.0  # the nearest learned class wins: 3.0 x 4
+
+
+STUCK = [(0.04, True)] * 85 + [(1.3, True)] * 15  # 15% queued behind a 1.3 s prefill
+
+
+@pytest.mark.parametrize(
+    ("stuck_ratio", "delay"),
+    [
+        (10.0, 0.4),  # the default: at most 10x the median (0.04 s)
+        (None, 1.3),  # uncapped: the P90 lands on the stuck requests' own TTFT
+    ],
+)
+def test_a_stuck_mode_is_not_the_tail(stuck_ratio: float | None, delay: float) -> None:
+    # The P90 of a class whose requests are 15% stuck is the stuck mode: a delay there
+    # rescues none of them (and, unhedged, they keep it there).
+    config = LearnedDelay(min_samples=20, refresh=0, stuck_ratio=stuck_ratio)
+    model = DelayModel(config)
+    for seconds, observed in STUCK:
+        model.observe("g", 0, 0.0, seconds, observed, tokens=50)
+    assert model.delay("g", 0, 0.0) == pytest.approx(delay)
+
+
+def test_the_default_caps_a_stuck_mode() -> None:
+    model = DelayModel(LearnedDelay(refresh=0))
+    for seconds, observed in STUCK:
+        model.observe("g", 0, 0.0, seconds, observed, tokens=50)
+    assert model.delay("g", 0, 0.0) == pytest.approx(0.4)
 
 
 # -- the prefill model --------------------------------------------------------------------------
@@ -323,14 +352,15 @@ async def test_long_prompts_are_not_hedged_at_the_short_delay(
     assert hedged == {SHORT: 56, LONG: 3}
 
     # One global delay (a single size class) serves neither: the long prompts' attempts
-    # drag the P90 up to 8.19 s, so short prompts are never hedged (no tail cut), while
-    # nearly every long prompt still is (its backup repeats the whole prefill).
+    # drag the P90 up to 8.19 s, capped at 10x the median (3.25 s: a stuck mode, not the
+    # tail), so short prompts are never hedged (no tail cut), while nearly every long prompt
+    # still is (its backup repeats the whole prefill).
     g_hedged, g_seen, g_hedger = await _mixed_run(SizeClasses(count=1))
     assert g_seen == seen
     g_delay = g_hedger.hedge_delay(prompt_tokens=LONG)
     assert g_delay == g_hedger.hedge_delay(prompt_tokens=SHORT)
-    assert g_delay == pytest.approx(8.1913, abs=1e-4)
-    assert g_hedged == {SHORT: 1, LONG: 36}
+    assert g_delay == pytest.approx(3.2536, abs=1e-4)
+    assert g_hedged == {SHORT: 1, LONG: 37}
 
 
 def test_prompt_size_estimate() -> None:

@@ -213,3 +213,44 @@ async def test_a_long_prompts_own_prefill_does_not_mark_its_replica_slow(
     after = {r.name: r.latency for r in hedger.statistics().replicas}
     assert before[name] * math.exp(-5.01 / 10) < 0.01
     assert after[name] == pytest.approx(0.01, abs=1e-9)
+
+
+async def test_a_replica_known_stuck_gets_the_backup_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Both replicas are busy with other tenants' long prompts until 2 s. The first request
+    # learns it (its primary waits on a, its backup on b from 0.2 s); the second, at 0.7 s,
+    # finds an attempt on its primary's replica waiting for twice the hedge delay (0.5 s on
+    # b): its backup goes at once, joining the other queue as early as a double send would.
+    for pick, backup_at in [("peak_ewma", 0.0), ("least_loaded", 0.2)]:
+        t0 = trio.current_time()
+        fleet = _busy_until({"a": t0 + 2.0, "b": t0 + 2.0})
+        hedger = th.Hedger(fleet.sources(), attrs.evolve(PLAIN, pick=pick))
+        reports: dict[str, th.Report] = {}
+
+        async def one(rid: str, hedger: th.Hedger = hedger, reports: dict = reports) -> None:  # type: ignore[type-arg]
+            reports[rid] = await run(hedger.stream(None, request_id=rid))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, "first")
+            await trio.sleep(0.7)
+            nursery.start_soon(one, "second")
+        assert [a.started_at for a in reports["first"].attempts] == pytest.approx([0.0, 0.2])
+        assert [a.started_at for a in reports["second"].attempts] == pytest.approx(
+            [0.0, backup_at]
+        ), pick
+        await trio.sleep(10.0)
+
+
+async def test_backups_sent_at_once_still_spend_the_budget(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Sustained overload (every replica 5 s from its first token, 10 requests/s for 60 s):
+    # with the latency-aware pick every replica is known stuck, so backups would go at once;
+    # the budget holds them to the same bound.
+    from .test_budget import DURATION, RATE, _overload
+
+    budget = th.HedgeBudget(ratio=0.1, min_per_second=0.5, window=10.0)
+    stats = await _overload(budget, pick="peak_ewma")
+    bound = budget.ratio * RATE * DURATION + budget.min_per_second * (DURATION + budget.window)
+    assert budget.ratio * RATE * DURATION <= stats.hedges_sent <= bound

@@ -7,7 +7,7 @@ other attempt is cancelled at once.
 
 from ._budget import Backoff, HedgeBudget, RetryThrottle
 from ._client import ShardedTransport, make_client
-from ._delay import LearnedDelay, SizeClasses, empirical_quantile, km_quantile
+from ._delay import LearnedDelay, PrefillFit, SizeClasses, empirical_quantile, km_quantile
 from ._errors import (
     AllAttemptsFailed,
     AttemptError,
@@ -67,6 +67,7 @@ __all__ = [
     "LearnedDelay",
     "OutlierDetection",
     "Planner",
+    "PrefillFit",
     "Replica",
     "ReplicaStatistics",
     "ReplicasCooling",

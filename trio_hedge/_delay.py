@@ -215,6 +215,16 @@ class LearnedDelay:
             times only attempts that got a first token (tower's behaviour, biased low); it
             exists for comparison. Default ``True``.
         monotone: see above. Default ``True``.
+        stuck_ratio: the delay is at most this many times the class's median TTFT
+            (Kaplan–Meier), and the prefill model's spread at most this factor; ``None``: no
+            cap. A percentile that far above the median is not the distribution's own tail
+            but a stuck mode (requests queued behind someone's long prefill), and a delay
+            there rescues none of them; worse, it feeds itself: unhedged, the stuck requests
+            become exact slow samples that keep the percentile up. On two llama.cpp replicas
+            with other tenants' long prompts the P95 climbed from 0.09 s to 2.25 s (the
+            stuck requests' own TTFT) and stopped hedging (``benchmarks/real_engine.py
+            --seed 3``). Default 10: the P99 of a lognormal TTFT with σ = 1, heavier than
+            a replica's own tail usually is.
 
     Raises:
         TypeError, ValueError: on a bad field, or ``min_delay > max_delay``.
@@ -233,6 +243,12 @@ class LearnedDelay:
     )
     censoring: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     monotone: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    stuck_ratio: float | None = attrs.field(default=10.0)
+
+    @stuck_ratio.validator
+    def _check_stuck_ratio(self, attribute: attrs.Attribute[Any], value: object) -> None:
+        if value is not None:
+            _number(1.0, open_lo=True)(self, attribute, value)
 
     def __attrs_post_init__(self) -> None:
         if self.min_delay > self.max_delay:
@@ -331,6 +347,9 @@ class TTFTWindow:
             observations = [(s[1], s[2]) for s in samples]
             self._median, percentile = km_quantiles(observations, (0.5, config.percentile))
             if n >= config.min_samples:
+                ratio = config.stuck_ratio
+                if ratio is not None and percentile is not None and self._median is not None:
+                    percentile = min(percentile, ratio * self._median)  # not a stuck mode
                 self._cached = percentile
             self._tokens = _median_int([s[3] for s in samples])
         self._cached_at = now
@@ -567,6 +586,11 @@ class DelayModel:
         )
 
     def _spread(self, entry: _Group, fit: PrefillFit, now: float) -> float | None:
+        spread = self._raw_spread(entry, fit, now)
+        ratio = self.config.stuck_ratio
+        return spread if spread is None or ratio is None else min(spread, ratio)
+
+    def _raw_spread(self, entry: _Group, fit: PrefillFit, now: float) -> float | None:
         ratios: list[tuple[float, bool]] = []
         need = _fit_samples(self.config)
         for window in entry.windows:

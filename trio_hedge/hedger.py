@@ -768,13 +768,30 @@ class _RequestPlanner:
         if not self._hedgeable:
             return None
         if self._hedge_after is not None:
-            return self._hedge_after
+            return self._hedge_after  # the caller's own delay for this request, as given
+        now = trio.current_time()
         model = self._h._model
         if model is None:
-            delay = self._h._config.hedge_after
-            assert isinstance(delay, (int, float))
-            return float(delay)
-        return model.delay(self._group, self._class, trio.current_time(), self._tokens)
+            fixed = self._h._config.hedge_after
+            assert isinstance(fixed, (int, float))
+            delay = float(fixed)
+        else:
+            delay = model.delay(self._group, self._class, now, self._tokens)
+        # The evidence the delay waits for may be in already: another attempt on this
+        # attempt's replica has waited twice the delay for its first token (at the delay it
+        # was hedged itself, and for another delay nothing answered): the replica is stuck
+        # now, and the pick chose it anyway, so every replica it could choose looked as bad.
+        # Then the backup goes at once, joining the other queue as early as a double send
+        # would (budget and throttle still apply). At once the delay itself (a 1x
+        # threshold) also fired on ordinary queueing: benchmarks/tail.py, 10.04% extra
+        # against 9.72%, for the same P99.
+        replica = self._running.get(number)
+        if replica is not None and self._h._config.pick == "peak_ewma":
+            for key, started in replica.waiting.items():
+                if key != (self, number) and now - started >= 2.0 * delay:
+                    return 0.0
+                break  # the first is the oldest
+        return delay
 
     def may_hedge(self) -> bool:
         """Whether a backup may go now. Only checks: the budget is spent when it starts."""
