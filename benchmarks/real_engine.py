@@ -46,6 +46,7 @@ import json
 import math
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -628,6 +629,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    # A kill (SIGTERM) unwinds like Ctrl-C, so the servers this started are stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     console = Console(width=160)
     p = Params(
         requests=40 if args.quick else args.requests,
