@@ -13,13 +13,15 @@ import trio_hedge as th
 from trio_hedge.gateway import GatewayConfig, Group, Limits, serve
 from trio_hedge.testing import FakeReplica
 
-#: No learning, budget, throttle or ejection: a fixed, short hedge delay.
+#: No learning, budget, throttle or ejection: a fixed, short hedge delay, the replicas in the
+#: order given (the default latency-aware pick would learn to avoid a slow primary).
 HEDGER = th.HedgerConfig(
     hedge_after=0.05,
     first_token=th.FirstToken.ANY_OUTPUT,
     budget=None,
     throttle=None,
     outlier_detection=None,
+    pick="in_order",
 )
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
 

@@ -965,7 +965,7 @@ async def test_per_request_hedge_delay_keeps_the_other_rules(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     fleet = Fleet(["a", "b"], table(FAST, a=SLOW))
-    hedger = th.Hedger(fleet.sources(), _config(hedge_after=None))
+    hedger = th.Hedger(fleet.sources(), _config(hedge_after=None, pick="in_order"))
     for stream in (
         hedger.stream(None, hedge_after=0.1, hedge=False),
         hedger.stream(None, hedge_after=0.1, side_effects=True),
@@ -1007,7 +1007,7 @@ async def test_per_request_headers_on_every_http_attempt(
             th.Replica(mock.url("a"), name="a"),
             th.Replica(mock.url("b"), name="b", api_key="sk-replica-own"),
         ]
-        hedger = th.Hedger(replicas, PLAIN, client=client)
+        hedger = th.Hedger(replicas, PRIMARY_A, client=client)
         extra = {"Authorization": "Bearer sk-client", "X-Tenant": "t1"}
         stream = hedger.stream(request, headers=extra)
         async with stream:
