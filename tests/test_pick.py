@@ -208,11 +208,11 @@ async def test_a_long_prompts_own_prefill_does_not_mark_its_replica_slow(
     report = await run(hedger.stream(None, request_id="long", prompt_tokens=5000))
     assert report.ttft == pytest.approx(5.01)
     # 5.01 s is what 5,000 tokens cost on any replica: the sample is its excess over the
-    # predicted prefill, 0.01 s (the estimate had decayed below it), not 5.01 s.
+    # prefill the model predicts (1.01 s at 1,000 tokens, in proportion beyond: 5.05 - 0.01
+    # s), none, so the estimate falls instead of jumping to 5.01 s.
     name = report.attempts[0].replica
     after = {r.name: r.latency for r in hedger.statistics().replicas}
-    assert before[name] * math.exp(-5.01 / 10) < 0.01
-    assert after[name] == pytest.approx(0.01, abs=1e-9)
+    assert after[name] < before[name] * math.exp(-5.01 / 10) < 0.01
 
 
 async def test_a_replica_known_stuck_gets_the_backup_at_once(

@@ -580,12 +580,15 @@ class Hedger:
                 best, best_key = r, key
         return best
 
-    def _prefill_slope(self, group: str, now: float) -> float:
-        """Seconds per prompt token of the group's prefill model (0 without one)."""
-        if self._model is None:
+    def _prefill(self, group: str, tokens: int | None, now: float) -> float:
+        """The seconds of a TTFT that the group's prefill model puts down to the prompt's
+        size: its median for ``tokens`` minus its intercept (0 without a model or a size).
+        Beyond the sizes it was fitted on the model grows in proportion to tokens, so a long
+        prompt's prefill is predicted even when only short ones were seen."""
+        if self._model is None or not tokens:
             return 0.0
         fit = self._model.fit(group, now)
-        return 0.0 if fit is None else fit.slope
+        return 0.0 if fit is None else fit.median(tokens) - fit.intercept
 
     def _emit(self, event: HedgeEvent) -> None:
         if self.on_event:
@@ -875,8 +878,7 @@ class _RequestPlanner:
                     if len(lingering) < _MAX_LINGERING:
                         lingering.append((now - ran + expected, now - ran))
         if h._config.pick == "peak_ewma":
-            slope = h._prefill_slope(self._group, now)
-            excess = ran - slope * (tokens or 0)
+            excess = ran - h._prefill(self._group, tokens, now)
             replica.observe_latency(now, max(excess, 0.0), h._config.latency_decay)
 
     def _start(self, replica: ReplicaState, record: AttemptRecord, now: float) -> None:
@@ -928,8 +930,7 @@ class _RequestPlanner:
                     record.number,
                 )
             if h._config.pick == "peak_ewma":
-                slope = h._prefill_slope(self._group, now)
-                excess = record.ttft - slope * (self._tokens or 0)
+                excess = record.ttft - h._prefill(self._group, self._tokens, now)
                 replica.observe_latency(now, max(excess, 0.0), h._config.latency_decay)
             if record.started_at is not None:
                 h._ttfts.append((now, record.started_at + record.ttft))
