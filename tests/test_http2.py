@@ -10,6 +10,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import h2.config
+import h2.connection
+import h2.events
 import h2.exceptions
 import httpx
 import pytest
@@ -498,3 +501,121 @@ async def test_a_loser_on_a_connection_h2_gave_up_on_is_stopped(
             assert server.opened == [1]
             server.send_raw(UNDECODABLE_HEADERS)
         assert server.closed
+
+
+# -- the fake server's own sends --------------------------------------------------------------
+
+
+class _HeldSocket(trio.abc.Stream):
+    """The server's end of an in-memory socket that holds back any send carrying a HEADERS
+    frame while ``hold_headers`` is set (a full socket buffer), noting which task sent it. As
+    with Trio's ``SocketStream``, a cancelled send sends nothing."""
+
+    def __init__(self) -> None:
+        self.to_server = bytearray()
+        self.to_client = bytearray()
+        self.hold_headers = False
+        self.held_by: list[str] = []  # the tasks whose sends were held
+        self.closed = False
+        self._lot = trio.lowlevel.ParkingLot()
+
+    def feed(self, data: bytes) -> None:
+        self.to_server += data
+        self._lot.unpark_all()
+
+    def release(self) -> None:
+        self.hold_headers = False
+        self._lot.unpark_all()
+
+    @staticmethod
+    def _has_headers(data: bytes) -> bool:
+        while len(data) >= 9:
+            if data[3] == 1:  # frame type HEADERS
+                return True
+            data = data[9 + int.from_bytes(data[:3], "big") :]
+        return False
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self.hold_headers and self._has_headers(bytes(data)):
+            self.held_by.append(trio.lowlevel.current_task().name)
+            while self.hold_headers:
+                await self._lot.park()
+        self.to_client += data
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while not self.to_server and not self.closed:
+            await self._lot.park()
+        data = bytes(self.to_server)
+        self.to_server.clear()
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return data
+
+    async def aclose(self) -> None:
+        self.closed = True
+        self._lot.unpark_all()
+        await trio.lowlevel.checkpoint()
+
+
+async def _reset_a_stream_while_its_headers_wait() -> list[int] | None:
+    """On a new connection to a FakeReplica: request 1, whose answer (headers at once) finds
+    the socket full; the client resets stream 1; the socket drains; request 3. Returns the
+    streams whose response headers the client decoded, or ``None`` if stream 1's HEADERS
+    were not held in stream 1's own task (the connection's reader took them out first)."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    socket = _HeldSocket()
+    replica = FakeReplica(Behaviour(ttft=30.0), http2=True)
+
+    def request(stream_id: int) -> None:
+        head = [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":authority", "fake"),
+            (":path", "/v1/chat/completions"),
+        ]
+        client.send_headers(stream_id, head)
+        client.send_data(stream_id, b'{"stream": true}', end_stream=True)
+        socket.feed(client.data_to_send())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(replica._handle_connection, socket)
+        socket.feed(client.data_to_send())  # the preface: SETTINGS both ways
+        await trio.testing.wait_all_tasks_blocked()
+        socket.hold_headers = True
+        request(1)
+        await trio.testing.wait_all_tasks_blocked()  # stream 1's HEADERS wait to be sent
+        client.reset_stream(1)
+        socket.feed(client.data_to_send())
+        await trio.testing.wait_all_tasks_blocked()  # ... and stream 1's task is cancelled
+        socket.release()
+        request(3)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    if not [name for name in socket.held_by if name.endswith(".answer")]:
+        return None
+    events = client.receive_data(bytes(socket.to_client))  # raised before the fix
+    return [e.stream_id or 0 for e in events if isinstance(e, h2.events.ResponseReceived)]
+
+
+async def test_the_fake_server_sends_a_reset_streams_headers_whole() -> None:
+    """A FakeReplica's answer task encodes its HEADERS (h2 adds them to its HPACK table), then
+    sends them; when the client resets that stream while the send waits, the task is
+    cancelled. Before the fix the bytes were dropped, the client's HPACK table fell out of
+    step, and it failed the whole connection at the next response's headers ("Error decoding
+    header block: Invalid table index"; the cancellation fuzz met it once its lanes shared an
+    h2c client). Which task takes stream 1's HEADERS out of h2 is the scheduler's choice: the
+    scheduler is seeded until its own task does."""
+    for seed in range(50):
+        trio._core._run._r.seed(seed)  # type: ignore[attr-defined]
+        answered = await _reset_a_stream_while_its_headers_wait()
+        if answered is not None:
+            break
+    else:
+        pytest.fail("stream 1's own task never held its HEADERS")
+    assert answered == [3]
