@@ -1,9 +1,15 @@
 """HTTP/2 losers must stop for real.
 
 httpcore 1.0.9 drops a cancelled HTTP/2 stream without RST_STREAM, so the server keeps
-generating. The proofs below need no waiting: an HTTP/2 server handles a connection's frames
-in order, so once a later request on the same connection has been answered, a RST_STREAM sent
-before it has been seen — or was never sent."""
+generating. The proofs over loopback need no waiting: an HTTP/2 server handles a connection's
+frames in order, so once a later request on the same connection has been answered, a
+RST_STREAM sent before it has been seen — or was never sent.
+
+The other ways httpcore mishandles a cancel (``trio_hedge/_cancel_safe.py``: a write cut in
+half, a connection dropped from its pool while it connects, a setup cut short, a connection h2
+gave up on) need a cancel at an exact point: those run over a scripted socket
+(``tests/wire.py``), where a write or a connect waits until the test lets it go. Each
+``test_httpcore_alone_…`` test is the failing case behind a fix, shown with httpx alone."""
 
 from __future__ import annotations
 
