@@ -173,6 +173,11 @@ class Replica:
     )
 
     def __attrs_post_init__(self) -> None:
+        if self.api_key is not None and any(n.lower() == "authorization" for n in self.headers):
+            raise ValueError(
+                "give the key as api_key or as an Authorization header, not both "
+                "(both would be sent)"
+            )
         protect_in_logs(self._redact)
 
     def bind(
@@ -215,10 +220,12 @@ class OpenAIChatSource:
             check_json_body(body, "request")  # raises, naming the path
             raise
         self._url = replica.base_url + replica.path
+        # Names lower-cased: HTTP names are case-insensitive, and httpx would send "Accept"
+        # and "accept" (or two authorizations) as two headers.
         headers = {"accept": "text/event-stream", "content-type": "application/json"}
-        headers.update(replica.headers)
+        headers.update((name.lower(), value) for name, value in replica.headers.items())
         if extra_headers:
-            headers.update(extra_headers)
+            headers.update((name.lower(), value) for name, value in extra_headers.items())
         if replica.api_key is not None:
             headers["authorization"] = f"Bearer {replica.api_key}"
         self._headers = headers
