@@ -173,6 +173,12 @@ CASES = [
         "idempotency_key",
     ),
     Bad(
+        "a key twice: api_key and an Authorization header",
+        lambda: _replica(api_key=KEY, headers={"Authorization": "Bearer " + KEY}),
+        ValueError,
+        "api_key",
+    ),
+    Bad(
         "overrides: NaN",
         lambda: _replica(overrides={"temperature": math.nan}),
         ValueError,
@@ -236,3 +242,15 @@ async def test_a_source_bound_directly_never_serialises_nan() -> None:
     async with httpx.AsyncClient() as client:
         with pytest.raises(ValueError, match=r"request\['temperature'\] is NaN"):
             _replica().bind({**REQUEST, "temperature": math.nan}, client)
+
+
+async def test_header_names_differing_only_in_case_are_sent_once() -> None:
+    async with FakeReplica(Behaviour()) as server:
+        replica = th.Replica(server.url, headers={"Accept": "text/event-stream", "X-A": "1"})
+        source = replica.bind(REQUEST, httpx.AsyncClient(), extra_headers={"x-a": "2"})
+        async with source._client:
+            attempt = await source.open(th.AttemptInfo(request_id="r", number=1, trigger="primary"))
+            await attempt.aclose()
+    headers = server.requests[0].headers
+    assert headers["accept"] == "text/event-stream"  # one value, not "…, text/event-stream"
+    assert headers["x-a"] == "2"

@@ -548,3 +548,30 @@ async def test_a_replica_at_fault_is_not_tried_again_in_the_request(
     with pytest.raises(th.AllAttemptsFailed) as info:
         await read_all(th.hedged_stream(None, replicas, policy))
     assert [e.replica for e in info.value.errors] == ["primary", "backup", "backup", "backup"]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_an_empty_answer_in_the_tick_the_caller_leaves_is_not_half_committed(seed: int) -> None:
+    # The empty answer ends at 0.1 s, the very tick the caller cancels its scope. The parent
+    # loop read the queued news without a checkpoint and committed the answer after its
+    # attempt's task, cancelled, had already taken its stream back: the hand-over raised
+    # KeyError (hidden by the cancel), the attempt said WON and the report had no winner (the
+    # cancellation fuzz: "winner != the WON attempt", 1 race in 10,000).
+    async def main() -> th.Report:
+        replicas = [th.iterator_source(_empty_then_done(0.1), name="empty")]
+        stream = th.hedged_stream(None, replicas, HedgePolicy(hedge_after=None))
+        async with trio.open_nursery() as nursery:
+            with trio.CancelScope() as scope:
+
+                async def leave() -> None:
+                    await trio.sleep(0.1)
+                    scope.cancel()
+
+                nursery.start_soon(leave)
+                await read_all(stream)
+        return stream.report
+
+    report = run_seeded(main, seed)
+    won = [a.number for a in report.attempts if a.outcome is O.WON]
+    assert won == ([report.winner] if report.winner is not None else [])
+    assert all(a.ended_at is not None for a in report.attempts)

@@ -6,6 +6,7 @@ other attempt is cancelled at once.
 """
 
 from ._budget import Backoff, HedgeBudget, RetryThrottle
+from ._cancel_safe import cancel_safe_transport
 from ._client import ShardedTransport, make_client
 from ._delay import LearnedDelay, PrefillFit, SizeClasses, empirical_quantile, km_quantile
 from ._errors import (
@@ -81,6 +82,7 @@ __all__ = [
     "StreamInterrupted",
     "ToolCallDelta",
     "__version__",
+    "cancel_safe_transport",
     "empirical_quantile",
     "estimate_prompt_tokens",
     "hedged_stream",

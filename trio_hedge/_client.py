@@ -22,6 +22,10 @@ fixed number of pools was not enough: with 16 pools, a second wave of 1,000 stre
 is quadratic in its *idle* connections (the ``len([... for connection in
 self._connections])`` inside the loop over connections); with at most 16 open responses per
 pool, 2.4 s; with 4, 1.7-1.8 s (wave 1: 1.7-1.8 s).
+
+With HTTP/2, every pool is hardened against cancelled requests (``trio_hedge/_cancel_safe.py``):
+a cancelled attempt can neither cut a write in half, corrupting a connection other streams
+share, nor leave a connection open outside its pool.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ import ssl
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpcore
 import httpx
 
+from ._cancel_safe import harden
 from .sources.openai_http import shared_ssl_context
 
 __all__ = ["DEFAULT_LIMITS", "DEFAULT_PER_SHARD", "ShardedTransport", "make_client"]
@@ -64,6 +70,10 @@ class ShardedTransport(httpx.AsyncBaseTransport):
         per_shard: connections per pool before another pool is added (>= 1).
         verify: an ``ssl.SSLContext`` shared by every pool, or ``True``/``False``; default
             the library's shared context.
+        network_backend: the httpcore network backend every pool connects through (default
+            httpcore's own). With ``http2=True`` the pools are made safe to cancel (see
+            :func:`~trio_hedge.cancel_safe_transport`); HTTP/1.1-only pools are left as
+            httpx builds them.
         **kwargs: passed to each ``httpx.AsyncHTTPTransport`` (``http1``, ``http2``,
             ``limits``, ``retries``, ``local_address``, ``socket_options``…); ``limits``
             defaults to :data:`DEFAULT_LIMITS` (per pool).
@@ -74,6 +84,7 @@ class ShardedTransport(httpx.AsyncBaseTransport):
         per_shard: int = DEFAULT_PER_SHARD,
         *,
         verify: ssl.SSLContext | bool | None = None,
+        network_backend: httpcore.AsyncNetworkBackend | None = None,
         **kwargs: Any,
     ) -> None:
         if isinstance(per_shard, bool) or not isinstance(per_shard, int) or per_shard < 1:
@@ -84,6 +95,8 @@ class ShardedTransport(httpx.AsyncBaseTransport):
         self._per_shard = per_shard
         self._verify = verify
         self._kwargs = kwargs
+        self._network_backend = network_backend
+        self._http2 = bool(kwargs.get("http2", False))
         self._shards: list[_Shard] = []
         self._room: collections.deque[_Shard] = collections.deque()  # shards with room
         self._closed = False
@@ -107,12 +120,18 @@ class ShardedTransport(httpx.AsyncBaseTransport):
             if shard.in_flight < self._per_shard:
                 break
         else:
-            shard = _Shard(httpx.AsyncHTTPTransport(verify=self._verify, **self._kwargs), self)
+            shard = _Shard(self._new_pool(), self)
             self._shards.append(shard)
         shard.in_flight += 1
         if shard.in_flight < self._per_shard:
             room.append(shard)
         return shard
+
+    def _new_pool(self) -> httpx.AsyncHTTPTransport:
+        transport = httpx.AsyncHTTPTransport(verify=self._verify, **self._kwargs)
+        if self._http2 or self._network_backend is not None:
+            harden(transport, self._network_backend, http2=self._http2)
+        return transport
 
     def _release(self, shard: _Shard) -> None:
         shard.in_flight -= 1
@@ -193,7 +212,9 @@ def make_client(
         per_shard: connections per pool before another pool is added (see the module
             docstring for why).
         http1, http2: protocols (``http2=True`` needs the ``h2`` package; with
-            ``http1=False`` it speaks HTTP/2 with prior knowledge to ``http://`` URLs).
+            ``http1=False`` it speaks HTTP/2 with prior knowledge to ``http://`` URLs). With
+            ``http2=True`` the pools are made safe to cancel, as by
+            :func:`~trio_hedge.cancel_safe_transport`.
         limits: per-shard ``httpx.Limits``.
         timeout: the client's timeout.
         **client_kwargs: passed to ``httpx.AsyncClient`` (``headers``, ``base_url``,

@@ -258,6 +258,10 @@ class _Race:
         while self._live or self._news:
             self._take_news(await self._next_news())
         if self._answer is not None:
+            # The last news may have been queued already (no checkpoint since): a cancel from
+            # outside in this tick, which may already have taken the answer's stream back in
+            # its own task, must win over the commit.
+            await trio.lowlevel.checkpoint_if_cancelled()
             self._commit_answer(self._answer)
 
     async def _next_trigger(self, delay: float | None) -> str | None:

@@ -149,6 +149,25 @@ def _header_dict(pairs: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
 # HTTP/2 (imported lazily: h2 is an optional dependency)
 
 
+#: How long (seconds) a send of bytes h2 has already encoded may wait for a client that does not
+#: read: after that the connection is closed.
+_SEND_LIMIT = 5.0
+
+
+async def _send_whole(stream: trio.SocketStream, data: bytes) -> None:
+    """Send ``data`` whole, even if the task is cancelled meanwhile (an answer whose stream
+    the client reset). h2 has encoded it already: a HEADERS frame dropped here leaves the
+    client's HPACK table out of step, and the client fails the whole connection at the next
+    response's headers (failing case: ``tests/test_http2.py::
+    test_the_fake_server_sends_a_reset_streams_headers_whole``). So it is shielded, and
+    bounded: a send still waiting after :data:`_SEND_LIMIT` closes the connection."""
+    with trio.CancelScope(shield=True, deadline=trio.current_time() + _SEND_LIMIT) as scope:
+        await stream.send_all(data)
+    if scope.cancelled_caught:
+        await stream.aclose()
+        raise trio.ClosedResourceError("the client did not read for too long")
+
+
 @attrs.define(eq=False)
 class _H2Stream:
     stream_id: int
@@ -469,7 +488,7 @@ class FakeReplica:
             async with send_lock:
                 data = conn.data_to_send()
                 if data:
-                    await stream.send_all(data)
+                    await _send_whole(stream, data)
 
         async def answer(st: _H2Stream, record: RequestRecord) -> None:
             with st.scope:
