@@ -22,8 +22,9 @@ The strategies, one after another over the same schedule, each on idle replicas:
   P90 TTFT (an oracle: tuned on that very run), random primary, the other as backup;
 * the ``Hedger`` with its defaults (learned delay, budget, throttle, peak-EWMA pick), after a
   warm-up of ``--warmup`` short requests;
-* the same at the P95 (``LearnedDelay.for_extra_load(0.05)``, Finagle's coupling), and with
-  the least-loaded pick (what the pick was before issue 9);
+* the same at the P90 (``LearnedDelay(percentile=0.9)``, the default before this benchmark
+  showed the P95 as good for half the hedges), and with the least-loaded pick (what the pick
+  was before issue 9);
 * routing only: the ``Hedger``'s pick with ``hedge_after=None`` (the control that separates
   routing from hedging);
 * double send: ``hedge_after=0``, both replicas at once, the first token wins.
@@ -88,7 +89,7 @@ WORDS = _VOCABULARY.split()
 NONE = "no hedging"
 FIXED = "fixed P90 delay (oracle)"
 HEDGER = "Hedger (defaults)"
-HEDGER_P95 = "Hedger, P95"
+HEDGER_P90 = "Hedger, P90"
 HEDGER_LEAST = "Hedger, least-loaded pick"
 ROUTING = "routing only (Hedger, hedge_after=None)"
 DOUBLE = "double send"
@@ -97,7 +98,7 @@ STRATEGIES = {
     "none": NONE,
     "fixed": FIXED,
     "hedger": HEDGER,
-    "p95": HEDGER_P95,
+    "p90": HEDGER_P90,
     "least": HEDGER_LEAST,
     "routing": ROUTING,
     "double": DOUBLE,
@@ -460,15 +461,14 @@ def print_table(console: Console, rows: Sequence[Row], p: Params) -> None:
 
 
 def check_targets(console: Console, rows: Sequence[Row]) -> bool:
-    """PASS/FAIL for issue 9's targets, for the Hedger with its defaults and at the P95 (the
-    percentile ``trio-hedge tune`` recommends from the Hedger's own samples of this workload,
-    docs/tuning.md). The exit status follows the best of the two."""
+    """PASS/FAIL for issue 9's targets, for the Hedger with its defaults (the P95) and, for
+    comparison, at the P90. The exit status follows the defaults."""
     by = {r.name: r for r in rows}
     if DOUBLE not in by or ROUTING not in by:
         return True
     double, routing = by[DOUBLE], by[ROUTING]
     verdicts = []
-    for name in (HEDGER, HEDGER_P95):
+    for name in (HEDGER, HEDGER_P90):
         if name not in by:
             continue
         ours = by[name]
@@ -501,8 +501,8 @@ def check_targets(console: Console, rows: Sequence[Row]) -> bool:
             )
         for text, ok in checks:
             console.print(f"[{'green' if ok else 'red'}]{'PASS' if ok else 'FAIL'}[/] {text}")
-        verdicts.append(all(ok for _, ok in checks))
-    return any(verdicts) if verdicts else True
+        verdicts.append((name, all(ok for _, ok in checks)))
+    return dict(verdicts).get(HEDGER, True)
 
 
 # -- main ---------------------------------------------------------------------------------------
@@ -522,10 +522,10 @@ async def run_all(
         for number, name in enumerate(names):
             prompts = texts(schedule, p.seed * 1000 + number)
             hedger: th.Hedger | None = None
-            if name in (HEDGER, HEDGER_P95, HEDGER_LEAST, ROUTING):
+            if name in (HEDGER, HEDGER_P90, HEDGER_LEAST, ROUTING):
                 config = {
                     HEDGER: th.HedgerConfig(),
-                    HEDGER_P95: th.HedgerConfig(hedge_after=th.LearnedDelay.for_extra_load(0.05)),
+                    HEDGER_P90: th.HedgerConfig(hedge_after=th.LearnedDelay(percentile=0.9)),
                     HEDGER_LEAST: th.HedgerConfig(pick="least_loaded"),
                     ROUTING: th.HedgerConfig(hedge_after=None),
                 }[name]

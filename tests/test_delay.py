@@ -251,7 +251,9 @@ async def _learn(censoring: bool) -> tuple[th.HedgerStatistics, list[th.HedgeEve
         lambda _name, info: Script(ttft=draws[info.request_id][info.number - 1], tokens=1),
     )
     config = th.HedgerConfig(
-        hedge_after=LearnedDelay(window=10_000, max_samples=4096, refresh=0, censoring=censoring),
+        hedge_after=LearnedDelay(
+            percentile=0.9, window=10_000, max_samples=4096, refresh=0, censoring=censoring
+        ),
         budget=None,
         throttle=None,
         outlier_detection=None,
@@ -321,7 +323,9 @@ async def _mixed_run(classes: SizeClasses) -> tuple[dict[int, int], dict[int, in
         lambda _n, info: Script(ttft=requests[int(info.request_id[1:])][info.number], tokens=1),
     )
     config = th.HedgerConfig(
-        hedge_after=LearnedDelay(window=10_000, max_samples=4096, refresh=0, classes=classes),
+        hedge_after=LearnedDelay(
+            percentile=0.9, window=10_000, max_samples=4096, refresh=0, classes=classes
+        ),
         budget=None,
         throttle=None,
         outlier_detection=None,
@@ -413,7 +417,10 @@ async def test_rare_long_prompts_are_not_hedged(autojump_clock: trio.testing.Moc
         ["a", "b"],
         lambda _n, info: Script(ttft=workload[int(info.request_id[1:])][1 + info.number], tokens=1),
     )
-    hedger = th.Hedger(fleet.sources(), th.HedgerConfig(budget=None, outlier_detection=None))
+    config = th.HedgerConfig(
+        hedge_after=LearnedDelay(percentile=0.9), budget=None, outlier_detection=None
+    )
+    hedger = th.Hedger(fleet.sources(), config)
     hedged = {"short": 0, "long": 0}
     seen = {"short": 0, "long": 0}
     for i, (gap, tokens, _, _) in enumerate(workload):

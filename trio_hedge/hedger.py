@@ -105,7 +105,7 @@ class HedgerConfig:
     """How a :class:`Hedger` hedges. Durations in seconds.
 
     Attributes:
-        hedge_after: a :class:`~trio_hedge.LearnedDelay` (default: P90 of the last 300 s of
+        hedge_after: a :class:`~trio_hedge.LearnedDelay` (default: P95 of the last 300 s of
             TTFTs per group and prompt-size class, 1.0 s until 20 observations), a fixed
             number of seconds, or ``None`` to never hedge on time (failover only).
         max_attempts: attempts per request, primary included; ``None`` (default) allows one
