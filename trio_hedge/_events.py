@@ -17,7 +17,14 @@ __all__ = ["Delta", "FirstToken", "ToolCallDelta", "counts_as_first_token"]
 @attrs.frozen(slots=True)
 class ToolCallDelta:
     """A fragment of a tool call, as OpenAI streams them: fragments with the same ``index``
-    belong to one call; ``arguments`` pieces are concatenated in order."""
+    belong to one call; ``arguments`` pieces are concatenated in order.
+
+    Attributes:
+        index: which tool call of the choice the fragment belongs to (0-based).
+        id: the call's id, usually only on its first fragment, else ``None``.
+        name: the function's name, usually only on its first fragment, else ``None``.
+        arguments: the next piece of the call's JSON arguments (``""`` when none).
+    """
 
     index: int
     id: str | None = None
