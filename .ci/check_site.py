@@ -1,13 +1,14 @@
 """After `mkdocs build`: every field of every attrs class in the API reference has its own
-rendered entry (a row of its `Attributes` table), and no `::: identifier` line was left
-unrendered. tests/test_reference_docs.py checks the sources; this checks what mkdocstrings
-made of them.
+rendered entry (a row of its `Attributes` table), every enum member its own heading, and no
+`::: identifier` line was left unrendered. tests/test_reference_docs.py checks the sources;
+this checks what mkdocstrings made of them.
 
 Usage: python .ci/check_site.py SITE_DIR
 """
 
 from __future__ import annotations
 
+import enum
 import inspect
 import sys
 from pathlib import Path
@@ -27,6 +28,10 @@ def main(site: Path) -> int:
         problems.append("a `::: identifier` line was rendered as text")
     for identifier in _identifiers():
         cls = _resolve(identifier)
+        if inspect.isclass(cls) and issubclass(cls, enum.Enum):
+            for member in cls.__members__:
+                if f'id="{identifier}.{member}"' not in html:
+                    problems.append(f"{identifier}.{member} has no entry of its own")
         if not (inspect.isclass(cls) and attrs.has(cls)):
             continue
         bases = [base for base in cls.__mro__[1:] if attrs.has(base)]

@@ -5,15 +5,19 @@ Each page lists objects as ``::: dotted.path`` lines. A name in the ``__all__`` 
 when some line resolves to the same object, wherever it is documented, so a name exported
 from two places needs one entry. For attrs classes, every field must have its own entry in the
 docstring's ``Attributes:`` section: that is what mkdocstrings renders as the field's row
-(``a, b: ...`` renders as one row named "a, b").
+(``a, b: ...`` renders as one row named "a, b"). For enums, every member needs a docstring
+after its assignment (griffe does not read Sphinx's ``#:`` comments).
 """
 
 from __future__ import annotations
 
+import ast
+import enum
 import importlib
 import inspect
 import pkgutil
 import re
+import textwrap
 from pathlib import Path
 from types import ModuleType
 
@@ -116,3 +120,30 @@ def test_every_attrs_field_has_its_own_attributes_entry() -> None:
         if missing:
             incomplete.append(f"{identifier}: {', '.join(sorted(missing))}")
     assert not incomplete, f"fields without their own `Attributes:` entry: {'; '.join(incomplete)}"
+
+
+def _members_with_docstrings(cls: type) -> set[str]:
+    """Class-level assignments followed by a string (griffe's attribute docstrings)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    assert isinstance(body, ast.ClassDef)
+    documented = set()
+    for statement, following in zip(body.body, body.body[1:], strict=False):
+        if (
+            isinstance(statement, ast.Assign)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            documented.update(t.id for t in statement.targets if isinstance(t, ast.Name))
+    return documented
+
+
+def test_every_enum_member_has_a_docstring() -> None:
+    undocumented = []
+    for identifier in _identifiers():
+        cls = _resolve(identifier)
+        if inspect.isclass(cls) and issubclass(cls, enum.Enum):
+            missing = set(cls.__members__) - _members_with_docstrings(cls)
+            if missing:
+                undocumented.append(f"{identifier}: {', '.join(sorted(missing))}")
+    assert not undocumented, f"enum members without a docstring: {'; '.join(undocumented)}"

@@ -72,12 +72,12 @@ class FirstToken(str, enum.Enum):
     never count: servers send them while the request is still queued.
     """
 
-    #: answer text only (default).
     CONTENT = "content"
-    #: answer text or reasoning text (for reasoning models whose thinking is shown to users).
+    """answer text only (default)."""
     CONTENT_OR_REASONING = "content_or_reasoning"
-    #: any output, including tool-call fragments (for agents).
+    """answer text or reasoning text (for reasoning models whose thinking is shown to users)."""
     ANY_OUTPUT = "any_output"
+    """any output, including tool-call fragments (for agents)."""
 
 
 def counts_as_first_token(delta: Delta, rule: FirstToken) -> bool:
