@@ -211,8 +211,9 @@ def make_client(
     Args:
         per_shard: connections per pool before another pool is added (see the module
             docstring for why).
-        http1, http2: protocols (``http2=True`` needs the ``h2`` package; with
-            ``http1=False`` it speaks HTTP/2 with prior knowledge to ``http://`` URLs). With
+        http1: speak HTTP/1.1. Default ``True``. With ``http1=False`` and ``http2=True`` it
+            speaks HTTP/2 with prior knowledge to ``http://`` URLs.
+        http2: speak HTTP/2 (needs the ``h2`` package). Default ``False``. With
             ``http2=True`` the pools are made safe to cancel, as by
             :func:`~trio_hedge.cancel_safe_transport`.
         limits: per-shard ``httpx.Limits``.

@@ -210,7 +210,8 @@ class LearnedDelay:
         min_samples: observations (exact or censored) a class needs before its estimate is
             used. Default 20.
         fallback: the delay in seconds while the group has no data. Default 1.0.
-        min_delay, max_delay: the clamp, in seconds. Defaults 0.05 and 60.
+        min_delay: the clamp's lower bound, in seconds. Default 0.05.
+        max_delay: the clamp's upper bound, in seconds. Default 60.
         refresh: seconds an estimate is cached before it is recomputed (Finagle refreshes
             every 3 s); 0 recomputes whenever new data arrived. Default 1.0.
         max_samples: observations kept per class (memory bound; oldest dropped). Default 2048.

@@ -32,38 +32,38 @@ __all__ = [
 class ErrorKind(str, enum.Enum):
     """Why one attempt failed. The value is the stable, lower-case name used in reports/JSON."""
 
-    #: 429 without a quota message; retryable, usually with a ``Retry-After``.
     RATE_LIMIT = "rate_limit"
-    #: 429/402/403 saying the account's quota or credit is used up: the replica's fault.
+    """429 without a quota message; retryable, usually with a ``Retry-After``."""
     QUOTA_EXCEEDED = "quota_exceeded"
-    #: 503, 529, or an in-band "overloaded" event; retryable.
+    """429/402/403 saying the account's quota or credit is used up: the replica's fault."""
     OVERLOADED = "overloaded"
-    #: other 5xx, or an in-band server error; retryable.
+    """503, 529, or an in-band "overloaded" event; retryable."""
     SERVER_ERROR = "server_error"
-    #: 400, 405, 413, 422 and other client errors: the request's fault; fatal (a backup would
-    #: fail the same way).
+    """other 5xx, or an in-band server error; retryable."""
     INVALID_REQUEST = "invalid_request"
-    #: the prompt does not fit the model's context window: the request's fault; fatal.
+    """400, 405, 413, 422 and other client errors: the request's fault; fatal (a backup would
+    fail the same way)."""
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
-    #: 401/403: bad or missing API key: the replica's fault (see :data:`REPLICA_KINDS`).
+    """the prompt does not fit the model's context window: the request's fault; fatal."""
     AUTH = "auth"
-    #: 404: the replica does not serve this model or path: the replica's fault.
+    """401/403: bad or missing API key: the replica's fault (see :data:`REPLICA_KINDS`)."""
     NOT_FOUND = "not_found"
-    #: the connection ended after data without ``[DONE]`` or a finish reason; retryable.
+    """404: the replica does not serve this model or path: the replica's fault."""
     STREAM_TRUNCATED = "stream_truncated"
-    #: the response ended without a single data event; retryable.
+    """the connection ended after data without ``[DONE]`` or a finish reason; retryable."""
     EMPTY_STREAM = "empty_stream"
-    #: could not connect, or the connection broke; retryable.
+    """the response ended without a single data event; retryable."""
     CONNECTION = "connection"
-    #: an HTTP timeout (connect/read/write/pool) or a 408; retryable.
+    """could not connect, or the connection broke; retryable."""
     TIMEOUT = "timeout"
-    #: after commit, the winner produced no content for ``stall_timeout`` seconds.
+    """an HTTP timeout (connect/read/write/pool) or a 408; retryable."""
     STALL = "stall"
-    #: the bytes broke the protocol (bad SSE, bad JSON, event too large, invalid UTF-8);
-    #: retryable before the first token (another replica may be sane).
+    """after commit, the winner produced no content for ``stall_timeout`` seconds."""
     PROTOCOL = "protocol"
-    #: the source raised something the library does not know; fatal.
+    """the bytes broke the protocol (bad SSE, bad JSON, event too large, invalid UTF-8);
+    retryable before the first token (another replica may be sane)."""
     UNKNOWN = "unknown"
+    """the source raised something the library does not know; fatal."""
 
 
 #: Kinds that are the replica's fault, not the request's: that replica will fail every request

@@ -17,7 +17,14 @@ __all__ = ["Delta", "FirstToken", "ToolCallDelta", "counts_as_first_token"]
 @attrs.frozen(slots=True)
 class ToolCallDelta:
     """A fragment of a tool call, as OpenAI streams them: fragments with the same ``index``
-    belong to one call; ``arguments`` pieces are concatenated in order."""
+    belong to one call; ``arguments`` pieces are concatenated in order.
+
+    Attributes:
+        index: which tool call of the choice the fragment belongs to (0-based).
+        id: the call's id, usually only on its first fragment, else ``None``.
+        name: the function's name, usually only on its first fragment, else ``None``.
+        arguments: the next piece of the call's JSON arguments (``""`` when none).
+    """
 
     index: int
     id: str | None = None
@@ -65,12 +72,12 @@ class FirstToken(str, enum.Enum):
     never count: servers send them while the request is still queued.
     """
 
-    #: answer text only (default).
     CONTENT = "content"
-    #: answer text or reasoning text (for reasoning models whose thinking is shown to users).
+    """answer text only (default)."""
     CONTENT_OR_REASONING = "content_or_reasoning"
-    #: any output, including tool-call fragments (for agents).
+    """answer text or reasoning text (for reasoning models whose thinking is shown to users)."""
     ANY_OUTPUT = "any_output"
+    """any output, including tool-call fragments (for agents)."""
 
 
 def counts_as_first_token(delta: Delta, rule: FirstToken) -> bool:

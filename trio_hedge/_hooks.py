@@ -36,20 +36,24 @@ class EventKind(str, enum.Enum):
     """What happened."""
 
     ATTEMPT_STARTED = "attempt_started"
-    #: an attempt produced the first token and won the race.
+    """an attempt started (the primary, a hedge or a failover)."""
     COMMITTED = "committed"
+    """an attempt produced the first token and won the race."""
     ATTEMPT_FAILED = "attempt_failed"
+    """an attempt failed (``record.error`` says why)."""
     ATTEMPT_CANCELLED = "attempt_cancelled"
-    #: the hedge delay passed but no backup was sent (budget, throttle, or no usable replica).
+    """an attempt was cancelled: it lost the race, a fatal error ended the request, or the
+    caller left."""
     HEDGE_REFUSED = "hedge_refused"
-    #: an attempt failed but no failover was sent (throttle, or no usable replica).
+    """the hedge delay passed but no backup was sent (budget, throttle, or no usable replica)."""
     FAILOVER_REFUSED = "failover_refused"
-    #: a replica was put in cooldown by server pushback (``retry_after``).
+    """an attempt failed but no failover was sent (throttle, or no usable replica)."""
     REPLICA_COOLING = "replica_cooling"
-    #: a replica was ejected by outlier detection.
+    """a replica was put in cooldown by server pushback (``retry_after``)."""
     REPLICA_EJECTED = "replica_ejected"
-    #: the request ended (``report`` is set).
+    """a replica was ejected by outlier detection."""
     REQUEST_FINISHED = "request_finished"
+    """the request ended (``report`` is set)."""
 
 
 @attrs.frozen

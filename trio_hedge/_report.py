@@ -22,17 +22,18 @@ class AttemptOutcome(str, enum.Enum):
     """How one attempt ended (``running`` while it is still going)."""
 
     RUNNING = "running"
-    #: produced the first token first; its tokens were relayed.
+    """still going."""
     WON = "won"
-    #: cancelled: another attempt won, a fatal error ended the request, or the caller left.
+    """produced the first token first; its tokens were relayed."""
     CANCELLED = "cancelled"
-    #: failed with an error before the commit.
+    """cancelled: another attempt won, a fatal error ended the request, or the caller left."""
     FAILED = "failed"
-    #: stopped by ``first_token_timeout`` before any attempt produced a first token.
+    """failed with an error before the commit."""
     TIMEOUT = "timeout"
-    #: planned but never started (the request committed or failed first, or the hedge
-    #: budget refused it).
+    """stopped by ``first_token_timeout`` before any attempt produced a first token."""
     NOT_STARTED = "not_started"
+    """planned but never started (the request committed or failed first, or the hedge budget
+    refused it)."""
 
 
 @attrs.frozen

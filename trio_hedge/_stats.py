@@ -20,8 +20,9 @@ class DelayStatistics:
     Attributes:
         group: the group (model / replica group).
         size_class: the class index (see :class:`~trio_hedge.SizeClasses`).
-        min_tokens, max_tokens: the class's prompt-token bounds (``max_tokens`` exclusive,
-            ``None`` for the open last class).
+        min_tokens: the class's smallest prompt size, in tokens.
+        max_tokens: the class's prompt-token bound, exclusive (``None`` for the open last
+            class).
         observations: TTFT observations in the window (exact and censored).
         censored: of those, attempts cancelled before their first token.
         delay: the delay, in seconds, a request of this class gets now.
@@ -48,8 +49,11 @@ class ReplicaStatistics:
         state: ``"healthy"``, ``"cooling"`` (server pushback) or ``"ejected"``.
         in_flight: attempts running on it now (a committed winner counts until its stream
             ends).
-        attempts, wins, failures: totals since the Hedger was created.
-        cooling_for, ejected_for: seconds left of cooldown / ejection (0 when none).
+        attempts: attempts started on it since the Hedger was created.
+        wins: requests it won since the Hedger was created.
+        failures: attempts on it that failed since the Hedger was created.
+        cooling_for: seconds left of its cooldown after server pushback (0 when none).
+        ejected_for: seconds left of its ejection by outlier detection (0 when none).
         times_ejected: ejections since the Hedger was created.
         consecutive_failures: failures in a row now.
         latency: what the ``peak_ewma`` pick sees now, in seconds: the peak-EWMA TTFT
@@ -110,8 +114,10 @@ class HedgerStatistics:
         prompt_tokens_sent: prompt tokens sent, over all attempts (estimated).
         prompt_tokens_resent: of those, sent again by backups.
         wasted_tokens: content tokens received by losing attempts.
-        ttft_p50, ttft_p90, ttft_p99: caller-visible TTFT percentiles (seconds) over the
-            statistics window, or ``None`` before the first commit.
+        ttft_p50: the caller-visible median TTFT (seconds) over the statistics window, or
+            ``None`` before the first commit.
+        ttft_p90: the caller-visible P90 TTFT (seconds), likewise.
+        ttft_p99: the caller-visible P99 TTFT (seconds), likewise.
         delays: the current hedge delay of every (group, size class) with data.
         replicas: every replica's health, in the order given to the Hedger.
         prefill: each group's prefill model (:class:`~trio_hedge.PrefillFit`: TTFT against

@@ -45,13 +45,13 @@ class HedgedStream:
     losers close their own streams concurrently (each within ``close_timeout``), and the block
     does not exit before every attempt's stream is closed.
 
-    Raises (from ``async with``):
-        FatalAttemptError: an error that is the request's fault (400, 413, 422, context
-            length…): no backup would do better.
-        AllAttemptsFailed: every allowed attempt failed, or ``first_token_timeout`` passed.
-    Raises (while iterating):
-        StreamInterrupted: the winner failed after its first token; ``.text`` keeps the
-            partial answer.
+    Raises:
+        FatalAttemptError: from ``async with``: an error that is the request's fault (400,
+            413, 422, context length…): no backup would do better.
+        AllAttemptsFailed: from ``async with``: every allowed attempt failed, or
+            ``first_token_timeout`` passed.
+        StreamInterrupted: while iterating: the winner failed after its first token;
+            ``.text`` keeps the partial answer.
     """
 
     def __init__(
@@ -404,7 +404,7 @@ def hedged_stream(
             (:class:`~trio_hedge.HeaderNames`); default ``X-Request-ID`` / ``X-Hedge-Attempt``.
 
     Returns:
-        a :class:`HedgedStream`; use it as ``async with hedged_stream(...) as stream:``.
+        The request's stream; use it as ``async with hedged_stream(...) as stream:``.
 
     Raises:
         TypeError, ValueError: bad arguments (raised here, before any I/O): among them a

@@ -34,10 +34,10 @@ if sys.version_info < (3, 11):  # pragma: no cover
 
 __all__ = ["DEFAULT_FIRST_TOKEN_TIMEOUT", "DEFAULT_STALL_TIMEOUT", "main"]
 
-#: Seconds ``stream`` waits for a first token, over all attempts, before giving up.
 DEFAULT_FIRST_TOKEN_TIMEOUT = 120.0
-#: Seconds ``stream`` lets the winner go without content after its first token.
+"""Seconds ``stream`` waits for a first token, over all attempts, before giving up."""
 DEFAULT_STALL_TIMEOUT = 60.0
+"""Seconds ``stream`` lets the winner go without content after its first token."""
 #: Exit status after Ctrl-C (128 + SIGINT, as shells report it).
 EXIT_INTERRUPTED = 130
 

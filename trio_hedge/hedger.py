@@ -377,9 +377,9 @@ class Hedger:
                 Values are never shown in reprs or reports. Default none.
 
         Returns:
-            a :class:`~trio_hedge.HedgedStream` (see there for what it raises). Entering it
-            also raises :class:`~trio_hedge.ReplicasCooling` when every replica is cooling
-            for longer than ``max_pushback_wait`` (nothing is sent).
+            The request's stream (see :class:`~trio_hedge.HedgedStream` for what it
+            raises). Entering it also raises :class:`~trio_hedge.ReplicasCooling` when every
+            replica is cooling for longer than ``max_pushback_wait`` (nothing is sent).
 
         Raises:
             RuntimeError: the Hedger was closed.
@@ -543,7 +543,7 @@ class Hedger:
 
             with open("ttft.jsonl", "w") as f:
                 for record in hedger.samples():
-                    f.write(json.dumps(record) + "\n")
+                    f.write(json.dumps(record) + "\\n")
         """
         if self._model is None:
             return []

@@ -67,8 +67,8 @@ from ._errors import AttemptError, ErrorKind
 
 __all__ = ["DEFAULT_MAX_EVENT_SIZE", "SSEDecoder", "SSEEvent"]
 
-#: Default bound on one event (its data plus an unfinished line): 1 MiB.
 DEFAULT_MAX_EVENT_SIZE = 1_048_576
+"""Default bound on one event (its data plus an unfinished line): 1 MiB."""
 
 _BOM = b"\xef\xbb\xbf"
 

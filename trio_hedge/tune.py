@@ -96,8 +96,12 @@ class TTFTRecord:
 
 @attrs.frozen
 class Candidate:
-    """A policy to try: hedge at ``percentile`` with a budget of ``budget`` backups per
-    request (``None``: no budget)."""
+    """A policy to try.
+
+    Attributes:
+        percentile: the TTFT quantile to hedge at, in ``(0, 1)``.
+        budget: the hedge budget, in backups per request, or ``None`` for no budget.
+    """
 
     percentile: float
     budget: float | None
@@ -123,8 +127,10 @@ class Prediction:
         requests: requests replayed.
         hedge_rate: the fraction of requests that would send at least one backup.
         extra: extra requests (backups) per request.
-        p50, p90, p99: the callers' TTFT (seconds) at those quantiles; upper bounds where the
-            log only had a lower bound for the primary.
+        p50: the callers' median TTFT (seconds); an upper bound where the log only had a
+            lower bound for the primary (as for ``p90`` and ``p99``).
+        p90: the callers' P90 TTFT (seconds).
+        p99: the callers' P99 TTFT (seconds).
         budget_refusals: hedges the budget would have refused.
         ttfts: the per-request TTFTs (for a plot).
     """

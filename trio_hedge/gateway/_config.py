@@ -85,8 +85,8 @@ class Limits:
             cancelled (their upstream attempts closed). Default 30.
         retry_after: the ``Retry-After`` of the gateway's own 503 answers (over the limit,
             draining) and of upstream 503s that gave none. Default 1.
-        hedge_after_min, hedge_after_max: the range a client's ``X-Hedge-After`` is clamped
-            to. Defaults 0 and 10.
+        hedge_after_min: the least a client's ``X-Hedge-After`` is clamped to. Default 0.
+        hedge_after_max: the most a client's ``X-Hedge-After`` is clamped to. Default 10.
     """
 
     max_concurrent: int = attrs.field(default=1000, validator=_positive_int)
@@ -165,8 +165,9 @@ class GatewayConfig:
         replicas: the upstream :class:`~trio_hedge.Replica` endpoints (unique names).
         groups: the :class:`Group` s, matched in order; default one group ``"default"``
             with every replica, for every model.
-        host, port: where to listen (HTTP/1.1 and h2c on one port). Defaults
-            ``127.0.0.1`` and 8080.
+        host: the address to listen on (HTTP/1.1 and h2c on one port). Default
+            ``127.0.0.1``.
+        port: the port to listen on. Default 8080.
         keys: the keys clients must send (``Authorization: Bearer …``); empty: no
             authentication. Compared in constant time. Hidden in the repr.
         forward_client_key: send a client's own ``Authorization`` upstream, to replicas

@@ -64,6 +64,14 @@ class HeaderNames:
     them; it is a bare UUID because some servers (llama.cpp's) answer 400 to an
     ``X-Request-ID`` that is not one. The attempt number (1 = primary) goes in its own header,
     like gRPC's ``grpc-previous-rpc-attempts`` (gRFC A6).
+
+    Attributes:
+        request_id: the request id's header. Default ``"X-Request-ID"``.
+        attempt: the attempt number's header. Default ``"X-Hedge-Attempt"``.
+
+    Raises:
+        TypeError: a name that is not a ``str`` (or ``None``).
+        ValueError: a name that is not an HTTP header name (an RFC 9110 token).
     """
 
     request_id: str | None = attrs.field(default="X-Request-ID", validator=_check_header_name)

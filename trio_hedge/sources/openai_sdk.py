@@ -51,7 +51,12 @@ __all__ = ["OpenAISDKSource", "SDKChunkDelta", "openai_sdk_sources", "sdk_chunks
 @attrs.frozen(slots=True)
 class SDKChunkDelta(Delta):
     """A :class:`~trio_hedge.Delta` that carries the SDK's ``ChatCompletionChunk`` it was
-    made from (``chunk``), for code that wants the SDK's own objects."""
+    made from, for code that wants the SDK's own objects.
+
+    Attributes:
+        chunk: the SDK's chunk (not part of equality or the repr); the other fields are
+            :class:`~trio_hedge.Delta`'s.
+    """
 
     chunk: ChatCompletionChunk | None = attrs.field(default=None, eq=False, repr=False)
 

@@ -202,7 +202,8 @@ class RequestRecord:
     Attributes:
         index: 0-based position among the replica's requests (all paths).
         received_at: when the whole request had arrived.
-        method, path: e.g. ``"POST"``, ``"/v1/chat/completions"``.
+        method: the HTTP method, e.g. ``"POST"``.
+        path: the request path, e.g. ``"/v1/chat/completions"``.
         headers: request headers, lower-case names (the repr redacts credentials).
         json: the parsed JSON body, or ``None``.
         http_version: ``"1.1"``, ``"1.0"`` or ``"2"``.
