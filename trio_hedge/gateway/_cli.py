@@ -18,9 +18,6 @@ import trio
 __all__ = ["add_commands", "run"]
 
 COMMANDS = ("serve", "fake")
-#: The gen-0 threshold `serve` sets: CPython's default (700) collects every 700 net
-#: allocations, and each collection of the older generations walks every live object.
-GC_THRESHOLD = 100_000
 #: The gen-0 threshold `serve` sets: CPython's default (700) runs a collection every 700 net
 #: allocations, and the older generations' collections walk every live object.
 GC_THRESHOLD = 100_000
