@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_hedge import chunks
-from trio_hedge._errors import AttemptError, ErrorKind
-from trio_hedge._events import Delta, ToolCallDelta
-from trio_hedge.chunks import (
+from trio_hedge.errors import AttemptError, ErrorKind
+from trio_hedge.events import Delta, ToolCallDelta
+from trio_hedge.sources.openai import (
     ChunkDecoder,
+    _json,
     classify_http_error,
     decode_json_body,
     merge_tool_calls,
@@ -132,7 +132,7 @@ def test_any_split_of_any_case_gives_the_same_output(data: st.DataObject) -> Non
 @needs_cases
 def test_json_fallback_gives_identical_results(monkeypatch: pytest.MonkeyPatch) -> None:
     with_orjson = [run(c["status"], c["headers"], [c["body"].encode()]) for c in CASES]
-    monkeypatch.setattr(chunks, "_orjson_loads", None)
+    monkeypatch.setattr(_json, "_orjson_loads", None)
     without = [run(c["status"], c["headers"], [c["body"].encode()]) for c in CASES]
     assert [summary(*r) for r in without] == [summary(*r) for r in with_orjson]
 

@@ -27,14 +27,13 @@ from collections import deque
 from collections.abc import Sequence
 
 import attrs
-import httpx
 import trio
 
-from ._errors import AllAttemptsFailed, AttemptError, ErrorKind, FatalAttemptError
-from ._events import Delta, FirstToken, counts_as_first_token
 from ._plan import Planner
-from ._report import AttemptOutcome, _AttemptState, _Recorder
-from .sources._base import AttemptInfo, AttemptStream, Source
+from ._source import AttemptInfo, AttemptStream, Source
+from .errors import AllAttemptsFailed, AttemptError, ErrorKind, FatalAttemptError
+from .events import Delta, FirstToken, counts_as_first_token
+from .report import AttemptOutcome, _AttemptState, _Recorder
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -62,6 +61,25 @@ def leaves(exc: BaseException) -> list[BaseException]:
     return found
 
 
+def _http_stack_kind(cls: type[BaseException]) -> ErrorKind | None:
+    """What an exception of the HTTP stack that a source let through means: a generic
+    iterator may read with httpx, and httpcore's and h2's own protocol errors are not mapped
+    to httpx's on every path (an HTTP/2 stream used after a cancel). httpx's timeouts are
+    timeouts, its transport errors and anything from httpcore, h2 or h11 a broken connection
+    (not a bad request); ``None`` for anything else. Known by class and module name: the
+    engine imports no HTTP library (the HTTP source classifies its own errors, in
+    ``sources/openai/_errors.py``)."""
+    top = cls.__module__.partition(".")[0]
+    if top in ("httpcore", "h2", "h11"):
+        return ErrorKind.CONNECTION
+    if top != "httpx":
+        return None
+    bases = {c.__name__ for c in cls.__mro__ if c.__module__.partition(".")[0] == "httpx"}
+    if "TimeoutException" in bases:
+        return ErrorKind.TIMEOUT
+    return ErrorKind.CONNECTION if "TransportError" in bases else None
+
+
 def classify_exception(exc: BaseException) -> AttemptError:
     """Turn what a source raised into an :class:`AttemptError`.
 
@@ -80,13 +98,10 @@ def classify_exception(exc: BaseException) -> AttemptError:
     if isinstance(exc, AttemptError):
         return exc
     err: AttemptError
-    if isinstance(exc, (httpx.TimeoutException, TimeoutError, trio.TooSlowError)):
+    http_kind = _http_stack_kind(type(exc))
+    if http_kind is ErrorKind.TIMEOUT or isinstance(exc, (TimeoutError, trio.TooSlowError)):
         err = AttemptError(ErrorKind.TIMEOUT, f"{type(exc).__name__}: {exc}")
-    elif isinstance(exc, (httpx.TransportError, OSError, trio.BrokenResourceError)) or (
-        # httpcore's and h2's own protocol errors (not mapped to httpx's on every path, e.g.
-        # an HTTP/2 stream used after a cancel): the connection is broken, not the request.
-        type(exc).__module__.split(".")[0] in ("httpcore", "h2", "h11")
-    ):
+    elif http_kind is not None or isinstance(exc, (OSError, trio.BrokenResourceError)):
         err = AttemptError(ErrorKind.CONNECTION, f"{type(exc).__name__}: {exc}")
     else:
         err = AttemptError(ErrorKind.UNKNOWN, f"{type(exc).__name__}: {exc}", retryable=False)

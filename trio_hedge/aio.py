@@ -41,16 +41,16 @@ from typing import Any
 import httpx
 import trio
 
-from ._errors import HedgeError
-from ._events import Delta
-from ._hooks import EventHook
-from ._policy import HedgePolicy
-from ._report import Report
-from ._stats import HedgerStatistics
-from ._stream import HedgedStream, hedged_stream
+from ._oneshot import hedged_stream
+from ._source import Source
+from ._stream import HedgedStream
+from .errors import HedgeError
+from .events import Delta, EventHook
 from .hedger import Hedger, HedgerConfig
-from .sources._base import Source
-from .sources.openai_http import HeaderNames, Replica
+from .policy._config import HedgePolicy
+from .policy._stats import HedgerStatistics
+from .report import Report
+from .sources.openai._http import HeaderNames, Replica
 
 __all__ = ["AioHedgedStream", "AioHedger", "aio_hedged_stream"]
 
@@ -73,7 +73,7 @@ class AioHedgedStream:
 
     ``async with`` waits for the commit (raising what the Trio stream raises:
     :class:`~trio_hedge.FatalAttemptError`, :class:`~trio_hedge.AllAttemptsFailed`);
-    ``async for`` yields ``str`` tokens; :meth:`events` yields :class:`~trio_hedge.Delta`
+    ``async for`` yields ``str`` tokens; :meth:`events` yields :class:`~trio_hedge.events.Delta`
     events (both read one queue, as on the Trio stream); :attr:`report` says what happened.
     While iterating, :class:`~trio_hedge.StreamInterrupted` comes after the tokens that
     arrived before the failure. Use each stream once, from one asyncio task.
@@ -243,7 +243,7 @@ class AioHedgedStream:
             await self._wait()
 
     def events(self) -> _AioEventIterator:
-        """An async iterator of the winner's :class:`~trio_hedge.Delta` events (content,
+        """An async iterator of the winner's :class:`~trio_hedge.events.Delta` events (content,
         reasoning, tool-call fragments, usage, finish reason), as
         :meth:`trio_hedge.HedgedStream.events`: it shares one queue with ``async for``."""
         return _AioEventIterator(self)
@@ -335,7 +335,7 @@ class AioHedger:
         return AioHedgedStream(self._hedger.stream(request, **kwargs), buffer=self._buffer)
 
     def statistics(self) -> HedgerStatistics:
-        """A :class:`~trio_hedge.HedgerStatistics` snapshot."""
+        """A :class:`~trio_hedge.policy.HedgerStatistics` snapshot."""
         return self._hedger.statistics()
 
     def hedge_delay(self, *, prompt_tokens: int = 0, group: str = "default") -> float | None:

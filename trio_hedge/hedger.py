@@ -2,20 +2,20 @@
 
 An application creates one :class:`Hedger` and opens every request through it. Unlike
 :func:`~trio_hedge.hedged_stream` (one request, a fixed plan), the Hedger keeps state across
-requests and consults it at each decision of the race (through the :class:`~trio_hedge.Planner`
-protocol; the race and stream code are the same):
+requests and consults it at each decision of the race (through the
+:class:`~trio_hedge.policy.Planner` protocol; the race and stream code are the same):
 
 * **when to hedge** — a delay learned per group and prompt-size class from observed TTFTs,
   censoring-aware (:class:`~trio_hedge.LearnedDelay`), or a fixed number;
-* **whether a hedge may be sent** — a ratio budget (:class:`~trio_hedge.HedgeBudget`) and a
-  failure throttle (:class:`~trio_hedge.RetryThrottle`), checked at the moment; the budget is
+* **whether a hedge may be sent** — a ratio budget (:class:`~trio_hedge.policy.HedgeBudget`) and a
+  failure throttle (:class:`~trio_hedge.policy.RetryThrottle`), checked at the moment; the budget is
   spent when the backup really starts;
 * **whether a failover may be sent** — the same throttle (gRFC A6: no retries and no hedges
   at or below half the tokens), a replica that is not ejected, and for a replica this
-  request already tried, a back-off (:class:`~trio_hedge.Backoff`);
+  request already tried, a back-off (:class:`~trio_hedge.policy.Backoff`);
 * **where an attempt goes** — a replica this request has not tried yet before one it has,
   not one cooling after server pushback (``Retry-After``), not one ejected by outlier
-  detection (:class:`~trio_hedge.OutlierDetection`, which never ejects the whole fleet);
+  detection (:class:`~trio_hedge.policy.OutlierDetection`, which never ejects the whole fleet);
   of the rest, the one with the lowest peak-EWMA cost (Finagle's and Linkerd's balancers):
   its recent TTFT, where a lost race counts as "at least this slow" and an attempt still
   waiting there as "at least this slow now", times one plus its attempts waiting for a first
@@ -41,42 +41,32 @@ import uuid
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
-import attrs
 import httpx
 import trio
 
-from ._budget import (
-    Backoff,
+from ._hooks import emit
+from ._oneshot import check_replicas
+from ._source import Source
+from ._stream import HedgedStream
+from ._validate import check_header_value, check_headers, check_json_body, check_request_id
+from .errors import AttemptError, ReplicasCooling, StreamInterrupted
+from .events import EventHook, EventKind, HedgeEvent
+from .policy._budget import (
     BudgetState,
-    HedgeBudget,
-    RetryThrottle,
     ThrottleState,
     backoff_delay,
     jitter_draw,
 )
-from ._client import make_client
-from ._delay import DelayModel, LearnedDelay, _number, empirical_quantile
-from ._errors import AttemptError, ReplicasCooling, StreamInterrupted
-from ._events import FirstToken
-from ._health import OutlierDetection, ReplicaState, counts_against_replica
-from ._hooks import EventHook, EventKind, HedgeEvent, emit
-from ._policy import (
-    HedgePolicy,
-    _positive_int,
-    _positive_int_or_none,
-    _positive_seconds,
-    _positive_seconds_or_none,
-    _seconds_or_none,
-)
-from ._report import AttemptOutcome, AttemptRecord, Report
-from ._sizing import estimate_prompt_tokens
-from ._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
-from ._stream import HedgedStream, check_replicas
-from ._validate import check_header_value, check_headers, check_json_body, check_request_id
-from .sources._base import Source
-from .sources.openai_http import HeaderNames, Replica
+from .policy._config import HedgerConfig
+from .policy._delay import DelayModel, LearnedDelay, empirical_quantile
+from .policy._health import ReplicaState, counts_against_replica
+from .policy._sizing import estimate_prompt_tokens
+from .policy._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
+from .report import AttemptOutcome, AttemptRecord, Report
+from .sources.openai._http import HeaderNames, Replica
+from .transport import make_client
 
 __all__ = ["Hedger", "HedgerConfig"]
 
@@ -84,124 +74,6 @@ __all__ = ["Hedger", "HedgerConfig"]
 _TTFT_SAMPLES = 4096
 #: Cancelled attempts a replica may count as still being prefilled (a memory bound).
 _MAX_LINGERING = 1024
-
-
-def _check_hedge_after(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is None or isinstance(value, LearnedDelay):
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(
-            f"hedge_after must be seconds (a number), a LearnedDelay or None, not {value!r}"
-        )
-    _seconds_or_none(_inst, attribute, value)  # the same rule as HedgePolicy.hedge_after
-
-
-def _optional(kind: type) -> Any:
-    return attrs.validators.optional(attrs.validators.instance_of(kind))
-
-
-@attrs.frozen
-class HedgerConfig:
-    """How a :class:`Hedger` hedges. Durations in seconds.
-
-    Attributes:
-        hedge_after: a :class:`~trio_hedge.LearnedDelay` (default: P95 of the last 300 s of
-            TTFTs per group and prompt-size class, 1.0 s until 20 observations), a fixed
-            number of seconds, or ``None`` to never hedge on time (failover only).
-        max_attempts: attempts per request, primary included; ``None`` (default) allows one
-            per replica times ``attempts_per_replica``. gRPC caps it at 5 (gRFC A6).
-        attempts_per_replica: attempts of one request a replica may take. Default 1.
-        first_token: what counts as the first token (:class:`~trio_hedge.FirstToken`).
-        first_token_timeout: seconds over all attempts to wait for a first token, else
-            :class:`~trio_hedge.AllAttemptsFailed` (``kind="timeout"``). Default ``None``
-            (the caller's own cancel scope is the deadline).
-        stall_timeout: after commit, seconds the winner may go without content before
-            :class:`~trio_hedge.StreamInterrupted` (``kind="stall"``); it counts against the
-            replica's health. Default ``None``.
-        close_timeout: seconds a loser's close may take. Default 1.0.
-        budget: a :class:`~trio_hedge.HedgeBudget` (default 10% + 0.5/s over 60 s) or
-            ``None`` for no budget.
-        throttle: a :class:`~trio_hedge.RetryThrottle` (default 10 tokens, ratio 0.1) or
-            ``None``.
-        outlier_detection: an :class:`~trio_hedge.OutlierDetection` (default 5 failures in
-            a row, 10 s doubling up to 300 s, at most a third of the replicas) or ``None`` to
-            never eject.
-        backoff: a :class:`~trio_hedge.Backoff` for a request's repeated attempts on one
-            replica (only with ``attempts_per_replica > 1``; default 0.1 s doubling up to
-            5 s, full jitter) or ``None`` to repeat at once (the throttle still applies).
-        max_pushback_wait: seconds an attempt may wait for a replica to end its cooldown
-            (server pushback) when every replica it could use is cooling. Beyond that the
-            primary raises :class:`~trio_hedge.ReplicasCooling` at once (saying until when)
-            and a later attempt is not sent. ``None`` waits as long as the caller's cancel
-            scope allows. Default 10: a rate-limit window usually ends within seconds, and a
-            caller who waits longer should say so (a batch job: raise it).
-        pick: where an attempt goes among the eligible replicas (ties in the given order):
-            ``"peak_ewma"`` (default), the lowest ``latency × (attempts + 1)``, as Finagle's
-            ``P2CPeakEwma`` and Linkerd's balancer cost a replica: ``latency`` is a peak-EWMA
-            of its TTFTs (excess over the prompt's predicted prefill, so a long prompt's own
-            prefill does not mark a replica slow; an attempt cancelled before its first token
-            counts as "at least this slow"; the estimate decays toward zero with
-            ``latency_decay``), raised to the age of the oldest attempt still waiting there
-            for a first token; ``attempts`` are those waiting there for a first token plus
-            cancelled ones whose prefill the server may still be running (until the prefill
-            model's median for their size has passed since they started); a stream already
-            answering is not counted (a batching engine prefills beside it).
-            ``"least_loaded"``: the fewest
-            attempts in flight (this process's only). ``"in_order"``: the first eligible
-            one, for a preferred primary and fallback providers. Server pushback keeps a
-            replica out of every pick until its cooldown ends, and failures count through
-            outlier detection, not the latency.
-        latency_decay: seconds, the time constant of the peak-EWMA latency's decay. Default
-            10 (Finagle's and Linkerd's default decay time).
-        chars_per_token: for estimating prompt tokens from the messages. Default 4.0.
-        stats_window: seconds of commits behind the TTFT percentiles in ``statistics()``.
-            Default 60.
-
-    Raises:
-        TypeError, ValueError: on a badly typed or out-of-range field.
-    """
-
-    hedge_after: float | LearnedDelay | None = attrs.field(
-        factory=LearnedDelay, validator=_check_hedge_after
-    )
-    max_attempts: int | None = attrs.field(default=None, validator=_positive_int_or_none)
-    attempts_per_replica: int = attrs.field(default=1, validator=_positive_int)
-    first_token: FirstToken = attrs.field(
-        default=FirstToken.CONTENT,
-        converter=FirstToken,
-        validator=attrs.validators.in_(tuple(FirstToken)),
-    )
-    first_token_timeout: float | None = attrs.field(
-        default=None, validator=_positive_seconds_or_none
-    )
-    stall_timeout: float | None = attrs.field(default=None, validator=_positive_seconds_or_none)
-    close_timeout: float = attrs.field(default=1.0, validator=_positive_seconds)
-    budget: HedgeBudget | None = attrs.field(factory=HedgeBudget, validator=_optional(HedgeBudget))
-    throttle: RetryThrottle | None = attrs.field(
-        factory=RetryThrottle, validator=_optional(RetryThrottle)
-    )
-    outlier_detection: OutlierDetection | None = attrs.field(
-        factory=OutlierDetection, validator=_optional(OutlierDetection)
-    )
-    backoff: Backoff | None = attrs.field(factory=Backoff, validator=_optional(Backoff))
-    max_pushback_wait: float | None = attrs.field(default=10.0, validator=_seconds_or_none)
-    pick: Literal["peak_ewma", "least_loaded", "in_order"] = attrs.field(
-        default="peak_ewma",
-        validator=attrs.validators.in_(("peak_ewma", "least_loaded", "in_order")),
-    )
-    latency_decay: float = attrs.field(default=10.0, validator=_number(0.0, open_lo=True))
-    chars_per_token: float = attrs.field(default=4.0, validator=_number(0.0, open_lo=True))
-    stats_window: float = attrs.field(default=60.0, validator=_number(0.0, open_lo=True))
-
-    def stream_policy(self) -> HedgePolicy:
-        """The per-stream part (timeouts, first-token rule) as a :class:`HedgePolicy`."""
-        return HedgePolicy(
-            hedge_after=None,
-            first_token=self.first_token,
-            first_token_timeout=self.first_token_timeout,
-            stall_timeout=self.stall_timeout,
-            close_timeout=self.close_timeout,
-        )
 
 
 def _check_request_hedge_after(value: object) -> float | None:
@@ -233,15 +105,15 @@ class Hedger:
 
     Args:
         replicas: where attempts go: :class:`~trio_hedge.Replica` endpoints and/or any
-            :class:`~trio_hedge.Source`; names must be unique. Their order is the tie-break
+            :class:`~trio_hedge.sources.Source`; names must be unique. Their order is the tie-break
             (and the preference with ``pick="in_order"``).
         config: a :class:`HedgerConfig`; default ``HedgerConfig()``.
         client: an ``httpx.AsyncClient`` for the HTTP replicas, used as given and never
             closed by the Hedger. Without one, the Hedger creates one on first use (one
             pool and SSL context for all requests) and closes it in :meth:`aclose`.
         headers: which headers carry the request id and attempt number
-            (:class:`~trio_hedge.HeaderNames`).
-        on_event: callbacks receiving a :class:`~trio_hedge.HedgeEvent` for every attempt
+            (:class:`~trio_hedge.sources.HeaderNames`).
+        on_event: callbacks receiving a :class:`~trio_hedge.events.HedgeEvent` for every attempt
             started, committed, failed or cancelled, every hedge or failover refused, replica
             cooled or ejected, and request finished. Also the mutable list :attr:`on_event`.
 
@@ -352,7 +224,7 @@ class Hedger:
 
         Args:
             request: the chat-completions JSON body (``model``, ``messages``, …); may be
-                ``None`` when every replica is a generic :class:`~trio_hedge.Source`.
+                ``None`` when every replica is a generic :class:`~trio_hedge.sources.Source`.
             hedge: ``False`` never sends a backup on time for this request (a failed attempt
                 still fails over). Default ``True``.
             side_effects: the request does something besides generating text (a tool that
@@ -457,7 +329,7 @@ class Hedger:
     # -- statistics --------------------------------------------------------------------------
 
     def statistics(self) -> HedgerStatistics:
-        """A frozen :class:`~trio_hedge.HedgerStatistics` snapshot (call inside Trio)."""
+        """A frozen :class:`~trio_hedge.policy.HedgerStatistics` snapshot (call inside Trio)."""
         now = trio.current_time()
         c = self._counts
         horizon = now - self._config.stats_window
@@ -631,7 +503,8 @@ class Hedger:
 
 
 class _RequestPlanner:
-    """The :class:`~trio_hedge.Planner` of one request, backed by its Hedger's shared state."""
+    """The :class:`~trio_hedge.policy.Planner` of one request, backed by its Hedger's shared
+    state."""
 
     def __init__(
         self,

@@ -23,8 +23,9 @@ from typing import Any
 import attrs
 import trio
 
-from .. import Delta, HedgedStream, HedgeError, Hedger, Report
-from ..chunks import merge_tool_calls
+from .. import HedgedStream, HedgeError, Hedger, Report
+from ..events import Delta
+from ..sources.openai import merge_tool_calls
 from ._config import GatewayConfig, Group
 from ._errors import ErrorAnswer, answer_for
 from ._http import Exchange, Receive

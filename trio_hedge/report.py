@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from ._errors import AttemptError
+from ._attempt_error import AttemptError
 
 __all__ = ["AttemptOutcome", "AttemptRecord", "Report"]
 
