@@ -504,7 +504,7 @@ async def test_a_hedge_that_cannot_go_now_is_refused_or_waits_within_the_bound(
         t = trio.current_time()
         record = th.report.AttemptRecord(1, "a", "primary", 0.0, None, None, O.RUNNING)
         planner.attempt_changed(primary, record)
-        hedger._replicas[1].cooling_until = t + cooling  # type: ignore[attr-defined]
+        hedger._fleet.replicas[1].cooling_until = t + cooling  # type: ignore[attr-defined]
         source = await planner.next_source(2, "hedge")
         if sent_at is None:
             assert source is None
@@ -905,10 +905,10 @@ async def test_owned_client_is_created_once_and_closed(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with th.Hedger([th.Replica("http://x.test/v1")]) as hedger:
-        hedger.stream({"messages": []})._planner._bind(hedger._replicas[0])  # type: ignore[attr-defined]
+        hedger.stream({"messages": []})._planner._bind(hedger._fleet.replicas[0])  # type: ignore[attr-defined]
         client = hedger._owned_client
         assert client is not None
-        hedger.stream({"messages": []})._planner._bind(hedger._replicas[0])  # type: ignore[attr-defined]
+        hedger.stream({"messages": []})._planner._bind(hedger._fleet.replicas[0])  # type: ignore[attr-defined]
         assert hedger._owned_client is client
     assert client.is_closed
 
