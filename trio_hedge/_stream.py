@@ -27,7 +27,7 @@ from .report import Report, _Recorder
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["AsyncCloseable", "HedgedStream", "StreamSettings"]
+__all__ = ["AsyncCloseable", "EventIterator", "HedgedStream", "StreamSettings"]
 
 
 class StreamSettings(Protocol):
@@ -307,13 +307,13 @@ class HedgedStream:
                 self._take(batch, trio.current_time())
                 pending.extend(batch)
 
-    def events(self) -> _EventIterator:
+    def events(self) -> EventIterator:
         """An async iterator of the winner's :class:`~trio_hedge.events.Delta` events (content,
         reasoning, tool-call fragments, usage, finish reason), from where the stream is: the
         events read before the commit first, unless ``async for`` already took them. It holds
         nothing between items, so leaving it early is safe, and ``async for`` may go on after
         it (and the other way round) without repeating or losing content."""
-        return _EventIterator(self)
+        return EventIterator(self)
 
     async def _next_event(self) -> Delta:
         pending = self._pending
@@ -339,13 +339,21 @@ class HedgedStream:
                 rec.attempt(self._winner_number).ended_at = rec.ended_at
 
 
-class _EventIterator:
+class _NextEvent(Protocol):
+    def _next_event(self) -> Coroutine[Any, Any, Delta]: ...
+
+
+class EventIterator:
+    """What ``events()`` returns (here and in :mod:`trio_hedge.aio`): each step awaits the
+    stream's next :class:`~trio_hedge.events.Delta`. A class, not an async generator, so
+    leaving the loop early leaves nothing to finalise."""
+
     __slots__ = ("_stream",)
 
-    def __init__(self, stream: HedgedStream) -> None:
+    def __init__(self, stream: _NextEvent) -> None:
         self._stream = stream
 
-    def __aiter__(self) -> _EventIterator:
+    def __aiter__(self) -> EventIterator:
         return self
 
     def __anext__(self) -> Coroutine[Any, Any, Delta]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -43,7 +43,7 @@ import trio
 
 from ._oneshot import hedged_stream
 from ._source import Source
-from ._stream import HedgedStream
+from ._stream import EventIterator, HedgedStream
 from .errors import HedgeError
 from .events import Delta, EventHook
 from .hedger import Hedger, HedgerConfig
@@ -242,24 +242,11 @@ class AioHedgedStream:
                 raise StopAsyncIteration
             await self._wait()
 
-    def events(self) -> _AioEventIterator:
+    def events(self) -> EventIterator:
         """An async iterator of the winner's :class:`~trio_hedge.events.Delta` events (content,
         reasoning, tool-call fragments, usage, finish reason), as
         :meth:`trio_hedge.HedgedStream.events`: it shares one queue with ``async for``."""
-        return _AioEventIterator(self)
-
-
-class _AioEventIterator:
-    __slots__ = ("_stream",)
-
-    def __init__(self, stream: AioHedgedStream) -> None:
-        self._stream = stream
-
-    def __aiter__(self) -> _AioEventIterator:
-        return self
-
-    def __anext__(self) -> Coroutine[Any, Any, Delta]:
-        return self._stream._next_event()
+        return EventIterator(self)
 
 
 def aio_hedged_stream(

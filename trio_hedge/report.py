@@ -30,9 +30,6 @@ class AttemptOutcome(str, enum.Enum):
     FAILED = "failed"
     #: stopped by ``first_token_timeout`` before any attempt produced a first token.
     TIMEOUT = "timeout"
-    #: planned but never started (the request committed or failed first, or the hedge
-    #: budget refused it).
-    NOT_STARTED = "not_started"
 
 
 @attrs.frozen

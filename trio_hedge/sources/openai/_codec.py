@@ -307,35 +307,6 @@ class ChunkDecoder:
                 raise
         return out
 
-    def feed_indexed(self, data: bytes) -> list[tuple[int, Delta]]:
-        """Like :meth:`feed`, pairing each Delta with the 0-based index of its data event."""
-        # A twin of feed() on purpose: feed() is the per-token hot path and must not build
-        # index pairs for the tests and tools that want them.
-        if self.error is not None:
-            raise self.error
-        if self.done:
-            return []
-        if self._mode != 1:
-            data = self._sniff(data)
-            if not data:
-                return []
-        out: list[tuple[int, Delta]] = []
-        try:
-            for event in self._sse.feed_raw(data):
-                delta = self._event(event, final=False)
-                if delta is not None:
-                    out.append((self.data_events - 1, delta))
-                if self.done:
-                    break
-            else:
-                if self._sse.pending_error is not None:
-                    raise self._sse.pending_error
-        except AttemptError as exc:
-            self.error = exc
-            if not out:
-                raise
-        return out
-
     def end(self) -> list[Delta]:
         """The body ended: return the last Deltas, or raise if the stream is incomplete.
 
@@ -344,10 +315,6 @@ class ChunkDecoder:
                 finish reason), ``EMPTY_STREAM`` (no data event), or an error from the last
                 event.
         """
-        return [delta for _, delta in self.end_indexed()]
-
-    def end_indexed(self) -> list[tuple[int, Delta]]:
-        """Like :meth:`end`, pairing each Delta with the index of its data event."""
         if self.error is not None:
             raise self.error
         try:
@@ -356,12 +323,12 @@ class ChunkDecoder:
             self.error = exc
             raise
 
-    def _end(self) -> list[tuple[int, Delta]]:
+    def _end(self) -> list[Delta]:
         if self.done:
             return []
         if self._mode == 2:
             return self._end_json()
-        out: list[tuple[int, Delta]] = []
+        out: list[Delta] = []
         partial = False
         try:
             events = self._sse.end_raw()
@@ -375,7 +342,7 @@ class ChunkDecoder:
                 partial = True
                 break
             if delta is not None:
-                out.append((self.data_events - 1, delta))
+                out.append(delta)
             if self.done:
                 return out
         if self.finish_reason is not None:
@@ -413,7 +380,7 @@ class ChunkDecoder:
         buf.clear()
         return raw
 
-    def _end_json(self) -> list[tuple[int, Delta]]:
+    def _end_json(self) -> list[Delta]:
         self.data_events = 1
         deltas = decode_json_body(200, {}, bytes(self._json), redact=self._redact)
         self.done = True
@@ -422,7 +389,7 @@ class ChunkDecoder:
                 self.finish_reason = delta.finish_reason
             if delta.usage is not None:
                 self.usage = delta.usage
-        return [(0, delta) for delta in deltas]
+        return deltas
 
     def _event(self, event: RawEvent, *, final: bool) -> Delta | None:
         kind, data = event[0], event[1]
