@@ -1,5 +1,6 @@
 """One attempt's failure, as data: :class:`ErrorKind` (why) and :class:`AttemptError` (what
-the race records and decides on). Public from :mod:`trio_hedge.errors`; kept apart from the
+the race records and decides on); :func:`classify_exception` turns whatever a source raised
+into one. Public from :mod:`trio_hedge.errors`; kept apart from the
 request-level exceptions there because the :class:`~trio_hedge.report.Report` records attempt
 errors while those exceptions carry a report: each module imports only downward.
 """
@@ -7,8 +8,22 @@ errors while those exceptions carry a report: each module imports only downward.
 from __future__ import annotations
 
 import enum
+import sys
 
-__all__ = ["REPLICA_KINDS", "RETRYABLE_KINDS", "TRANSIENT_KINDS", "AttemptError", "ErrorKind"]
+import trio
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+__all__ = [
+    "REPLICA_KINDS",
+    "RETRYABLE_KINDS",
+    "TRANSIENT_KINDS",
+    "AttemptError",
+    "ErrorKind",
+    "classify_exception",
+    "leaves",
+]
 
 
 class ErrorKind(str, enum.Enum):
@@ -143,3 +158,61 @@ class AttemptError(Exception):
             "status_code": self.status_code,
             "replica": self.replica,
         }
+
+
+def leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside ``exc``, flattening (nested) exception groups."""
+    if not isinstance(exc, BaseExceptionGroup):
+        return [exc]
+    found: list[BaseException] = []
+    for inner in exc.exceptions:
+        found.extend(leaves(inner))
+    return found
+
+
+def _http_stack_kind(cls: type[BaseException]) -> ErrorKind | None:
+    """What an exception of the HTTP stack that a source let through means: a generic
+    iterator may read with httpx, and httpcore's and h2's own protocol errors are not mapped
+    to httpx's on every path (an HTTP/2 stream used after a cancel). httpx's timeouts are
+    timeouts, its transport errors and anything from httpcore, h2 or h11 a broken connection
+    (not a bad request); ``None`` for anything else. Known by class and module name: the
+    engine imports no HTTP library (the HTTP source classifies its own errors, in
+    ``sources/openai/_errors.py``)."""
+    top = cls.__module__.partition(".")[0]
+    if top in ("httpcore", "h2", "h11"):
+        return ErrorKind.CONNECTION
+    if top != "httpx":
+        return None
+    bases = {c.__name__ for c in cls.__mro__ if c.__module__.partition(".")[0] == "httpx"}
+    if "TimeoutException" in bases:
+        return ErrorKind.TIMEOUT
+    return ErrorKind.CONNECTION if "TransportError" in bases else None
+
+
+def classify_exception(exc: BaseException) -> AttemptError:
+    """Turn what a source raised into an :class:`AttemptError`.
+
+    Sources should raise ``AttemptError`` themselves; this covers generic iterators (an
+    ``OSError`` is a connection error, a ``TimeoutError`` a timeout, anything else unknown and
+    fatal) and exception groups from sources that use a nursery: a group's errors are
+    classified one by one, and the group is as bad as its worst (the first fatal one, else the
+    first one).
+    """
+    if isinstance(exc, BaseExceptionGroup):
+        errors = [classify_exception(leaf) for leaf in leaves(exc)]
+        worst = next((e for e in errors if not e.retryable), errors[0])
+        if len(errors) > 1 and worst.__cause__ is not exc:
+            worst.__cause__ = exc  # keep the whole group in the chain
+        return worst
+    if isinstance(exc, AttemptError):
+        return exc
+    err: AttemptError
+    http_kind = _http_stack_kind(type(exc))
+    if http_kind is ErrorKind.TIMEOUT or isinstance(exc, (TimeoutError, trio.TooSlowError)):
+        err = AttemptError(ErrorKind.TIMEOUT, f"{type(exc).__name__}: {exc}")
+    elif http_kind is not None or isinstance(exc, (OSError, trio.BrokenResourceError)):
+        err = AttemptError(ErrorKind.CONNECTION, f"{type(exc).__name__}: {exc}")
+    else:
+        err = AttemptError(ErrorKind.UNKNOWN, f"{type(exc).__name__}: {exc}", retryable=False)
+    err.__cause__ = exc
+    return err

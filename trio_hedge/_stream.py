@@ -17,8 +17,9 @@ from typing import Any, NoReturn, Protocol
 
 import trio
 
+from ._attempt_error import classify_exception, leaves
 from ._plan import Planner
-from ._race import classify_exception, close_quietly, leaves, race
+from ._race import close_quietly, race
 from ._source import AttemptStream
 from .errors import AttemptError, ErrorKind, HedgeError, StreamInterrupted
 from .events import Delta, FirstToken, counts_as_first_token
