@@ -46,8 +46,8 @@ from ._source import Source
 from ._stream import EventIterator, HedgedStream
 from .errors import HedgeError
 from .events import Delta, EventHook
-from .hedger import Hedger, HedgerConfig
-from .policy._config import HedgePolicy
+from .hedger import Hedger
+from .policy._config import HedgePolicy, HedgerConfig
 from .policy._stats import HedgerStatistics
 from .report import Report
 from .sources.openai._http import HeaderNames, Replica

@@ -59,7 +59,7 @@ from .policy._stats import HedgerStatistics
 from .sources.openai._http import HeaderNames, Replica
 from .transport import make_client
 
-__all__ = ["Hedger", "HedgerConfig"]
+__all__ = ["Hedger"]
 
 #: Commits kept for the caller-visible TTFT percentiles in ``statistics()``.
 _TTFT_SAMPLES = 4096

@@ -1,4 +1,6 @@
-"""What happened to one hedged request: per-attempt records and stream timings.
+"""What happened to one hedged request: :class:`Report` (the request: winner, TTFT, TPOT,
+gaps, text, wasted tokens, error), :class:`AttemptRecord` (one attempt: replica, start, TTFT,
+outcome, error) and :class:`AttemptOutcome`.
 
 The race and the stream fill a mutable :class:`_Recorder` as things happen; ``stream.report``
 hands out a frozen :class:`Report` snapshot, during the stream and after it (also when it

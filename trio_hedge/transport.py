@@ -1,4 +1,7 @@
-"""A shared ``httpx.AsyncClient`` for many concurrent streams: :func:`make_client`.
+"""httpx clients for many concurrent streams: :func:`make_client` (a shared
+``httpx.AsyncClient``), :class:`ShardedTransport` (its transport), :func:`cancel_safe_transport`
+(HTTP/2 safe to cancel, see ``_cancel_safe.py``) and :func:`shared_ssl_context` (one SSL context
+for every client the library makes).
 
 Why: httpcore 1.0.9's connection pool does work proportional to the number of connections it
 holds on every request it starts or finishes (``AsyncConnectionPool.

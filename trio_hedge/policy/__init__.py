@@ -20,8 +20,9 @@ Statistics (frozen snapshots): :class:`HedgerStatistics`, :class:`ReplicaStatist
 
 Inside, one job per module: ``_config`` (the two config classes), ``_delay`` (the delay
 learner), ``_budget`` (budget, throttle, back-off), ``_health`` (replica health and
-ejection), ``_sizing`` (prompt size), ``_stats`` (snapshots), ``_fleet`` (the state shared by
-every request of a Hedger), ``_planner`` (one request's decisions over that state).
+ejection), ``_sizing`` (prompt size), ``_stats`` (snapshots), ``_static`` (the static
+planner), ``_fleet`` (the state shared by every request of a Hedger), ``_planner`` (one
+request's decisions over that state).
 """
 
 from .._plan import Planner

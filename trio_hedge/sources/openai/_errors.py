@@ -15,14 +15,25 @@ import email.utils
 import http
 import math
 import re
+import ssl
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import httpx
+
 from ...errors import AttemptError, ErrorKind
 from ._json import _loads
 
-__all__ = ["MAX_MESSAGE_CHARS", "classify_http_error", "parse_retry_after"]
+__all__ = [
+    "MAX_MESSAGE_CHARS",
+    "classify_http_error",
+    "parse_retry_after",
+    "request_line",
+    "send_error",
+    "transport_error",
+    "with_context",
+]
 
 #: Longest error message kept from a server (characters).
 MAX_MESSAGE_CHARS = 300
@@ -388,3 +399,81 @@ def _http_date(value: str) -> float | None:
         return parsed.timestamp()
     except (OverflowError, ValueError, OSError):
         return None
+
+
+# -- transport errors (httpx, httpcore, TLS) ------------------------------------------------
+
+
+def send_error(exc: Exception, request: httpx.Request, redact: Redact) -> AttemptError:
+    """The :class:`AttemptError` for an exception out of ``client.send``."""
+    if isinstance(exc, httpx.TimeoutException):
+        return transport_error(ErrorKind.TIMEOUT, exc, redact)
+    if isinstance(exc, httpx.ConnectError):
+        tls = _tls_failure(exc, request)
+        if tls is not None:
+            return AttemptError(ErrorKind.PROTOCOL, redact(tls))
+    # Any other transport error, and errors the HTTP stack should never raise: httpcore 1.0.9
+    # raises ValueError("semaphore released too many times") on an HTTP/2 connection a cancel
+    # corrupted (trio_hedge._cancel_safe.setup_cut_short; tests/test_faults.py). The
+    # connection is broken, not the request: another attempt may succeed.
+    return transport_error(ErrorKind.CONNECTION, exc, redact)
+
+
+def transport_error(kind: ErrorKind, exc: Exception, redact: Redact) -> AttemptError:
+    # httpx messages name the host, not the headers (validated at construction, so h11 never
+    # quotes an illegal one); masked all the same.
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return AttemptError(kind, redact(text))
+
+
+def request_line(request: httpx.Request) -> str:
+    """``POST scheme://host:port/path``: the URL called, without its query."""
+    url = request.url
+    return f"{request.method} {url.scheme}://{url.netloc.decode('ascii')}{url.path}"
+
+
+# What OpenSSL says when the bytes that came back were not TLS at all (a plain-HTTP server
+# answering a ClientHello with "HTTP/1.1 400 …").
+_NOT_TLS = ("WRONG_VERSION_NUMBER", "wrong version number", "record layer failure", "HTTP_REQUEST")
+
+
+def _tls_failure(exc: BaseException, request: httpx.Request) -> str | None:
+    """A message for a failed TLS handshake (``exc`` is a ``ConnectError``), or ``None``.
+
+    httpx reports it as a ``ConnectError`` with an empty message; the ``ssl.SSLError`` is down
+    its cause chain (httpcore's ``ConnectError``, Trio's ``BrokenResourceError``), and its
+    text ("[SSL: WRONG_VERSION_NUMBER] wrong version number", or "EOF occurred in violation
+    of protocol" from a server that hung up on the ClientHello) does not say the usual cause:
+    an ``https://`` URL on a plain-HTTP port.
+    """
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, ssl.SSLError):
+            reason = str(err)
+            if isinstance(err, ssl.SSLCertVerificationError):
+                return f"TLS certificate rejected calling {request_line(request)}: {reason}"
+            if isinstance(err, ssl.SSLEOFError) or any(m in reason for m in _NOT_TLS):
+                return (
+                    f"TLS handshake failed calling {request_line(request)}: the server did not "
+                    f"answer in TLS ({reason}). Is it a plain-HTTP port? Try http://"
+                )
+            return f"TLS handshake failed calling {request_line(request)}: {reason}"
+        todo += [err.__cause__, err.__context__]
+    return None
+
+
+def with_context(error: AttemptError, context: str) -> AttemptError:
+    """``error`` with ``context`` appended to its message (same kind and fields)."""
+    return AttemptError(
+        error.kind,
+        f"{error.message} ({context})",
+        retryable=error.retryable,
+        retry_after=error.retry_after,
+        status_code=error.status_code,
+        replica=error.replica,
+    )

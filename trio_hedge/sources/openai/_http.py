@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -31,7 +30,13 @@ from ...errors import AttemptError, ErrorKind
 from ...events import Delta
 from ...transport import http2_connections
 from ._codec import ChunkDecoder, decode_json_body
-from ._errors import classify_http_error
+from ._errors import (
+    classify_http_error,
+    request_line,
+    send_error,
+    transport_error,
+    with_context,
+)
 
 __all__ = ["HeaderNames", "OpenAIChatSource", "Replica"]
 
@@ -264,7 +269,7 @@ class OpenAIChatSource:
                 await _reset_orphan_http2_streams(self._client)
             if not isinstance(exc, Exception):
                 raise
-            raise _send_error(exc, request, self._redact) from exc
+            raise send_error(exc, request, self._redact) from exc
         try:
             return await _attempt_for(response, self._redact)
         except BaseException:
@@ -275,81 +280,6 @@ class OpenAIChatSource:
             ):
                 await _close_response(response, finished=False)
             raise
-
-
-def _send_error(exc: Exception, request: httpx.Request, redact: Redactor) -> AttemptError:
-    """The :class:`AttemptError` for an exception out of ``client.send``."""
-    if isinstance(exc, httpx.TimeoutException):
-        return _transport_error(ErrorKind.TIMEOUT, exc, redact)
-    if isinstance(exc, httpx.ConnectError):
-        tls = _tls_failure(exc, request)
-        if tls is not None:
-            return AttemptError(ErrorKind.PROTOCOL, redact(tls))
-    # Any other transport error, and errors the HTTP stack should never raise: httpcore 1.0.9
-    # raises ValueError("semaphore released too many times") on an HTTP/2 connection a cancel
-    # corrupted (trio_hedge._cancel_safe.setup_cut_short; tests/test_faults.py). The
-    # connection is broken, not the request: another attempt may succeed.
-    return _transport_error(ErrorKind.CONNECTION, exc, redact)
-
-
-def _transport_error(kind: ErrorKind, exc: Exception, redact: Redactor) -> AttemptError:
-    # httpx messages name the host, not the headers (validated at construction, so h11 never
-    # quotes an illegal one); masked all the same.
-    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    return AttemptError(kind, redact(text))
-
-
-def _where(request: httpx.Request) -> str:
-    """``POST scheme://host:port/path``: the URL called, without its query."""
-    url = request.url
-    return f"{request.method} {url.scheme}://{url.netloc.decode('ascii')}{url.path}"
-
-
-# What OpenSSL says when the bytes that came back were not TLS at all (a plain-HTTP server
-# answering a ClientHello with "HTTP/1.1 400 …").
-_NOT_TLS = ("WRONG_VERSION_NUMBER", "wrong version number", "record layer failure", "HTTP_REQUEST")
-
-
-def _tls_failure(exc: BaseException, request: httpx.Request) -> str | None:
-    """A message for a failed TLS handshake (``exc`` is a ``ConnectError``), or ``None``.
-
-    httpx reports it as a ``ConnectError`` with an empty message; the ``ssl.SSLError`` is down
-    its cause chain (httpcore's ``ConnectError``, Trio's ``BrokenResourceError``), and its
-    text ("[SSL: WRONG_VERSION_NUMBER] wrong version number", or "EOF occurred in violation
-    of protocol" from a server that hung up on the ClientHello) does not say the usual cause:
-    an ``https://`` URL on a plain-HTTP port.
-    """
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        err = todo.pop()
-        if err is None or id(err) in seen:
-            continue
-        seen.add(id(err))
-        if isinstance(err, ssl.SSLError):
-            reason = str(err)
-            if isinstance(err, ssl.SSLCertVerificationError):
-                return f"TLS certificate rejected calling {_where(request)}: {reason}"
-            if isinstance(err, ssl.SSLEOFError) or any(m in reason for m in _NOT_TLS):
-                return (
-                    f"TLS handshake failed calling {_where(request)}: the server did not "
-                    f"answer in TLS ({reason}). Is it a plain-HTTP port? Try http://"
-                )
-            return f"TLS handshake failed calling {_where(request)}: {reason}"
-        todo += [err.__cause__, err.__context__]
-    return None
-
-
-def _with_context(error: AttemptError, context: str) -> AttemptError:
-    """``error`` with ``context`` appended to its message (same kind and fields)."""
-    return AttemptError(
-        error.kind,
-        f"{error.message} ({context})",
-        retryable=error.retryable,
-        retry_after=error.retry_after,
-        status_code=error.status_code,
-        replica=error.replica,
-    )
 
 
 async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
@@ -375,16 +305,16 @@ async def _attempt_for(response: httpx.Response, redact: Redactor) -> HTTPAttemp
             raise AttemptError(
                 ErrorKind.PROTOCOL,
                 redact(
-                    f"HTTP 400 from {_where(response.request)}: the server speaks TLS on this "
-                    "port (a plain HTTP request was sent to an HTTPS port); use https://"
+                    f"HTTP 400 from {request_line(response.request)}: the server speaks TLS on "
+                    "this port (a plain HTTP request was sent to an HTTPS port); use https://"
                 ),
                 status_code=status,
             )
         if status in (404, 405):
             # A wrong path or base_url (the server's own message rarely names it).
-            where = _where(response.request)
+            where = request_line(response.request)
             hint = "" if "/v1/" in where else "; OpenAI-compatible servers usually serve /v1/…"
-            error = _with_context(error, redact(f"{where}{hint}"))
+            error = with_context(error, redact(f"{where}{hint}"))
         raise error
     content_type = response.headers.get("content-type", "")
     if content_type.startswith("text/html"):
@@ -393,7 +323,7 @@ async def _attempt_for(response: httpx.Response, redact: Redactor) -> HTTPAttemp
             ErrorKind.PROTOCOL,
             redact(
                 f"HTTP {status} with Content-Type {content_type} from "
-                f"{_where(response.request)}: a web page, not an event stream; is base_url "
+                f"{request_line(response.request)}: a web page, not an event stream; is base_url "
                 "the API's (often ending in /v1)?"
             ),
             status_code=status,
@@ -465,11 +395,11 @@ class HTTPAttempt:
                 self._finished = self._exhausted = True
                 return decoder.end() or None
             except httpx.TimeoutException as exc:
-                raise _transport_error(ErrorKind.TIMEOUT, exc, self._redact) from exc
+                raise transport_error(ErrorKind.TIMEOUT, exc, self._redact) from exc
             except httpx.TransportError as exc:
                 # A cut after data is a truncated stream; before any data, a connection error.
                 kind = ErrorKind.STREAM_TRUNCATED if decoder.data_events else ErrorKind.CONNECTION
-                raise _transport_error(kind, exc, self._redact) from exc
+                raise transport_error(kind, exc, self._redact) from exc
             deltas = decoder.feed(chunk)
             if decoder.done:
                 self._finished = True
