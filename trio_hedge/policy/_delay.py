@@ -60,24 +60,7 @@ def km_quantile(observations: Iterable[tuple[float, bool]], q: float) -> float |
         ``None`` without observations. At tied times events count before censorings
         (Kaplan & Meier 1958).
     """
-    items = sorted(observations, key=lambda o: (o[0], not o[1]))
-    n = len(items)
-    if n == 0:
-        return None
-    survival = 1.0
-    i = 0
-    while i < n:
-        t = items[i][0]
-        at_risk = n - i
-        deaths = 0
-        while i < n and items[i][0] == t:
-            deaths += items[i][1]
-            i += 1
-        if deaths:
-            survival *= 1.0 - deaths / at_risk
-            if 1.0 - survival >= q - 1e-12:
-                return t
-    return items[-1][0]
+    return km_quantiles(observations, (q,))[0]
 
 
 def empirical_quantile(values: Iterable[float], q: float) -> float | None:
