@@ -39,6 +39,8 @@ __all__ = [
     "check_header_value",
     "check_headers",
     "check_json_body",
+    "check_request_headers",
+    "check_request_hedge_after",
     "check_request_id",
     "fraction",
     "integer",
@@ -298,3 +300,24 @@ def _find_json_problem(value: Any, path: str, seen: set[int]) -> None:
         seen.discard(id(value))
         return
     raise TypeError(f"{path} is a {type(value).__name__}, which JSON cannot encode")
+
+
+def check_request_hedge_after(value: object) -> float | None:
+    """A per-request hedge delay: ``None`` or finite seconds >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"hedge_after must be seconds (a number) or None, not {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"hedge_after must be finite seconds >= 0, not {value!r}")
+    return float(value)
+
+
+def check_request_headers(headers: object) -> dict[str, str] | None:
+    """Per-request extra headers, checked like every header the library sends (values never
+    quoted), with lower-case names as the source's own headers: one key per name."""
+    if headers is None:
+        return None
+    check_headers(headers, "headers")
+    assert isinstance(headers, Mapping)
+    return {name.lower(): value for name, value in headers.items()}

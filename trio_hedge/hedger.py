@@ -36,7 +36,6 @@ one request's decisions over it in ``policy/_planner.py``; the Hedger wires them
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -49,7 +48,13 @@ import trio
 from ._oneshot import check_replicas
 from ._source import Source
 from ._stream import HedgedStream
-from ._validate import check_header_value, check_headers, check_json_body, check_request_id
+from ._validate import (
+    check_header_value,
+    check_json_body,
+    check_request_headers,
+    check_request_hedge_after,
+    check_request_id,
+)
 from .events import EventHook
 from .policy._config import HedgerConfig
 from .policy._fleet import FleetState
@@ -65,27 +70,6 @@ __all__ = ["Hedger"]
 _TTFT_SAMPLES = 4096
 #: Cancelled attempts a replica may count as still being prefilled (a memory bound).
 _MAX_LINGERING = 1024
-
-
-def _check_request_hedge_after(value: object) -> float | None:
-    """A per-request hedge delay: ``None`` or finite seconds >= 0."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"hedge_after must be seconds (a number) or None, not {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"hedge_after must be finite seconds >= 0, not {value!r}")
-    return float(value)
-
-
-def _request_headers(headers: object) -> dict[str, str] | None:
-    """Per-request extra headers, checked like every header the library sends (values never
-    quoted), with lower-case names as the source's own headers: one key per name."""
-    if headers is None:
-        return None
-    check_headers(headers, "headers")
-    assert isinstance(headers, Mapping)
-    return {name.lower(): value for name, value in headers.items()}
 
 
 class Hedger:
@@ -252,8 +236,8 @@ class Hedger:
                 raise TypeError(f"{name} must be a bool, not {flag!r}")
         if idempotency_key is not None:  # sent as a header on every attempt
             check_header_value(idempotency_key, "idempotency_key", allow_empty=False)
-        request_delay = _check_request_hedge_after(hedge_after)
-        extra_headers = _request_headers(headers)
+        request_delay = check_request_hedge_after(hedge_after)
+        extra_headers = check_request_headers(headers)
         if prompt_tokens is not None:
             if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int):
                 raise TypeError(f"prompt_tokens must be an int or None, not {prompt_tokens!r}")
