@@ -8,7 +8,7 @@ the commit time (``stream.started_at + stream.report.ttft``) and the server's
 ``RequestRecord.disconnected_at`` are on the same clock. Races run one after another on one
 client per variant:
 
-* HTTP/1.1 through a plain ``httpx.AsyncClient()`` and through ``trio_hedge.make_client()``;
+* HTTP/1.1 through a plain ``httpx.AsyncClient()`` and through ``make_client()``;
 * HTTP/2 with prior knowledge (``http1=False, http2=True`` against ``FakeReplica(...,
   http2=True)``), plain and through ``make_client``.
 
@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, percentile, verdict
 
 import trio_hedge as th
-from trio_hedge import make_client
 from trio_hedge.testing import Behaviour, fake_replicas
+from trio_hedge.transport import make_client
 
 REQUEST = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 SLOW = Behaviour(ttft=30.0, tokens=3)

@@ -4,7 +4,7 @@ Four paths to one upstream SSE server (``benchmarks/_common.py serve``, its own 
 
 * ``direct``: the client talks to the upstream;
 * ``pass-through``: a bare proxy on the gateway's own stack, hypercorn's Trio worker + a raw
-  ASGI app + httpx (``trio_hedge.make_client()``), forwarding the body bytes as httpx yields
+  ASGI app + httpx (``make_client()``), forwarding the body bytes as httpx yields
   them, no parsing, no hedging: the floor for this stack (its own process);
 * ``gateway``: ``python -m trio_hedge serve`` (its own process, access log on, written to a
   file), one replica, hedging off;
@@ -70,7 +70,7 @@ _CLK = os.sysconf("SC_CLK_TCK")
 def _passthrough_app(upstream: str, starlette: bool) -> Any:
     import trio_hedge
 
-    client = trio_hedge.make_client()
+    client = trio_hedge.transport.make_client()
 
     def count_tasks() -> int:
         def walk(task: trio.lowlevel.Task) -> int:

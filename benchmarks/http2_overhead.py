@@ -3,7 +3,7 @@
 A :class:`~trio_hedge.testing.FakeReplica` serves h2c **in another process** (so only the
 client's CPU is counted). The client is an ``httpx.AsyncClient(http1=False, http2=True)``
 with httpx's own transport (the control), or the same client with
-``transport=trio_hedge.cancel_safe_transport(http1=False, http2=True)``: one pool each, so the
+``transport=cancel_safe_transport(http1=False, http2=True)``: one pool each, so the
 only difference is the hardening (writes shielded, connections guarded; see
 ``trio_hedge/_cancel_safe.py``). Runs are interleaved; each repetition runs both paths, each
 in a fresh event loop with a fresh client warmed by a few requests.
@@ -36,7 +36,7 @@ POLICY = th.HedgePolicy(hedge_after=None)
 CLIENTS: dict[str, Callable[[], httpx.AsyncClient]] = {
     "httpx's transport": lambda: httpx.AsyncClient(http1=False, http2=True),
     "cancel_safe_transport": lambda: httpx.AsyncClient(
-        transport=th.cancel_safe_transport(http1=False, http2=True)
+        transport=th.transport.cancel_safe_transport(http1=False, http2=True)
     ),
 }
 

@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, server_process, token_text, url, verdict
 
 import trio_hedge as th
-from trio_hedge.sources.openai_http import shared_ssl_context
+from trio_hedge.transport import shared_ssl_context
 
 BODY: dict[str, Any] = {
     "model": "gpt-4o-mini",
@@ -207,7 +207,7 @@ class _Paced:
         return token_text(self._i - 1)
 
 
-def _paced_source(tokens: int) -> th.IteratorSource:
+def _paced_source(tokens: int) -> th.sources.IteratorSource:
     return th.iterator_source(lambda info: _Paced(tokens), name="paced")
 
 

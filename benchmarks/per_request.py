@@ -25,7 +25,7 @@ import trio_hedge as th
 class _TwoTokens:
     """An async iterator object (not a generator): read directly by whichever task."""
 
-    def __init__(self, info: th.AttemptInfo) -> None:
+    def __init__(self, info: th.sources.AttemptInfo) -> None:
         self._left = ["b", "a"]
 
     def __aiter__(self) -> _TwoTokens:
@@ -37,12 +37,12 @@ class _TwoTokens:
         return self._left.pop()
 
 
-async def _two_tokens(info: th.AttemptInfo) -> AsyncIterator[str]:
+async def _two_tokens(info: th.sources.AttemptInfo) -> AsyncIterator[str]:
     yield "a"
     yield "b"
 
 
-_FACTORY: Callable[[th.AttemptInfo], AsyncIterator[str]] = _TwoTokens
+_FACTORY: Callable[[th.sources.AttemptInfo], AsyncIterator[str]] = _TwoTokens
 
 
 async def _requests(n: int) -> float:

@@ -517,7 +517,7 @@ async def run_all(
     rows: list[Row] = []
     replicas = [th.Replica(url, name=f"r{i}") for i, url in enumerate(urls)]
     p90: float | None = None
-    async with th.make_client() as client:
+    async with th.transport.make_client() as client:
         await wait_idle(client, urls, model)
         for number, name in enumerate(names):
             prompts = texts(schedule, p.seed * 1000 + number)

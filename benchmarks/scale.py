@@ -24,7 +24,7 @@ pool; wave 2: the pool holds wave 1's idle keep-alive connections):
   ``Limits`` (httpx's default ``max_connections=100`` would make the 101st held stream wait
   forever); its wave 2 is skipped unless ``--one-pool-waves 2`` (it is quadratic in idle
   connections: minutes at 1,000);
-* ``make_client()``: ``hedged_stream`` through ``trio_hedge.make_client()``.
+* ``make_client()``: ``hedged_stream`` through ``trio_hedge.transport.make_client()``.
 
 Figures: time to open all (last commit − start), CPU seconds for it, P50/P99 latency added by
 the client (caller-visible TTFT − the winner's server TTFT − the winner's start offset, i.e. the
@@ -73,8 +73,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, open_fds, percentile, rss_bytes, verdict
 
 import trio_hedge as th
-from trio_hedge import make_client
 from trio_hedge.testing import Behaviour, FakeReplica, RequestRecord
+from trio_hedge.transport import make_client
 
 NORMAL = Behaviour(ttft=0.01, token_delay=0.01, tokens=4)
 SLOW = Behaviour(ttft=5.0, token_delay=0.01, tokens=4)

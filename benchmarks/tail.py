@@ -56,14 +56,8 @@ from rich.console import Console
 from rich.table import Table
 
 import trio_hedge
-from trio_hedge import (
-    AllAttemptsFailed,
-    AttemptInfo,
-    HedgePolicy,
-    IteratorSource,
-    hedged_stream,
-    iterator_source,
-)
+from trio_hedge import AllAttemptsFailed, HedgePolicy, hedged_stream, iterator_source
+from trio_hedge.sources import AttemptInfo, IteratorSource
 
 QUANTILES = (50.0, 90.0, 99.0, 99.9)
 OURS = "trio_hedge, size-aware oracle"  # per-request delays from the no-hedging run's TTFTs
@@ -769,7 +763,8 @@ def hedger_strategies() -> list[tuple[str, Strategy]]:
     (the default before), the same learner with one size class (a single global
     delay), with the least-loaded pick, and the controls that isolate routing: the Hedger's
     pick with ``hedge_after=None`` (peak EWMA and least loaded)."""
-    from trio_hedge import HedgerConfig, LearnedDelay, SizeClasses
+    from trio_hedge import HedgerConfig, LearnedDelay
+    from trio_hedge.policy import SizeClasses
 
     return [
         (HEDGER, hedger_race(HedgerConfig())),

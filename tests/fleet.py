@@ -14,7 +14,9 @@ import attrs
 import trio
 
 import trio_hedge as th
-from trio_hedge import AttemptError, AttemptInfo, ErrorKind
+from trio_hedge import AttemptError
+from trio_hedge.errors import ErrorKind
+from trio_hedge.sources import AttemptInfo
 
 from .scripted import Ledger, Script, _ScriptedIterator
 
@@ -65,7 +67,7 @@ class Fleet:
             return _Failing(what, self.ledger, name, info)
         return _ScriptedIterator(name, what, info, self.ledger)
 
-    def sources(self) -> list[th.IteratorSource]:
+    def sources(self) -> list[th.sources.IteratorSource]:
         return [
             th.iterator_source(lambda info, n=name: self._open(n, info), name=name)  # type: ignore[arg-type,misc]
             for name in self.names

@@ -17,7 +17,7 @@ from trio_hedge.testing import FakeReplica
 #: order given (the default latency-aware pick would learn to avoid a slow primary).
 HEDGER = th.HedgerConfig(
     hedge_after=0.05,
-    first_token=th.FirstToken.ANY_OUTPUT,
+    first_token=th.events.FirstToken.ANY_OUTPUT,
     budget=None,
     throttle=None,
     outlier_detection=None,

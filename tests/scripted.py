@@ -9,14 +9,10 @@ from collections.abc import Sequence
 import attrs
 import trio
 
-from trio_hedge import (
-    AttemptError,
-    AttemptInfo,
-    Delta,
-    ErrorKind,
-    IteratorSource,
-    iterator_source,
-)
+from trio_hedge import AttemptError, iterator_source
+from trio_hedge.errors import ErrorKind
+from trio_hedge.events import Delta
+from trio_hedge.sources import AttemptInfo, IteratorSource
 
 
 @attrs.frozen

@@ -36,13 +36,15 @@ class _Burst:
     def __init__(self, n: int, log: list[str]) -> None:
         self._n, self._log, self._sent = n, log, False
 
-    async def receive(self) -> list[th.Delta] | None:
+    async def receive(self) -> list[th.events.Delta] | None:
         await trio.lowlevel.checkpoint()
         if self._sent:
             return None
         self._sent = True
         self._log.append("read")
-        return [th.Delta(role="assistant")] + [th.Delta(content=f"t{i} ") for i in range(self._n)]
+        return [th.events.Delta(role="assistant")] + [
+            th.events.Delta(content=f"t{i} ") for i in range(self._n)
+        ]
 
     async def aclose(self) -> None:
         self._log.append("closed")
@@ -55,7 +57,7 @@ class _BurstSource:
         self.n = n
         self.log: list[str] = []
 
-    async def open(self, info: th.AttemptInfo) -> _Burst:
+    async def open(self, info: th.sources.AttemptInfo) -> _Burst:
         return _Burst(self.n, self.log)
 
 
@@ -112,7 +114,7 @@ async def test_a_burst_is_one_hand_over_not_a_task_per_token(
 async def test_events_and_tokens_share_one_queue(autojump_clock: trio.testing.MockClock) -> None:
     source = _BurstSource(3)
 
-    async def consume() -> tuple[list[th.Delta], list[str]]:
+    async def consume() -> tuple[list[th.events.Delta], list[str]]:
         async with aio_hedged_stream(None, [source]) as stream:
             events = []
             async for event in stream.events():
@@ -122,7 +124,7 @@ async def test_events_and_tokens_share_one_queue(autojump_clock: trio.testing.Mo
             return events, [token async for token in stream]
 
     events, rest = await in_asyncio(consume)
-    assert events == [th.Delta(role="assistant"), th.Delta(content="t0 ")]
+    assert events == [th.events.Delta(role="assistant"), th.events.Delta(content="t0 ")]
     assert rest == ["t1 ", "t2 "]
 
 
@@ -198,10 +200,10 @@ async def test_aio_hedger_is_shared_by_asyncio_tasks(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     ledger = Ledger()
-    events: list[th.HedgeEvent] = []
+    events: list[th.events.HedgeEvent] = []
     config = th.HedgerConfig(hedge_after=1.0, budget=None, throttle=None)
 
-    async def main() -> tuple[list[str], th.HedgerStatistics]:
+    async def main() -> tuple[list[str], th.policy.HedgerStatistics]:
         async with AioHedger(
             sources(ledger, Script(ttft=5.0, tokens=1), Script(ttft=0.5, tokens=1)),
             config,
@@ -221,7 +223,7 @@ async def test_aio_hedger_is_shared_by_asyncio_tasks(
     # got the slow primary hedged to the other one.
     assert sorted(answers) == sorted(["backup:0 "] * len(answers))
     assert stats.requests == 3 and stats.finished == 3
-    assert {e.request_id for e in events if e.kind is th.EventKind.REQUEST_FINISHED} == {
+    assert {e.request_id for e in events if e.kind is th.events.EventKind.REQUEST_FINISHED} == {
         "r0",
         "r1",
         "r2",

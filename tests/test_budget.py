@@ -11,9 +11,10 @@ import trio
 import trio.testing
 
 import trio_hedge as th
-from trio_hedge import EventKind, HedgeBudget, RetryThrottle
-from trio_hedge._budget import BudgetState, ThrottleState
+from trio_hedge.events import EventKind
 from trio_hedge.instrumentation import LoggingHook, PrometheusHook
+from trio_hedge.policy import HedgeBudget, RetryThrottle
+from trio_hedge.policy._budget import BudgetState, ThrottleState
 
 from .fleet import Fail, Fleet, run, table
 from .scripted import Script
@@ -99,7 +100,9 @@ DURATION = 60  # seconds
 SLOW = Script(ttft=5.0, tokens=1)
 
 
-async def _overload(budget: HedgeBudget | None, pick: str = "least_loaded") -> th.HedgerStatistics:
+async def _overload(
+    budget: HedgeBudget | None, pick: str = "least_loaded"
+) -> th.policy.HedgerStatistics:
     fleet = Fleet(["a", "b", "c"], table(SLOW))
     config = th.HedgerConfig(
         hedge_after=1.0, budget=budget, throttle=None, outlier_detection=None, pick=pick
@@ -150,7 +153,7 @@ async def test_throttle_stops_hedging_under_failures_and_lets_it_resume(
         outlier_detection=None,
         pick="in_order",
     )
-    events: list[th.HedgeEvent] = []
+    events: list[th.events.HedgeEvent] = []
     hedger = th.Hedger(fleet.sources(), config, on_event=[events.append])
     # Phase 1: requests whose primary fails at once. Each failure takes 1 token, each
     # success on b gives back 0.1: five fail over (10 → 5.5); the sixth failure leaves 4.5,
@@ -195,7 +198,7 @@ async def test_failovers_stop_with_the_throttle(autojump_clock: trio.testing.Moc
     config = th.HedgerConfig(
         hedge_after=1.0, budget=None, throttle=RetryThrottle(max_tokens=10), outlier_detection=None
     )
-    events: list[th.HedgeEvent] = []
+    events: list[th.events.HedgeEvent] = []
     hedger = th.Hedger(fleet.sources(), config, on_event=[events.append])
     reports = [await run(hedger.stream(None)) for _ in range(8)]
     # The first request fails over three times (10 → 6 tokens); the second one's failure
@@ -217,7 +220,9 @@ async def test_drained_throttle_and_ejections_one_attempt_per_request(
     # Issue 8's case: 4 failing replicas, the throttle at 0 tokens, outlier detection
     # ejecting all it may: 12 requests made 48 attempts (4 each); now 12.
     fleet = Fleet(["a", "b", "c", "d"], table(FAILING))
-    outlier = th.OutlierDetection(consecutive_failures=1, base_ejection=300.0, max_ejection=300.0)
+    outlier = th.policy.OutlierDetection(
+        consecutive_failures=1, base_ejection=300.0, max_ejection=300.0
+    )
     config = th.HedgerConfig(
         hedge_after=1.0, budget=None, throttle=RetryThrottle(), outlier_detection=outlier
     )

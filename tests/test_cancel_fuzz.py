@@ -62,8 +62,8 @@ import httpx
 import trio
 
 import trio_hedge as th
-from trio_hedge import AttemptOutcome as O
-from trio_hedge import ErrorKind as K
+from trio_hedge.errors import ErrorKind as K
+from trio_hedge.report import AttemptOutcome as O
 from trio_hedge.testing import Behaviour, FakeReplica, RequestRecord
 
 from . import misbehaving as mb
@@ -393,7 +393,7 @@ class Responses:
         self.by_race[response.request.headers.get("x-request-id", "")].append(response)
 
     def client(self, **kwargs: bool) -> httpx.AsyncClient:
-        return th.make_client(event_hooks={"response": [self._file]}, **kwargs)
+        return th.transport.make_client(event_hooks={"response": [self._file]}, **kwargs)
 
     async def close_left_open(self, rid: str) -> bool:
         """Close the race's responses still open; whether there were any."""

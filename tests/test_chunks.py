@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_hedge import chunks
-from trio_hedge._errors import AttemptError, ErrorKind
-from trio_hedge._events import Delta, ToolCallDelta
-from trio_hedge.chunks import (
+from trio_hedge.errors import AttemptError, ErrorKind
+from trio_hedge.events import Delta, ToolCallDelta
+from trio_hedge.sources.openai import (
     ChunkDecoder,
+    _json,
     classify_http_error,
     decode_json_body,
     merge_tool_calls,
@@ -61,14 +61,51 @@ def run(
             out = [(0, d) for d in decode_json_body(status, headers, b"".join(pieces))]
         else:
             decoder = ChunkDecoder()
-            for piece in pieces:
-                out += decoder.feed_indexed(piece)
-                if decoder.done:
-                    break
-            out += decoder.end_indexed()
+            try:
+                for piece in pieces:
+                    _indexed(decoder, piece, out)
+                    if decoder.done:
+                        break
+                out += [(decoder.data_events - 1, d) for d in decoder.end()]
+            finally:
+                # The same bytes in the case's own pieces give the same deltas: the index
+                # pass above (one byte at a time) changed nothing but the splits.
+                assert [d for _, d in out] == _deltas_in_pieces(pieces)[: len(out)]
     except AttemptError as exc:
         return out, exc
     return out, None
+
+
+def _indexed(
+    decoder: ChunkDecoder, piece: bytes, out: list[tuple[int, Delta]] | None = None
+) -> list[tuple[int, Delta]]:
+    """``decoder.feed(piece)``, each Delta paired with the 0-based index of its data event
+    (added to ``out`` as they come, so an error keeps those before it): fed one byte at a
+    time, at most one event ends per call, so the index is the count of data events so far
+    minus one."""
+    out = [] if out is None else out
+    for i in range(len(piece)):
+        deltas = decoder.feed(piece[i : i + 1])
+        assert len(deltas) <= 1
+        out += [(decoder.data_events - 1, d) for d in deltas]
+        if decoder.done:
+            break
+    return out
+
+
+def _deltas_in_pieces(pieces: list[bytes]) -> list[Delta]:
+    """The deltas of ``pieces`` fed as they are (the splits the case gives)."""
+    decoder = ChunkDecoder()
+    out: list[Delta] = []
+    try:
+        for piece in pieces:
+            out += decoder.feed(piece)
+            if decoder.done:
+                break
+        out += decoder.end()
+    except AttemptError:
+        pass
+    return out
 
 
 def summary(
@@ -132,7 +169,7 @@ def test_any_split_of_any_case_gives_the_same_output(data: st.DataObject) -> Non
 @needs_cases
 def test_json_fallback_gives_identical_results(monkeypatch: pytest.MonkeyPatch) -> None:
     with_orjson = [run(c["status"], c["headers"], [c["body"].encode()]) for c in CASES]
-    monkeypatch.setattr(chunks, "_orjson_loads", None)
+    monkeypatch.setattr(_json, "_orjson_loads", None)
     without = [run(c["status"], c["headers"], [c["body"].encode()]) for c in CASES]
     assert [summary(*r) for r in without] == [summary(*r) for r in with_orjson]
 
@@ -366,7 +403,7 @@ def test_data_events_counting() -> None:
     decoder = ChunkDecoder()
     decoder.feed(b": c\n\nretry: 1\n\nid: 2\n\ndata:\n\ndata:  \n\n")
     assert decoder.data_events == 0
-    indexed = decoder.feed_indexed(b'data: {"x":1}\n\n' + chunk({"content": "a"}) + DONE)
+    indexed = _indexed(decoder, b'data: {"x":1}\n\n' + chunk({"content": "a"}) + DONE)
     assert indexed == [(1, Delta("a"))]
     assert decoder.data_events == 3
 
@@ -394,7 +431,8 @@ def test_json_body_under_event_stream_content_type() -> None:
     ok = ChunkDecoder()
     ok.feed(b'{"object":"chat.completion","choices":[{"message":{"content":"hi"},'
             b'"finish_reason":"stop"}]}')  # fmt: skip
-    assert ok.end_indexed() == [(0, Delta("hi", finish_reason="stop"))]
+    assert ok.end() == [Delta("hi", finish_reason="stop")]
+    assert ok.data_events == 1
 
 
 # -- in-band errors -----------------------------------------------------------------------------

@@ -7,8 +7,8 @@ import pytest
 import trio
 
 import trio_hedge as th
-from trio_hedge import ShardedTransport, make_client
 from trio_hedge.testing import Behaviour, FakeReplica, fake_replicas
+from trio_hedge.transport import ShardedTransport, make_client
 
 REQUEST = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

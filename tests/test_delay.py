@@ -12,8 +12,10 @@ import trio
 import trio.testing
 
 import trio_hedge as th
-from trio_hedge import EventKind, LearnedDelay, SizeClasses
-from trio_hedge._delay import DelayModel, PrefillFit, fit_line
+from trio_hedge import LearnedDelay
+from trio_hedge.events import EventKind
+from trio_hedge.policy import SizeClasses
+from trio_hedge.policy._delay import DelayModel, PrefillFit, fit_line
 
 from .fleet import Fleet, run
 from .scripted import Script
@@ -46,14 +48,16 @@ KM_CASES = [
 
 @pytest.mark.parametrize(("name", "obs", "q", "expected"), KM_CASES, ids=[c[0] for c in KM_CASES])
 def test_km_quantile(name: str, obs: list[tuple[float, bool]], q: float, expected: float) -> None:
-    assert th.km_quantile(obs, q) == expected
+    assert th.policy.km_quantile(obs, q) == expected
 
 
 def test_km_without_censoring_equals_empirical() -> None:
     rng = random.Random(7)
     values = [rng.expovariate(1.0) for _ in range(501)]
     for q in (0.1, 0.5, 0.9, 0.99):
-        assert th.km_quantile([(v, True) for v in values], q) == th.empirical_quantile(values, q)
+        assert th.policy.km_quantile(
+            [(v, True) for v in values], q
+        ) == th.policy.empirical_quantile(values, q)
 
 
 SIZE_CASES = [
@@ -242,7 +246,7 @@ def _ttfts(seed: int, n: int) -> dict[str, tuple[float, float]]:
     }
 
 
-async def _learn(censoring: bool) -> tuple[th.HedgerStatistics, list[th.HedgeEvent]]:
+async def _learn(censoring: bool) -> tuple[th.policy.HedgerStatistics, list[th.events.HedgeEvent]]:
     """N requests, one after another, to two replicas whose every attempt draws its TTFT
     from the same lognormal (a table indexed by request and attempt, so runs are exact)."""
     draws = _ttfts(1, N)
@@ -258,7 +262,7 @@ async def _learn(censoring: bool) -> tuple[th.HedgerStatistics, list[th.HedgeEve
         throttle=None,
         outlier_detection=None,
     )
-    events: list[th.HedgeEvent] = []
+    events: list[th.events.HedgeEvent] = []
     hedger = th.Hedger(fleet.sources(), config, on_event=[events.append])
     for i in range(N):
         await run(hedger.stream(None, request_id=f"r{i}"))
@@ -278,7 +282,7 @@ async def test_learned_delay_converges_and_censoring_removes_the_low_bias(
     # On the very same attempts, ignoring the cancelled ones (tower's estimator) gives
     # 0.9583 s: 11% low, because the slow attempts are exactly the ones that get cancelled.
     won = [e.record.ttft for e in events if e.kind is EventKind.COMMITTED and e.record]
-    naive = th.empirical_quantile([t for t in won if t is not None], 0.9)
+    naive = th.policy.empirical_quantile([t for t in won if t is not None], 0.9)
     assert naive == pytest.approx(0.9583, abs=1e-4)
     assert naive is not None and naive < 0.9 * TRUE_P90
     assert stats.hedges_sent / N == pytest.approx(0.0987, abs=1e-4)  # ~ 1 - 0.9
@@ -381,11 +385,11 @@ def test_prompt_size_estimate() -> None:
             },
         ],
     }
-    assert th.estimate_prompt_tokens(body) == 110 + 2 * 4  # 440 chars / 4 + framing
-    assert th.estimate_prompt_tokens(body, chars_per_token=2.0) == 220 + 8
-    assert th.estimate_prompt_tokens(None) == 0
+    assert th.policy.estimate_prompt_tokens(body) == 110 + 2 * 4  # 440 chars / 4 + framing
+    assert th.policy.estimate_prompt_tokens(body, chars_per_token=2.0) == 220 + 8
+    assert th.policy.estimate_prompt_tokens(None) == 0
     with pytest.raises(ValueError, match="chars_per_token"):
-        th.estimate_prompt_tokens(body, chars_per_token=0)
+        th.policy.estimate_prompt_tokens(body, chars_per_token=0)
 
 
 # -- rare long prompts (issue 9) -----------------------------------------------------------------

@@ -23,7 +23,8 @@ import httpx
 import pytest
 
 import trio_hedge as th
-from trio_hedge import AttemptError, ErrorKind
+from trio_hedge import AttemptError
+from trio_hedge.errors import ErrorKind
 
 K = ErrorKind
 REQUEST = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -182,7 +183,7 @@ async def attempt_error(case: Dialect) -> AttemptError:
     async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
         source = th.Replica("http://replica.test/v1").bind(REQUEST, client)
         try:
-            attempt = await source.open(th.AttemptInfo("rid", 1, "primary"))
+            attempt = await source.open(th.sources.AttemptInfo("rid", 1, "primary"))
             try:
                 while await attempt.receive() is not None:
                     pass

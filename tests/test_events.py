@@ -10,7 +10,8 @@ import trio
 import trio.testing
 
 import trio_hedge as th
-from trio_hedge import FirstToken, HedgePolicy
+from trio_hedge import HedgePolicy
+from trio_hedge.events import FirstToken
 from trio_hedge.testing import Behaviour, MockReplicas
 
 REQUEST = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -95,11 +96,11 @@ async def test_events_break_early_closes_the_winner(
 
 
 async def test_iterator_source_yielding_deltas(autojump_clock: trio.testing.MockClock) -> None:
-    async def thinker(info: th.AttemptInfo):  # type: ignore[no-untyped-def]
+    async def thinker(info: th.sources.AttemptInfo):  # type: ignore[no-untyped-def]
         await trio.sleep(0.1)
-        yield th.Delta(reasoning="hmm ")
+        yield th.events.Delta(reasoning="hmm ")
         await trio.sleep(0.1)
-        yield th.Delta(content="yes")
+        yield th.events.Delta(content="yes")
 
     source = th.iterator_source(thinker, name="thinker")
     policy = HedgePolicy(first_token=FirstToken.CONTENT_OR_REASONING)

@@ -41,8 +41,8 @@ import pytest
 import trio
 
 import trio_hedge as th
-from trio_hedge import AttemptOutcome as O
-from trio_hedge import ErrorKind as K
+from trio_hedge.errors import ErrorKind as K
+from trio_hedge.report import AttemptOutcome as O
 from trio_hedge.testing import Behaviour, FakeReplica
 
 from . import misbehaving as mb
@@ -525,7 +525,7 @@ class Outcome:
 
 
 async def run_sources(
-    sources: Sequence[th.Replica | th.Source],
+    sources: Sequence[th.Replica | th.sources.Source],
     policy: th.HedgePolicy,
     *,
     client: httpx.AsyncClient | None = None,
@@ -665,7 +665,7 @@ async def test_fault(case: Fault, alone: bool) -> None:
         policy = th.HedgePolicy(hedge_after=HEDGE)
         backup_behaviour = Behaviour(ttft=NEVER)
     http2 = primary.http2
-    client = th.make_client(http1=not http2, http2=http2)
+    client = th.transport.make_client(http1=not http2, http2=http2)
     async with serve(primary) as p, fake_server(backup_behaviour, "backup", http2=http2) as b:
         async with mb.close_cleanly(client):
             urls = [p.url] if alone else [p.url, b.url]
@@ -827,7 +827,7 @@ async def test_h2_server_reset_of_one_stream_spares_the_others(cut_after: int) -
 
     results: dict[str, Outcome] = {}
     async with FakeReplica(behaviour, name="h2", http2=True) as replica:
-        client = th.make_client(http1=False, http2=True)
+        client = th.transport.make_client(http1=False, http2=True)
         async with mb.close_cleanly(client):
             health = await client.get(replica.base_url + "/health")
             assert health.http_version == "HTTP/2"  # the connection all requests will share
@@ -870,7 +870,7 @@ class SlowClose:
     may: a TLS close_notify to a stuck peer, an HTTP/2 reset behind flow control), and
     records when each close finished."""
 
-    def __init__(self, inner: th.Source, delay: float) -> None:
+    def __init__(self, inner: th.sources.Source, delay: float) -> None:
         self._inner, self._delay = inner, delay
         self.closed_at: list[float] = []
 
@@ -878,15 +878,15 @@ class SlowClose:
     def name(self) -> str:
         return self._inner.name
 
-    async def open(self, info: th.AttemptInfo) -> th.AttemptStream:
+    async def open(self, info: th.sources.AttemptInfo) -> th.sources.AttemptStream:
         return _SlowCloseStream(await self._inner.open(info), self)
 
 
 class _SlowCloseStream:
-    def __init__(self, inner: th.AttemptStream, owner: SlowClose) -> None:
+    def __init__(self, inner: th.sources.AttemptStream, owner: SlowClose) -> None:
         self._inner, self._owner = inner, owner
 
-    async def receive(self) -> Sequence[th.Delta] | None:
+    async def receive(self) -> Sequence[th.events.Delta] | None:
         return await self._inner.receive()
 
     async def aclose(self) -> None:
@@ -901,7 +901,7 @@ SLOW_CLOSE = 0.6
 @attrs.define
 class SlowLoser:
     primary: SlowClose  # never answers; closing it takes SLOW_CLOSE s
-    backup: th.Source
+    backup: th.sources.Source
     p: FakeView
     b: FakeView
     client: httpx.AsyncClient
@@ -912,7 +912,7 @@ async def slow_loser(backup: Behaviour, problems: Problems) -> AsyncIterator[Slo
     """A primary that never answers, whose close takes SLOW_CLOSE s, and ``backup``."""
     async with fake_server(Behaviour(ttft=NEVER), "primary") as p:
         async with fake_server(backup, "backup") as b:
-            client = th.make_client()
+            client = th.transport.make_client()
             async with mb.close_cleanly(client):
                 primary = th.Replica(p.url, name="primary").bind(REQUEST, client)
                 backup_source = th.Replica(b.url, name="backup").bind(REQUEST, client)
@@ -1074,7 +1074,7 @@ async def test_an_http2_connection_a_cancel_corrupted_is_not_the_requests_fault(
         replicas = [th.Replica(server.url, name="a"), th.Replica(server.url, name="b")]
         policy = th.HedgePolicy(hedge_after=None)
         for checkpoints in range(0, 60, 2):
-            client = th.make_client(http1=False, http2=True)
+            client = th.transport.make_client(http1=False, http2=True)
             async with mb.close_cleanly(client):
                 with trio.CancelScope() as scope:
 
@@ -1112,7 +1112,7 @@ async def run_fleet(
             await stack.enter_async_context(fake_server(behaviour, f"r{i}"))
             for i, behaviour in enumerate(behaviours)
         ]
-        client = th.make_client()
+        client = th.transport.make_client()
         async with mb.close_cleanly(client):
             out = await run_stream([s.url for s in servers], policy, client)
             problems.check(open_responses(client) == 0, "a response was left open")

@@ -80,14 +80,16 @@ def test_every_section_is_read(tmp_path: Path) -> None:
     chat, agents = config.groups
     base = chat.hedger
     assert base.hedge_after == 0.25 and base.budget is None  # the group's own table
-    assert base.max_attempts == 3 and base.first_token is th.FirstToken.CONTENT
+    assert base.max_attempts == 3 and base.first_token is th.events.FirstToken.CONTENT
     assert (base.first_token_timeout, base.stall_timeout, base.pick) == (20.0, 30.0, "in_order")
     assert base.throttle is None
-    assert base.outlier_detection == th.OutlierDetection(consecutive_failures=3, count_slow=False)
+    assert base.outlier_detection == th.policy.OutlierDetection(
+        consecutive_failures=3, count_slow=False
+    )
     learned = agents.hedger.hedge_after
     assert isinstance(learned, th.LearnedDelay)
     assert (learned.percentile, learned.fallback, learned.classes.first) == (0.95, 0.5, 128)
-    assert agents.hedger.budget == th.HedgeBudget(ratio=0.05)
+    assert agents.hedger.budget == th.policy.HedgeBudget(ratio=0.05)
     assert agents.side_effects and not chat.side_effects
     # Routing: the first group whose pattern matches; "*" takes the rest.
     assert config.group_for("llama-3-70b") is chat and config.group_for("gpt-4o") is chat
@@ -103,7 +105,7 @@ def test_defaults_one_group_and_the_gateway_first_token_rule() -> None:
     (group,) = config.groups
     assert group.name == "default" and group.replicas == ("127.0.0.1:1",)
     assert group.hedger == DEFAULT_HEDGER
-    assert group.hedger.first_token is th.FirstToken.ANY_OUTPUT
+    assert group.hedger.first_token is th.events.FirstToken.ANY_OUTPUT
     assert isinstance(group.hedger.hedge_after, th.LearnedDelay)
     assert (config.host, config.port, config.keys, config.forward_client_key) == (
         "127.0.0.1",
@@ -200,7 +202,7 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
 
 def test_error_answers_keep_the_true_status() -> None:
     e = th.AttemptError
-    k = th.ErrorKind
+    k = th.errors.ErrorKind
 
     def all_failed(*errors: th.AttemptError) -> th.AllAttemptsFailed:
         return th.AllAttemptsFailed("all failed", errors)
@@ -254,13 +256,15 @@ def test_deltas_without_a_wire_form_are_encoded_as_chunks() -> None:
     from trio_hedge.gateway._forward import ChunkEncoder, Completion
 
     encoder = ChunkEncoder("rid", "m")
-    call = th.ToolCallDelta(0, "call_1", "f", '{"a"')
+    call = th.events.ToolCallDelta(0, "call_1", "f", '{"a"')
     deltas = [
-        th.Delta(role="assistant"),
-        th.Delta("Hi", reasoning="hmm"),
-        th.Delta(tool_calls=(call,)),
-        th.Delta(tool_calls=(th.ToolCallDelta(0, None, None, ": 1}"),), finish_reason="stop"),
-        th.Delta(usage={"completion_tokens": 2}),
+        th.events.Delta(role="assistant"),
+        th.events.Delta("Hi", reasoning="hmm"),
+        th.events.Delta(tool_calls=(call,)),
+        th.events.Delta(
+            tool_calls=(th.events.ToolCallDelta(0, None, None, ": 1}"),), finish_reason="stop"
+        ),
+        th.events.Delta(usage={"completion_tokens": 2}),
     ]
     events = [encoder.encode(d) for d in deltas]
     assert all(e.startswith(b"data: ") and e.endswith(b"\n\n") for e in events)
@@ -279,7 +283,7 @@ def test_deltas_without_a_wire_form_are_encoded_as_chunks() -> None:
     assert chunks[3]["choices"][0]["finish_reason"] == "stop"
     assert chunks[4]["choices"] == [] and chunks[4]["usage"] == {"completion_tokens": 2}
     # A multi-line raw event keeps SSE framing: one data field per line.
-    assert encoder.encode(th.Delta("x", raw='{"a":\n1}')) == b'data: {"a":\ndata: 1}\n\n'
+    assert encoder.encode(th.events.Delta("x", raw='{"a":\n1}')) == b'data: {"a":\ndata: 1}\n\n'
     whole = Completion()
     for d in deltas:
         whole.add(d)

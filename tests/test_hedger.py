@@ -12,9 +12,12 @@ import trio
 import trio.testing
 
 import trio_hedge as th
-from trio_hedge import AttemptOutcome as O
-from trio_hedge import ErrorKind, EventKind, HedgerConfig, OutlierDetection
-from trio_hedge._budget import backoff_delay, jitter_draw
+from trio_hedge import HedgerConfig
+from trio_hedge.errors import ErrorKind
+from trio_hedge.events import EventKind
+from trio_hedge.policy import OutlierDetection
+from trio_hedge.policy._budget import backoff_delay, jitter_draw
+from trio_hedge.report import AttemptOutcome as O
 from trio_hedge.testing import Behaviour, MockReplicas
 
 from .fleet import Fail, Fleet, run, table
@@ -56,7 +59,7 @@ async def test_retry_after_is_honoured_to_the_millisecond(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     fleet = _by_request(FAST, a_r0=Fail(at=0.1, kind=ErrorKind.RATE_LIMIT, retry_after=1.234))
-    events: list[th.HedgeEvent] = []
+    events: list[th.events.HedgeEvent] = []
     hedger = th.Hedger(fleet.sources(), PLAIN, on_event=[events.append])
     report = await run(hedger.stream(None, request_id="r0"))
     assert [(a.replica, a.trigger, a.outcome) for a in report.attempts] == [
@@ -153,7 +156,7 @@ async def test_ejection_and_return(autojump_clock: trio.testing.MockClock) -> No
     phase = {"a": Fail(at=0.1)}
     fleet = Fleet(["a", "b"], lambda name, _i: phase.get(name, FAST))
     outlier = OutlierDetection(consecutive_failures=3, base_ejection=10.0, max_ejection=40.0)
-    events: list[th.HedgeEvent] = []
+    events: list[th.events.HedgeEvent] = []
     hedger = th.Hedger(
         fleet.sources(),
         _config(outlier_detection=outlier, pick="in_order"),
@@ -237,7 +240,7 @@ async def test_the_last_replica_is_never_ejected(autojump_clock: trio.testing.Mo
 async def test_failover_is_bounded_by_ejection(autojump_clock: trio.testing.MockClock) -> None:
     fleet = Fleet(["a", "b", "c", "d"], table(Fail(at=0.25)))
     outlier = OutlierDetection(consecutive_failures=1, base_ejection=300.0, max_ejection=300.0)
-    events: list[th.HedgeEvent] = []
+    events: list[th.events.HedgeEvent] = []
     hedger = th.Hedger(
         fleet.sources(), _config(outlier_detection=outlier), on_event=[events.append]
     )
@@ -259,7 +262,7 @@ async def test_a_capped_replica_goes_at_its_next_failure_once_there_is_room(
 ) -> None:
     fleet = Fleet(["a", "b", "c"], table(Fail(at=0.25), c=FAST))
     outlier = OutlierDetection(consecutive_failures=3, base_ejection=10.0)
-    events: list[th.HedgeEvent] = []
+    events: list[th.events.HedgeEvent] = []
     hedger = th.Hedger(
         fleet.sources(),
         _config(outlier_detection=outlier, pick="in_order"),
@@ -311,7 +314,7 @@ async def test_a_burst_of_fast_errors_does_not_eject_the_fleet(
     # refused (0 of 100 slow requests rescued, against 100 with ejection off).
     burst = True
 
-    def behave(_name: str, info: th.AttemptInfo) -> Script | Fail:
+    def behave(_name: str, info: th.sources.AttemptInfo) -> Script | Fail:
         if burst:
             return Fail(at=0.01, kind=ErrorKind.OVERLOADED)
         return Script(ttft=5.0 if info.number == 1 else 0.5, tokens=1)
@@ -350,7 +353,7 @@ async def test_a_misconfigured_backup_is_ejected_not_the_slow_primary(
     fleet = Fleet(
         ["a", "b"], table(Script(ttft=1.5, tokens=1), b=Fail(at=0.1, kind=ErrorKind.AUTH))
     )
-    events: list[th.HedgeEvent] = []
+    events: list[th.events.HedgeEvent] = []
     outlier = OutlierDetection(base_ejection=60.0)  # out for the whole test
     hedger = th.Hedger(
         fleet.sources(),
@@ -374,7 +377,7 @@ async def test_a_misconfigured_backup_is_ejected_not_the_slow_primary(
 async def test_a_replica_at_fault_is_not_tried_again_in_the_request(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    def behave(name: str, info: th.AttemptInfo) -> Script | Fail:
+    def behave(name: str, info: th.sources.AttemptInfo) -> Script | Fail:
         if name == "a":
             return Fail(at=0.25, kind=ErrorKind.NOT_FOUND)  # the replica lacks the model
         return Fail(at=0.25) if info.number == 2 else FAST
@@ -467,7 +470,7 @@ DAY = 86400.0
 async def test_a_day_of_pushback_raises_at_once(autojump_clock: trio.testing.MockClock) -> None:
     rate_limited = Fail(at=0.25, kind=ErrorKind.RATE_LIMIT, retry_after=DAY)
     fleet = _by_request(FAST, a_r0=rate_limited, b_r0=rate_limited)
-    events: list[th.HedgeEvent] = []
+    events: list[th.events.HedgeEvent] = []
     hedger = th.Hedger(fleet.sources(), PLAIN, on_event=[events.append])
     await run(hedger.stream(None, request_id="r0"))
     assert hedger.statistics().cooling == ("a", "b")  # a until 0.25 + DAY, b 0.5 + DAY
@@ -492,16 +495,16 @@ async def test_a_hedge_that_cannot_go_now_is_refused_or_waits_within_the_bound(
     # The race asks may_hedge() first; should the only other replica start cooling before
     # next_source(..., "hedge") runs, the hedge waits within max_pushback_wait or is refused.
     fleet = Fleet(["a", "b"], table(FAST))
-    events: list[th.HedgeEvent] = []
+    events: list[th.events.HedgeEvent] = []
     hedger = th.Hedger(fleet.sources(), PLAIN, on_event=[events.append])
     for cooling, sent_at in [(DAY, None), (2.0, 2.0)]:
         planner = hedger.stream(None)._planner
         primary = await planner.next_source(1, "primary")
         assert primary is not None
         t = trio.current_time()
-        record = th.AttemptRecord(1, "a", "primary", 0.0, None, None, O.RUNNING)
+        record = th.report.AttemptRecord(1, "a", "primary", 0.0, None, None, O.RUNNING)
         planner.attempt_changed(primary, record)
-        hedger._replicas[1].cooling_until = t + cooling  # type: ignore[attr-defined]
+        hedger._fleet.replicas[1].cooling_until = t + cooling  # type: ignore[attr-defined]
         source = await planner.next_source(2, "hedge")
         if sent_at is None:
             assert source is None
@@ -571,7 +574,7 @@ async def test_a_failover_does_not_wait_a_day(autojump_clock: trio.testing.MockC
 
 async def test_repeats_on_one_replica_back_off(autojump_clock: trio.testing.MockClock) -> None:
     fleet = Fleet(["a", "b"], table(Fail(at=0.25)))
-    backoff = th.Backoff(initial=0.5, multiplier=2.0, maximum=5.0, jitter=False)
+    backoff = th.policy.Backoff(initial=0.5, multiplier=2.0, maximum=5.0, jitter=False)
     hedger = th.Hedger(fleet.sources(), _config(attempts_per_replica=3, backoff=backoff))
     report = await run(hedger.stream(None))
     # A fresh replica at once; a repeat 0.5 s, then 1.0 s, after that replica's failure.
@@ -589,7 +592,7 @@ async def test_the_pushback_bound_does_not_cut_the_back_off(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     fleet = Fleet(["a"], lambda _n, info: Fail(at=0.25) if info.number == 1 else FAST)
-    backoff = th.Backoff(initial=0.5, jitter=False)
+    backoff = th.policy.Backoff(initial=0.5, jitter=False)
     config = _config(attempts_per_replica=2, backoff=backoff, max_pushback_wait=0.0)
     hedger = th.Hedger(fleet.sources(), config)
     report = await run(hedger.stream(None))
@@ -600,7 +603,7 @@ async def test_back_off_jitter_is_reproducible_per_request(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     fleet = Fleet(["a"], table(Fail(at=0.25)))
-    backoff = th.Backoff(initial=1.0, multiplier=2.0, maximum=5.0)
+    backoff = th.policy.Backoff(initial=1.0, multiplier=2.0, maximum=5.0)
     hedger = th.Hedger(fleet.sources(), _config(attempts_per_replica=4, backoff=backoff))
     starts: dict[str, list[float]] = {}
     for request_id in ("r1", "r2"):
@@ -625,7 +628,9 @@ async def test_two_hundred_attempts_per_replica(autojump_clock: trio.testing.Moc
     assert hedger.statistics().failover_throttle_refusals == 1
     # Without the throttle, the back-off paces it: a repeat 0.1 s after the failure, then
     # 0.2, 0.4, 0.8 s: 8 attempts in the first 0.9 s (jitter off to count exactly).
-    config = HedgerConfig(attempts_per_replica=200, throttle=None, backoff=th.Backoff(jitter=False))
+    config = HedgerConfig(
+        attempts_per_replica=200, throttle=None, backoff=th.policy.Backoff(jitter=False)
+    )
     hedger = th.Hedger(fleet.sources(), config)
     t = trio.current_time()
     with trio.move_on_after(0.9):
@@ -643,12 +648,12 @@ async def test_a_timed_out_attempt_is_a_censored_sample(
     config = _config(
         hedge_after=th.LearnedDelay(min_samples=3), outlier_detection=OutlierDetection()
     )
-    events: list[th.HedgeEvent] = []
+    events: list[th.events.HedgeEvent] = []
     hedger = th.Hedger(fleet.sources(), config, on_event=[events.append])
     planner = hedger.stream(None, group="g")._planner
     source = await planner.next_source(1, "primary")
     assert source is not None
-    running = th.AttemptRecord(
+    running = th.report.AttemptRecord(
         number=1,
         replica="a",
         trigger="primary",
@@ -713,7 +718,7 @@ async def test_first_token_timeout_from_config(autojump_clock: trio.testing.Mock
     assert [a.started_at for a in stream_attempts(info.value)] == [0.0, 1.0]
 
 
-def stream_attempts(exc: th.HedgeError) -> tuple[th.AttemptRecord, ...]:
+def stream_attempts(exc: th.HedgeError) -> tuple[th.report.AttemptRecord, ...]:
     assert exc.report is not None
     return exc.report.attempts
 
@@ -826,9 +831,9 @@ async def test_learned_delay_statistics_per_group(autojump_clock: trio.testing.M
 
 async def test_events(autojump_clock: trio.testing.MockClock) -> None:
     fleet = Fleet(["a", "b"], table(FAST, a=SLOW))
-    seen: list[th.HedgeEvent] = []
+    seen: list[th.events.HedgeEvent] = []
 
-    def broken(_event: th.HedgeEvent) -> None:
+    def broken(_event: th.events.HedgeEvent) -> None:
         raise RuntimeError("a broken hook must not break the request")
 
     hedger = th.Hedger(fleet.sources(), PLAIN, on_event=[broken, seen.append])
@@ -876,11 +881,11 @@ async def test_validation() -> None:
     with pytest.raises(TypeError, match="max_ejection_percent"):
         OutlierDetection(max_ejection_percent="10%")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="multiplier"):
-        th.Backoff(multiplier=0.5)
+        th.policy.Backoff(multiplier=0.5)
     with pytest.raises(ValueError, match="initial"):
-        th.Backoff(initial=10.0, maximum=5.0)
+        th.policy.Backoff(initial=10.0, maximum=5.0)
     with pytest.raises(ValueError, match="initial"):
-        th.Backoff(initial=0.0)
+        th.policy.Backoff(initial=0.0)
     hedger = th.Hedger(fleet.sources())
     with pytest.raises(ValueError, match="idempotency_key"):
         hedger.stream(None, idempotency_key="a\r\nX-Evil: 1")
@@ -900,10 +905,10 @@ async def test_owned_client_is_created_once_and_closed(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with th.Hedger([th.Replica("http://x.test/v1")]) as hedger:
-        hedger.stream({"messages": []})._planner._bind(hedger._replicas[0])  # type: ignore[attr-defined]
+        hedger.stream({"messages": []})._planner._bind(hedger._fleet.replicas[0])  # type: ignore[attr-defined]
         client = hedger._owned_client
         assert client is not None
-        hedger.stream({"messages": []})._planner._bind(hedger._replicas[0])  # type: ignore[attr-defined]
+        hedger.stream({"messages": []})._planner._bind(hedger._fleet.replicas[0])  # type: ignore[attr-defined]
         assert hedger._owned_client is client
     assert client.is_closed
 

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 import trio_hedge as th
-from trio_hedge import ErrorKind
+from trio_hedge.errors import ErrorKind
 from trio_hedge.testing import Behaviour, FakeReplica
 
 from .threaded import raw_server

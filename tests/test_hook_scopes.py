@@ -23,9 +23,9 @@ CONFIG = th.HedgerConfig(hedge_after=1.0, budget=None, throttle=None, outlier_de
 def _fleet() -> Fleet:
     # r0: the primary is slow (the backup wins at 1.5 s); r1: the primary fails at 0.1 s and
     # the request fails over to the backup, which answers at 0.6 s.
-    def behave(replica: str, info: th.AttemptInfo) -> Script | Fail:
+    def behave(replica: str, info: th.sources.AttemptInfo) -> Script | Fail:
         if info.request_id == "r1" and info.number == 1:
-            return Fail(at=0.1, kind=th.ErrorKind.OVERLOADED)
+            return Fail(at=0.1, kind=th.errors.ErrorKind.OVERLOADED)
         return Script(ttft=5.0 if info.number == 1 else 0.5, tokens=2, gap=0.1)
 
     return Fleet(["a", "b"], behave)
@@ -36,14 +36,14 @@ class Scopes:
 
     def __init__(self) -> None:
         self.log: list[tuple[str, str | None, int, float, str | None]] = []
-        self.plain: list[th.EventKind] = []
+        self.plain: list[th.events.EventKind] = []
 
-    def __call__(self, event: th.HedgeEvent) -> object:
+    def __call__(self, event: th.events.HedgeEvent) -> object:
         self.plain.append(event.kind)
-        if event.kind is th.EventKind.ATTEMPT_STARTED:
+        if event.kind is th.events.EventKind.ATTEMPT_STARTED:
             assert event.record is not None
             return self._scope(event.request_id, event.record.number)
-        if event.kind is th.EventKind.HEDGE_REFUSED:
+        if event.kind is th.events.EventKind.HEDGE_REFUSED:
             return self._scope(event.request_id, 0)  # exited at once
         return None
 
@@ -116,16 +116,16 @@ async def test_plain_hooks_and_broken_context_managers_never_break_a_request(
         def __exit__(self, *exc: object) -> None:
             raise RuntimeError("exit")
 
-    seen: list[th.EventKind] = []
+    seen: list[th.events.EventKind] = []
     hooks = [
-        lambda e: Broken() if e.kind is th.EventKind.ATTEMPT_STARTED else None,
-        lambda e: BrokenExit() if e.kind is th.EventKind.ATTEMPT_STARTED else None,
+        lambda e: Broken() if e.kind is th.events.EventKind.ATTEMPT_STARTED else None,
+        lambda e: BrokenExit() if e.kind is th.events.EventKind.ATTEMPT_STARTED else None,
         lambda e: seen.append(e.kind),  # returns None: the EventHook of before
     ]
     hedger = th.Hedger(_fleet().sources(), CONFIG, on_event=hooks)  # type: ignore[arg-type]
     report = await run(hedger.stream(None, request_id="r0"))
     assert report.completed and report.winner == 2
-    assert seen[-1] is th.EventKind.REQUEST_FINISHED
+    assert seen[-1] is th.events.EventKind.REQUEST_FINISHED
     messages = [r.getMessage() for r in caplog.records]
     assert sum("entering its context failed" in m for m in messages) == 2
     assert sum("exiting its context failed" in m for m in messages) == 2
@@ -138,7 +138,7 @@ async def test_a_hedge_refused_scope_is_exited_at_once(
     scopes = Scopes()
     config = th.HedgerConfig(
         hedge_after=1.0,
-        budget=th.HedgeBudget(ratio=0.01, min_per_second=0.0),
+        budget=th.policy.HedgeBudget(ratio=0.01, min_per_second=0.0),
         throttle=None,
         outlier_detection=None,
     )

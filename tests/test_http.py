@@ -14,8 +14,9 @@ import trio
 import trio.testing
 
 import trio_hedge as th
-from trio_hedge import AttemptOutcome as O
-from trio_hedge import ErrorKind, HedgePolicy
+from trio_hedge import HedgePolicy
+from trio_hedge.errors import ErrorKind
+from trio_hedge.report import AttemptOutcome as O
 from trio_hedge.testing import Behaviour, FakeReplica, MockReplicas, fake_replicas
 
 REQUEST = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -223,13 +224,13 @@ async def test_headers_body_and_overrides(autojump_clock: trio.testing.MockClock
 @pytest.mark.parametrize(
     ("names", "expected"),
     [
-        (th.HeaderNames(request_id="X-Correlation-ID", attempt=None), {"x-correlation-id"}),
-        (th.HeaderNames(request_id=None, attempt="X-Try"), {"x-try"}),
-        (th.HeaderNames(request_id=None, attempt=None), set()),
+        (th.sources.HeaderNames(request_id="X-Correlation-ID", attempt=None), {"x-correlation-id"}),
+        (th.sources.HeaderNames(request_id=None, attempt="X-Try"), {"x-try"}),
+        (th.sources.HeaderNames(request_id=None, attempt=None), set()),
     ],
 )
 async def test_header_names_configurable(
-    names: th.HeaderNames, expected: set[str], autojump_clock: trio.testing.MockClock
+    names: th.sources.HeaderNames, expected: set[str], autojump_clock: trio.testing.MockClock
 ) -> None:
     mock = MockReplicas({"primary": FAST})
     async with httpx.AsyncClient(transport=mock.transport) as client:
@@ -490,7 +491,7 @@ def test_sources_validate_their_input() -> None:
     with pytest.raises(TypeError, match="mapping"):
         th.hedged_stream("hi", [th.Replica("http://x/v1")])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="header"):
-        th.HeaderNames(request_id="bad:name")
+        th.sources.HeaderNames(request_id="bad:name")
     assert SECRET not in repr(th.Replica("http://x/v1", api_key=SECRET, headers={"k": SECRET}))
 
 

@@ -82,7 +82,9 @@ async def test_httpcore_alone_does_not_reset_before_headers() -> None:
             assert replica.open_connections == 1
 
 
-@pytest.mark.parametrize("make", [_h2_client, lambda: th.make_client(http1=False, http2=True)])
+@pytest.mark.parametrize(
+    "make", [_h2_client, lambda: th.transport.make_client(http1=False, http2=True)]
+)
 async def test_loser_cancelled_before_its_headers_is_reset(make: object) -> None:
     async with fake_replicas(HEADERS_LATE, Behaviour(ttft=0.05, tokens=3), http2=True) as (
         primary,
@@ -96,7 +98,7 @@ async def test_loser_cancelled_before_its_headers_is_reset(make: object) -> None
             async with stream:
                 assert "".join([t async for t in stream]) == "tok0 tok1 tok2 "
             assert stream.report.winner == 2
-            assert stream.report.attempts[0].outcome is th.AttemptOutcome.CANCELLED
+            assert stream.report.attempts[0].outcome is th.report.AttemptOutcome.CANCELLED
             await _barrier(client, primary)
             record = primary.requests[0]
             assert record.status is None  # it never answered: cancelled before the headers
@@ -126,7 +128,9 @@ async def test_hedged_loser_is_reset_and_the_connection_survives() -> None:
             assert primary.open_connections == 1
 
 
-@pytest.mark.parametrize("make", [_h2_client, lambda: th.make_client(http1=False, http2=True)])
+@pytest.mark.parametrize(
+    "make", [_h2_client, lambda: th.transport.make_client(http1=False, http2=True)]
+)
 async def test_a_stream_the_server_resets_leaves_the_others_on_its_connection_alone(
     make: object,
 ) -> None:
@@ -158,7 +162,7 @@ async def test_a_stream_the_server_resets_leaves_the_others_on_its_connection_al
         async with trio.open_nursery() as nursery:
             for _ in range(4):
                 nursery.start_soon(one)
-        assert [e.error.kind for e in interrupted] == [th.ErrorKind.STREAM_TRUNCATED]
+        assert [e.error.kind for e in interrupted] == [th.errors.ErrorKind.STREAM_TRUNCATED]
         assert interrupted[0].text == "tok0 "
         assert texts == ["".join(f"tok{i} " for i in range(8))] * 3
         assert {r.http_version for r in server.requests} == {"2"}
@@ -189,7 +193,9 @@ async def _hedged(client: httpx.AsyncClient, replica: FakeReplica) -> None:
         pass
 
 
-@pytest.mark.parametrize("make", [_h2_client, lambda: th.make_client(http1=False, http2=True)])
+@pytest.mark.parametrize(
+    "make", [_h2_client, lambda: th.transport.make_client(http1=False, http2=True)]
+)
 async def test_a_cancel_during_connection_setup_leaves_no_stream_running(make: object) -> None:
     """The failing case behind ``setup_cut_short`` (``trio_hedge/_cancel_safe.py``, fault 2):
     httpcore 1.0.9 sets an HTTP/2 connection
@@ -240,10 +246,10 @@ def _plain_h2_transport(wire: Wire) -> httpx.AsyncHTTPTransport:
 
 
 SAFE_TRANSPORTS = {
-    "cancel_safe_transport": lambda wire: th.cancel_safe_transport(
+    "cancel_safe_transport": lambda wire: th.transport.cancel_safe_transport(
         http1=False, http2=True, network_backend=wire
     ),
-    "ShardedTransport": lambda wire: th.ShardedTransport(
+    "ShardedTransport": lambda wire: th.transport.ShardedTransport(
         http1=False, http2=True, network_backend=wire
     ),
 }
@@ -338,7 +344,7 @@ async def test_a_losers_reset_is_not_lost_with_another_tasks_cancelled_write(
     wire = Wire()
     async with httpx.AsyncClient(transport=make(wire)) as client:
         source = th.Replica(WIRE_URL).bind(REQUEST, client)
-        loser = await source.open(th.AttemptInfo("r1", 1, "primary"))  # stream 1
+        loser = await source.open(th.sources.AttemptInfo("r1", 1, "primary"))  # stream 1
         wire.hold()
         async with trio.open_nursery() as nursery:
             # Stream 3's HEADERS wait for room, holding httpcore's write lock.
@@ -382,7 +388,10 @@ async def test_make_client_makes_writes_cancel_safe_only_with_http2(
     keeps httpcore's own streams; with HTTP/2 every connection's writes are shielded."""
     from trio_hedge._cancel_safe import CancelSafeStream
 
-    async with FakeReplica(Behaviour(), http2=True) as replica, th.make_client(**kwargs) as client:
+    async with (
+        FakeReplica(Behaviour(), http2=True) as replica,
+        th.transport.make_client(**kwargs) as client,
+    ):
         response = await client.get(replica.base_url + "/health")
         stream = response.extensions["network_stream"]
         assert isinstance(stream, CancelSafeStream) is cancel_safe
@@ -457,7 +466,7 @@ async def test_a_loser_on_a_connection_a_waiter_was_cancelled_on_is_reset(
 
             async def attempt(scope: trio.CancelScope, number: int) -> None:
                 with scope:
-                    await source.open(th.AttemptInfo("r", number, "primary"))
+                    await source.open(th.sources.AttemptInfo("r", number, "primary"))
 
             nursery.start_soon(attempt, loser, 1)  # connects
             await trio.testing.wait_all_tasks_blocked()
@@ -498,8 +507,8 @@ async def test_a_loser_on_a_connection_h2_gave_up_on_is_stopped(
 
             async def attempt() -> None:
                 with pytest.raises(th.AttemptError) as raised:
-                    await source.open(th.AttemptInfo("r", 1, "primary"))
-                assert raised.value.kind is th.ErrorKind.CONNECTION
+                    await source.open(th.sources.AttemptInfo("r", 1, "primary"))
+                assert raised.value.kind is th.errors.ErrorKind.CONNECTION
 
             nursery.start_soon(attempt)
             await trio.testing.wait_all_tasks_blocked()

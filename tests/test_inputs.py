@@ -104,11 +104,16 @@ CASES = [
     Bad("header name not str", lambda: _replica(headers={1: "v"}), TypeError, "headers"),
     Bad(
         "header names with LF",
-        lambda: th.HeaderNames(request_id="X-Id\n"),
+        lambda: th.sources.HeaderNames(request_id="X-Id\n"),
         ValueError,
         "request_id",
     ),
-    Bad("attempt header with CR", lambda: th.HeaderNames(attempt="X-N\r"), ValueError, "attempt"),
+    Bad(
+        "attempt header with CR",
+        lambda: th.sources.HeaderNames(attempt="X-N\r"),
+        ValueError,
+        "attempt",
+    ),
     # -- request_id --------------------------------------------------------------------------
     Bad("request_id with LF", lambda: _hedged(request_id=KEY + "\n"), ValueError, "request_id"),
     Bad("request_id with NUL", lambda: _hedged(request_id="\0" + KEY), ValueError, "request_id"),
@@ -249,7 +254,9 @@ async def test_header_names_differing_only_in_case_are_sent_once() -> None:
         replica = th.Replica(server.url, headers={"Accept": "text/event-stream", "X-A": "1"})
         source = replica.bind(REQUEST, httpx.AsyncClient(), extra_headers={"x-a": "2"})
         async with source._client:
-            attempt = await source.open(th.AttemptInfo(request_id="r", number=1, trigger="primary"))
+            attempt = await source.open(
+                th.sources.AttemptInfo(request_id="r", number=1, trigger="primary")
+            )
             await attempt.aclose()
     headers = server.requests[0].headers
     assert headers["accept"] == "text/event-stream"  # one value, not "…, text/event-stream"

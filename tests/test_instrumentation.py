@@ -20,9 +20,9 @@ CONFIG = th.HedgerConfig(
 
 def _fleet() -> Fleet:
     # request r0: the primary is slow and the backup wins; r1: the primary fails over.
-    def behave(replica: str, info: th.AttemptInfo) -> Script | Fail:
+    def behave(replica: str, info: th.sources.AttemptInfo) -> Script | Fail:
         if info.request_id == "r1" and info.number == 1:
-            return Fail(at=0.1, kind=th.ErrorKind.RATE_LIMIT, retry_after=0.5)
+            return Fail(at=0.1, kind=th.errors.ErrorKind.RATE_LIMIT, retry_after=0.5)
         return Script(ttft=5.0 if info.number == 1 else 0.5, tokens=2)
 
     return Fleet(["a", "b"], behave)

@@ -102,7 +102,7 @@ async def test_slow_first_token_primary_is_hedged_and_abandoned(fresh: tuple[str
     assert report.winner == 2
     assert report.hedged
     assert report.ttft is not None and report.ttft < 3
-    assert report.attempts[0].outcome is th.AttemptOutcome.CANCELLED
+    assert report.attempts[0].outcome is th.report.AttemptOutcome.CANCELLED
     records = await _abandoned(primary, within=10)
     assert len(records) == 1
     assert records[0]["completed"] is False  # llmock saw the client abandon it
@@ -120,7 +120,7 @@ async def test_rate_limited_primary_fails_over_at_once(fresh: tuple[str, str]) -
             assert [t async for t in stream]
     first, second = stream.report.attempts
     assert first.error is not None
-    assert first.error.kind is th.ErrorKind.RATE_LIMIT
+    assert first.error.kind is th.errors.ErrorKind.RATE_LIMIT
     assert first.error.retry_after == 2
     assert second.trigger == "failover"
     assert second.started_at is not None and second.started_at < 1.0  # not after hedge_after

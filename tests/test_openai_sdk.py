@@ -9,7 +9,7 @@ import trio
 openai = pytest.importorskip("openai")
 
 import trio_hedge as th  # noqa: E402
-from trio_hedge import ErrorKind  # noqa: E402
+from trio_hedge.errors import ErrorKind  # noqa: E402
 from trio_hedge.sources.openai_sdk import (  # noqa: E402
     OpenAISDKSource,
     SDKChunkDelta,

@@ -72,9 +72,9 @@ class Telemetry:
 def _fleet() -> Fleet:
     # r0: the primary is slow and the backup wins at 1.5 s; r1: the primary is overloaded at
     # 0.1 s and the backup answers after a failover.
-    def behave(replica: str, info: th.AttemptInfo) -> Script | Fail:
+    def behave(replica: str, info: th.sources.AttemptInfo) -> Script | Fail:
         if info.request_id == "r1" and info.number == 1:
-            return Fail(at=0.1, kind=th.ErrorKind.OVERLOADED)
+            return Fail(at=0.1, kind=th.errors.ErrorKind.OVERLOADED)
         return Script(ttft=5.0 if info.number == 1 else 0.5, tokens=3, gap=0.1)
 
     return Fleet(NAMES, behave)
@@ -161,7 +161,7 @@ async def test_failed_attempts_and_requests_carry_error_type(
     assert error_attributes.ERROR_TYPE not in (request.attributes or {})
 
     # A request that fails as a whole: error.type on the request span and the metrics.
-    fleet = Fleet(["a"], lambda r, i: Fail(at=0.2, kind=th.ErrorKind.RATE_LIMIT))
+    fleet = Fleet(["a"], lambda r, i: Fail(at=0.2, kind=th.errors.ErrorKind.RATE_LIMIT))
     telemetry = Telemetry()
     hedger = th.Hedger(fleet.sources(), CONFIG, on_event=[telemetry.hook()])
     await run(hedger.stream({"model": "m1", "messages": []}, request_id="r2"))

@@ -14,7 +14,8 @@ import trio
 import trio.testing
 
 import trio_hedge as th
-from trio_hedge import AttemptInfo, HedgerConfig, LearnedDelay
+from trio_hedge import HedgerConfig, LearnedDelay
+from trio_hedge.sources import AttemptInfo
 
 from .fleet import Fleet, run
 from .scripted import Script
@@ -86,8 +87,8 @@ async def test_a_lost_race_counts_as_at_least_this_slow_and_decays(
     hedger = th.Hedger(fleet.sources(), PLAIN)
     report = await run(hedger.stream(None))
     assert [(a.replica, a.outcome) for a in report.attempts] == [
-        ("a", th.AttemptOutcome.CANCELLED),
-        ("b", th.AttemptOutcome.WON),
+        ("a", th.report.AttemptOutcome.CANCELLED),
+        ("b", th.report.AttemptOutcome.WON),
     ]
     # a lost at 0.25 s without a first token: at least 0.25 s slow; b answered in 0.05 s.
     a, b = hedger.statistics().replicas
@@ -250,7 +251,7 @@ async def test_backups_sent_at_once_still_spend_the_budget(
     # the budget holds them to the same bound.
     from .test_budget import DURATION, RATE, _overload
 
-    budget = th.HedgeBudget(ratio=0.1, min_per_second=0.5, window=10.0)
+    budget = th.policy.HedgeBudget(ratio=0.1, min_per_second=0.5, window=10.0)
     stats = await _overload(budget, pick="peak_ewma")
     bound = budget.ratio * RATE * DURATION + budget.min_per_second * (DURATION + budget.window)
     assert budget.ratio * RATE * DURATION <= stats.hedges_sent <= bound

@@ -10,8 +10,9 @@ import trio
 import trio.testing
 
 import trio_hedge as th
-from trio_hedge import AttemptOutcome as O
-from trio_hedge import ErrorKind, HedgePolicy
+from trio_hedge import HedgePolicy
+from trio_hedge.errors import ErrorKind
+from trio_hedge.report import AttemptOutcome as O
 
 from .scripted import Ledger, Script, interrupting, sources
 

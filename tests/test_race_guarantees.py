@@ -18,8 +18,11 @@ import trio
 import trio.testing
 
 import trio_hedge as th
-from trio_hedge import AttemptError, AttemptInfo, Delta, ErrorKind, FirstToken, HedgePolicy
-from trio_hedge import AttemptOutcome as O
+from trio_hedge import AttemptError, HedgePolicy
+from trio_hedge.errors import ErrorKind
+from trio_hedge.events import Delta, FirstToken
+from trio_hedge.report import AttemptOutcome as O
+from trio_hedge.sources import AttemptInfo
 
 from .scripted import Ledger, Script, scripted, sources
 
@@ -174,7 +177,7 @@ class _PendingConnect:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    async def open(self, info: AttemptInfo) -> th.AttemptStream:
+    async def open(self, info: AttemptInfo) -> th.sources.AttemptStream:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.sleep_forever)
             await trio.sleep_forever()
@@ -184,7 +187,7 @@ class _PendingConnect:
 async def test_a_loser_cancelled_inside_a_group_is_recorded(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    events: list[th.HedgeEvent] = []
+    events: list[th.events.HedgeEvent] = []
     ledger = Ledger()
     delay = th.LearnedDelay(fallback=0.1)
     config = th.HedgerConfig(hedge_after=delay, budget=None, throttle=None)
@@ -198,7 +201,7 @@ async def test_a_loser_cancelled_inside_a_group_is_recorded(
     loser = stream.report.attempts[0]
     assert (loser.outcome, loser.ended_at) == (O.CANCELLED, 0.25)
     kinds = [(e.kind, e.replica) for e in events]
-    assert (th.EventKind.ATTEMPT_CANCELLED, "connecting") in kinds
+    assert (th.events.EventKind.ATTEMPT_CANCELLED, "connecting") in kinds
     # ... and the learned delay got its censored sample.
     (row,) = hedger.statistics().delays
     assert (row.observations, row.censored) == (2, 1)
@@ -328,7 +331,7 @@ async def test_hedged_only_when_a_backup_was_sent(autojump_clock: trio.testing.M
 
 async def test_a_budget_refusal_is_not_a_hedge(autojump_clock: trio.testing.MockClock) -> None:
     ledger = Ledger()
-    budget = th.HedgeBudget(ratio=0.1, min_per_second=0.0)  # no floor: nothing to spend
+    budget = th.policy.HedgeBudget(ratio=0.1, min_per_second=0.0)  # no floor: nothing to spend
     config = th.HedgerConfig(hedge_after=0.5, budget=budget, throttle=None)
     hedger = th.Hedger(sources(ledger, Script(ttft=2.0), Script()), config)
     stream = hedger.stream(None)

@@ -50,7 +50,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import trio_hedge as th
-from trio_hedge import AttemptOutcome as O
+from trio_hedge.report import AttemptOutcome as O
 
 from .scripted import Ledger, Script, sources
 
@@ -458,7 +458,7 @@ class _Gated:
     """An attempt whose first token arrives the way I/O does: another task wakes it (a
     server's bytes becoming readable), not a deadline of its own. Then two more tokens."""
 
-    def __init__(self, gate: trio.Event, ledger: Ledger, info: th.AttemptInfo) -> None:
+    def __init__(self, gate: trio.Event, ledger: Ledger, info: th.sources.AttemptInfo) -> None:
         self._gate, self._ledger, self._info = gate, ledger, info
         self._sent = 0
         ledger.opened.append(("gated", info.number, trio.current_time()))
@@ -524,7 +524,7 @@ class _Empty:
     """An attempt that ends cleanly with no token at all (an empty answer) ``at`` seconds
     after it starts."""
 
-    def __init__(self, at: float, ledger: Ledger, info: th.AttemptInfo) -> None:
+    def __init__(self, at: float, ledger: Ledger, info: th.sources.AttemptInfo) -> None:
         self._end = trio.current_time() + at
         self._ledger, self._info = ledger, info
         ledger.opened.append(("empty", info.number, trio.current_time()))

@@ -18,6 +18,7 @@ import inspect
 import pkgutil
 import re
 import textwrap
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -31,10 +32,18 @@ IDENTIFIER = re.compile(r"^::: ([\w.]+)\s*$", re.MULTILINE)
 
 
 def _public_modules() -> list[ModuleType]:
+    """``trio_hedge`` and its public submodules, without the deprecated shims of old paths
+    (each a module whose docstring starts "Deprecated:", importing it warns): their names are
+    documented at their new homes."""
     modules = [trio_hedge]
     for info in pkgutil.walk_packages(trio_hedge.__path__, "trio_hedge."):
-        if not any(part.startswith("_") for part in info.name.split(".")):
-            modules.append(importlib.import_module(info.name))
+        if any(part.startswith("_") for part in info.name.split(".")):
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            module = importlib.import_module(info.name)
+        if not (module.__doc__ or "").startswith("Deprecated:"):
+            modules.append(module)
     return modules
 
 

@@ -25,9 +25,9 @@ import pytest
 import trio
 
 import trio_hedge as th
-from trio_hedge.chunks import MAX_MESSAGE_CHARS
 from trio_hedge.cli import format_report, main
 from trio_hedge.instrumentation import LoggingHook
+from trio_hedge.sources.openai._errors import MAX_MESSAGE_CHARS
 from trio_hedge.testing import Behaviour, FakeReplica, fake_replicas
 
 from .threaded import raw_server, serve_in_thread
@@ -148,7 +148,7 @@ async def raw(kind: str, key: str) -> AsyncIterator[str]:
 def h2_clients() -> list[Callable[[], httpx.AsyncClient]]:
     return [
         lambda: httpx.AsyncClient(http1=False, http2=True),
-        lambda: th.make_client(http1=False, http2=True),
+        lambda: th.transport.make_client(http1=False, http2=True),
     ]
 
 
@@ -177,7 +177,7 @@ async def run_all(
     for replica in replicas:
         await run_stream(seen, th.hedged_stream(REQUEST, [replica], POLICY, client=client), "one")
     await run_stream(seen, th.hedged_stream(REQUEST, replicas, POLICY, client=client), "all")
-    events: list[th.HedgeEvent] = []
+    events: list[th.events.HedgeEvent] = []
     config = th.HedgerConfig(hedge_after=None, first_token_timeout=10.0)
     hooks = [events.append, LoggingHook(logging.getLogger("trio_hedge.test"))]
     async with th.Hedger(replicas, config, client=client, on_event=hooks) as hedger:
@@ -294,7 +294,7 @@ async def test_the_replica_repr_and_its_source_hide_key_and_header_values() -> N
         source = th.Replica(server.url, api_key=key).bind(REQUEST, client)
         seen.add("source", repr(source))
         with trio.fail_after(5):
-            attempt = await source.open(th.AttemptInfo("rid", 1, "primary"))
+            attempt = await source.open(th.sources.AttemptInfo("rid", 1, "primary"))
             seen.add("attempt", repr(attempt))
             await attempt.aclose()
     seen.assert_clean(key)

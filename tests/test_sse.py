@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_hedge._errors import AttemptError, ErrorKind
-from trio_hedge.sse import SSEDecoder, SSEEvent
+from trio_hedge.errors import AttemptError, ErrorKind
+from trio_hedge.sources.openai import SSEDecoder, SSEEvent
 
 
 def decode(*chunks: bytes, max_event_size: int = 1_048_576) -> list[SSEEvent]:

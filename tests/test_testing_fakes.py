@@ -476,7 +476,7 @@ async def test_mock_stall_keepalives_and_non_stream(
 
 
 async def test_mock_reasoning_and_tool_calls(autojump_clock: trio.testing.MockClock) -> None:
-    from trio_hedge.chunks import ChunkDecoder, decode_json_body, merge_tool_calls
+    from trio_hedge.sources.openai import ChunkDecoder, decode_json_body, merge_tool_calls
 
     behaviour = Behaviour(
         ttft=1,

@@ -3,90 +3,90 @@
 Send a request to a primary replica; if no first token arrives within ``hedge_after``
 seconds, send it to a backup; the first stream to produce a token wins and is relayed, every
 other attempt is cancelled at once.
+
+The names most programs need are here; the rest live in documented submodules:
+:mod:`trio_hedge.errors`, :mod:`trio_hedge.events`, :mod:`trio_hedge.report`,
+:mod:`trio_hedge.policy`, :mod:`trio_hedge.sources`, :mod:`trio_hedge.transport`,
+:mod:`trio_hedge.instrumentation`, :mod:`trio_hedge.testing`, :mod:`trio_hedge.aio` and
+:mod:`trio_hedge.gateway`. ``docs/layout.md`` shows how the code is laid out.
 """
 
-from ._budget import Backoff, HedgeBudget, RetryThrottle
-from ._cancel_safe import cancel_safe_transport
-from ._client import ShardedTransport, make_client
-from ._delay import LearnedDelay, PrefillFit, SizeClasses, empirical_quantile, km_quantile
-from ._errors import (
+from . import errors, events, policy, report, sources, transport  # noqa: F401 (public submodules)
+from ._deprecated import moved_attributes
+from ._oneshot import hedged_stream
+from ._stream import HedgedStream
+from .errors import (
     AllAttemptsFailed,
     AttemptError,
-    ErrorKind,
     FatalAttemptError,
     HedgeError,
     ReplicasCooling,
     RequestFailed,
     StreamInterrupted,
 )
-from ._events import Delta, FirstToken, ToolCallDelta
-from ._health import OutlierDetection
-from ._hooks import EventKind, HedgeEvent
-from ._plan import Planner, StaticPlanner
-from ._policy import HedgePolicy
-from ._report import AttemptOutcome, AttemptRecord, Report
-from ._sizing import estimate_prompt_tokens
-from ._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
-from ._stream import HedgedStream, hedged_stream
-from .hedger import Hedger, HedgerConfig
-from .sources import (
-    AttemptInfo,
-    AttemptStream,
-    HeaderNames,
-    IteratorSource,
-    Replica,
-    Source,
-    iterator_source,
-)
+from .hedger import Hedger
+from .policy import HedgePolicy, HedgerConfig, LearnedDelay
+from .report import Report
+from .sources import Replica, iterator_source
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AllAttemptsFailed",
     "AttemptError",
-    "AttemptInfo",
-    "AttemptOutcome",
-    "AttemptRecord",
-    "AttemptStream",
-    "Backoff",
-    "DelayStatistics",
-    "Delta",
-    "ErrorKind",
-    "EventKind",
     "FatalAttemptError",
-    "FirstToken",
-    "HeaderNames",
-    "HedgeBudget",
     "HedgeError",
-    "HedgeEvent",
     "HedgePolicy",
     "HedgedStream",
     "Hedger",
     "HedgerConfig",
-    "HedgerStatistics",
-    "IteratorSource",
     "LearnedDelay",
-    "OutlierDetection",
-    "Planner",
-    "PrefillFit",
     "Replica",
-    "ReplicaStatistics",
     "ReplicasCooling",
     "Report",
     "RequestFailed",
-    "RetryThrottle",
-    "ShardedTransport",
-    "SizeClasses",
-    "Source",
-    "StaticPlanner",
     "StreamInterrupted",
-    "ToolCallDelta",
     "__version__",
-    "cancel_safe_transport",
-    "empirical_quantile",
-    "estimate_prompt_tokens",
     "hedged_stream",
     "iterator_source",
-    "km_quantile",
-    "make_client",
 ]
+
+#: Names that were top-level before 0.2, and the module that holds each now. They keep
+#: working for one release, with a DeprecationWarning naming the new home.
+_MOVED = {
+    **dict.fromkeys(
+        ("AttemptInfo", "AttemptStream", "HeaderNames", "IteratorSource", "Source"),
+        "trio_hedge.sources",
+    ),
+    **dict.fromkeys(("AttemptOutcome", "AttemptRecord"), "trio_hedge.report"),
+    **dict.fromkeys(
+        (
+            "Backoff",
+            "DelayStatistics",
+            "HedgeBudget",
+            "HedgerStatistics",
+            "OutlierDetection",
+            "Planner",
+            "PrefillFit",
+            "ReplicaStatistics",
+            "RetryThrottle",
+            "SizeClasses",
+            "StaticPlanner",
+            "empirical_quantile",
+            "estimate_prompt_tokens",
+            "km_quantile",
+        ),
+        "trio_hedge.policy",
+    ),
+    **dict.fromkeys(
+        ("Delta", "EventKind", "FirstToken", "HedgeEvent", "ToolCallDelta"), "trio_hedge.events"
+    ),
+    "ErrorKind": "trio_hedge.errors",
+    **dict.fromkeys(
+        ("ShardedTransport", "cancel_safe_transport", "make_client"), "trio_hedge.transport"
+    ),
+}
+
+__getattr__ = moved_attributes(__name__, _MOVED)
+
+del moved_attributes

@@ -232,10 +232,11 @@ def cancel_safe_transport(
 
     Use it for your own ``httpx.AsyncClient`` with HTTP/2::
 
-        client = httpx.AsyncClient(transport=trio_hedge.cancel_safe_transport(http2=True))
+        client = httpx.AsyncClient(transport=trio_hedge.transport.cancel_safe_transport(http2=True))
 
-    (:func:`~trio_hedge.make_client` and :class:`~trio_hedge.ShardedTransport` do this
-    themselves when ``http2=True``.) Without it, with httpcore 1.0.9, a cancelled request can
+    (:func:`~trio_hedge.transport.make_client` and
+    :class:`~trio_hedge.transport.ShardedTransport` do this themselves when ``http2=True``.)
+    Without it, with httpcore 1.0.9, a cancelled request can
     cut a write in half (corrupting the connection for its other streams, or losing a
     loser's RST_STREAM), or leave a connection open outside its pool. A cancelled task waits
     for a write in progress, at most the client's write timeout (:data:`WRITE_TIMEOUT_CAP`

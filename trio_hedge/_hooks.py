@@ -1,4 +1,4 @@
-"""Instrumentation: frozen event records handed to the Hedger's ``on_event`` callbacks.
+"""Calling the Hedger's ``on_event`` hooks with :class:`~trio_hedge.events.HedgeEvent` s.
 
 Like stamina's instrumentation hooks: a plain list of callables, each called synchronously
 with one :class:`HedgeEvent`. Keep callbacks quick (they run inside the race); an exception in
@@ -18,76 +18,16 @@ and end a span explicitly instead (see :class:`~trio_hedge.instrumentation.OpenT
 
 from __future__ import annotations
 
-import enum
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 
-import attrs
+from .events import EventHook, EventKind, HedgeEvent
 
-from ._report import AttemptRecord, Report
-
-__all__ = ["EventKind", "HedgeEvent"]
+__all__ = ["emit"]
 
 logger = logging.getLogger("trio_hedge")
 
-
-class EventKind(str, enum.Enum):
-    """What happened."""
-
-    ATTEMPT_STARTED = "attempt_started"
-    """an attempt started (the primary, a hedge or a failover)."""
-    COMMITTED = "committed"
-    """an attempt produced the first token and won the race."""
-    ATTEMPT_FAILED = "attempt_failed"
-    """an attempt failed (``record.error`` says why)."""
-    ATTEMPT_CANCELLED = "attempt_cancelled"
-    """an attempt was cancelled: it lost the race, a fatal error ended the request, or the
-    caller left."""
-    HEDGE_REFUSED = "hedge_refused"
-    """the hedge delay passed but no backup was sent (budget, throttle, or no usable replica)."""
-    FAILOVER_REFUSED = "failover_refused"
-    """an attempt failed but no failover was sent (throttle, or no usable replica)."""
-    REPLICA_COOLING = "replica_cooling"
-    """a replica was put in cooldown by server pushback (``retry_after``)."""
-    REPLICA_EJECTED = "replica_ejected"
-    """a replica was ejected by outlier detection."""
-    REQUEST_FINISHED = "request_finished"
-    """the request ended (``report`` is set)."""
-
-
-@attrs.frozen
-class HedgeEvent:
-    """One instrumentation event.
-
-    Attributes:
-        kind: an :class:`EventKind`.
-        time: Trio's clock when it happened (``trio.current_time()``, seconds).
-        request_id: the request's id (or ``None`` for replica events without one).
-        group: the request's group.
-        replica: the replica concerned, or ``None``.
-        record: the attempt's :class:`~trio_hedge.AttemptRecord` (attempt events), or ``None``.
-        reason: for ``hedge_refused``: ``"budget"``, ``"throttle"`` or ``"no_replica"``; for
-            ``failover_refused``: ``"throttle"`` or ``"no_replica"``; for replica events: why
-            (the error kind, or ``"slow"``); else ``None``.
-        until: for replica events: Trio time the cooldown or ejection ends.
-        report: for ``request_finished``: the final :class:`~trio_hedge.Report`.
-    """
-
-    kind: EventKind
-    time: float
-    request_id: str | None
-    group: str | None = None
-    replica: str | None = None
-    record: AttemptRecord | None = None
-    reason: str | None = None
-    until: float | None = None
-    report: Report | None = attrs.field(default=None, eq=False)
-
-
-#: An ``on_event`` callback: returns ``None``, or a context manager that wraps what the event
-#: began (see the module docs).
-EventHook = Callable[[HedgeEvent], "AbstractContextManager[object] | None"]
 
 _Scope = tuple[EventHook, AbstractContextManager[object]]
 #: Context managers open for attempts: {(id(hooks), request id): {attempt number: [...]}}.

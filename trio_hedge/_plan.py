@@ -2,20 +2,19 @@
 
 The race asks a :class:`Planner` at the moment it needs an answer (so a budget is checked when
 a backup would be sent, not reserved earlier) and tells it what happened to each attempt. The
-:class:`StaticPlanner` serves a fixed, ordered list with a fixed delay; the long-lived
-:class:`trio_hedge.Hedger` supplies a learning planner.
+planners themselves are policy (:mod:`trio_hedge.policy`): the
+:class:`~trio_hedge.policy.StaticPlanner` serves a fixed, ordered list with a fixed delay;
+the long-lived :class:`trio_hedge.Hedger` supplies a learning planner.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
-from ._policy import HedgePolicy
-from ._report import AttemptRecord, Report
-from .sources._base import Source
+from ._source import Source
+from .report import AttemptRecord, Report
 
-__all__ = ["Planner", "StaticPlanner"]
+__all__ = ["Planner"]
 
 
 class Planner(Protocol):
@@ -46,49 +45,3 @@ class Planner(Protocol):
         """The request ended (its stream closed, or the race failed or was cancelled): the
         final :class:`~trio_hedge.Report`. Called at most once, never before the race began."""
         ...
-
-
-class StaticPlanner:
-    """Replicas in the given order, each up to ``policy.attempts_per_replica`` times (round
-    robin), capped at ``policy.max_attempts``; a fixed hedge delay; no budget. The plan is
-    computed as it goes (``attempts_per_replica=10**9`` costs nothing up front), and a replica
-    that failed with an error that is its own fault (:attr:`AttemptError.replica_fault`: a
-    wrong key, an unknown model) is not tried again in the same request."""
-
-    def __init__(self, sources: Sequence[Source], policy: HedgePolicy) -> None:
-        self._sources = tuple(sources)
-        self._per_replica = policy.attempts_per_replica
-        self._max_attempts = policy.max_attempts
-        self._used = [0] * len(self._sources)  # attempts each replica took
-        self._next = 0  # position in the round robin
-        self._delay = policy.hedge_after if policy.hedge else None
-        self._dead: set[int] = set()  # ids of sources at fault for this request
-        #: The race skips :meth:`attempt_changed` (and building its records) when ``False``:
-        #: with one attempt per replica, a replica's own fault changes nothing here.
-        self.observes_attempts = policy.attempts_per_replica > 1
-
-    async def next_source(self, number: int, trigger: str) -> Source | None:
-        if self._max_attempts is not None and number > self._max_attempts:
-            return None
-        sources, used = self._sources, self._used
-        for _ in range(len(sources)):
-            index = self._next % len(sources)
-            self._next += 1
-            source = sources[index]
-            if used[index] < self._per_replica and id(source) not in self._dead:
-                used[index] += 1
-                return source
-        return None  # every replica used up, or at fault
-
-    def hedge_delay(self, number: int) -> float | None:
-        return self._delay
-
-    def may_hedge(self) -> bool:
-        return True
-
-    def attempt_changed(self, source: Source, record: AttemptRecord) -> None:
-        if record.error is not None and record.error.replica_fault:
-            self._dead.add(id(source))
-
-    def request_finished(self, report: Report) -> None:
-        pass

@@ -1,12 +1,28 @@
 """The race: staggered attempts, fail fast, commit at the first token, losers cancelled.
 
-The problem is Happy Eyeballs' (RFC 8305; Trio's ``trio/_highlevel_open_tcp_stream.py``) with
-first tokens instead of TCP connections. The naive extremes both fail: one attempt at a time
-waits out every queue it lands in (the tail), and sending to every replica at once doubles the
-load and lands in the same queues ("The Tail at Scale", Dean & Barroso 2013). The compromise:
-start attempt k+1 when ``hedge_delay`` passes with no first token, or at once when an attempt
-fails; the first attempt to produce a first token *commits*, and every other attempt is
-cancelled so its server stops.
+The problem. A streamed LLM call spends most of its tail waiting for the first token: a
+replica's queue, a long prompt prefilled ahead of ours, a slow or sick node. Another replica
+would often answer sooner, but which one cannot be known in advance. It is Happy Eyeballs'
+problem (RFC 8305; Trio's ``trio/_highlevel_open_tcp_stream.py``) with first tokens instead of
+TCP connections.
+
+The naive extremes both fail:
+
+* **wait forever**: one attempt at a time, the next only when the last fails, waits out every
+  queue it lands in; a slow replica's whole delay is the caller's tail;
+* **double send**: every replica at once takes the fastest answer but doubles the load (or
+  worse), and under load the extra requests lengthen the very queues they race ("The Tail at
+  Scale", Dean & Barroso, CACM 2013).
+
+The compromise, as in Happy Eyeballs and gRPC hedging (gRFC A6): start attempt k+1 when
+``hedge_delay`` seconds pass with no first token from any running attempt -- a delay near the
+P95 of TTFT, so only the slowest few percent of requests pay for a second attempt (Dean &
+Barroso's "hedged requests") -- or at once when an attempt fails (failures do not wait out the
+delay). The first attempt to produce a first token *commits* (gRPC commits at the first
+response headers; a server answers 200 while still queued, so we commit at the first parsed
+token), and every other attempt is cancelled so its server stops. How many attempts, when the
+delay, and whether a hedge may go now (a budget, gRFC A6's throttle) are the
+:class:`~trio_hedge.policy.Planner`'s to say; this module only races.
 
 How it runs. The parent loop (:meth:`_Race._stagger`, in the caller's own task) starts an
 attempt, then waits ``with trio.move_on_after(delay): await news.receive()``: the next attempt
@@ -27,19 +43,19 @@ from collections import deque
 from collections.abc import Sequence
 
 import attrs
-import httpx
 import trio
 
-from ._errors import AllAttemptsFailed, AttemptError, ErrorKind, FatalAttemptError
-from ._events import Delta, FirstToken, counts_as_first_token
+from ._attempt_error import classify_exception, leaves
 from ._plan import Planner
-from ._report import AttemptOutcome, _AttemptState, _Recorder
-from .sources._base import AttemptInfo, AttemptStream, Source
+from ._source import AttemptInfo, AttemptStream, Source
+from .errors import AllAttemptsFailed, AttemptError, ErrorKind, FatalAttemptError
+from .events import Delta, FirstToken, counts_as_first_token
+from .report import AttemptOutcome, _AttemptState, _Recorder
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["Committed", "classify_exception", "close_quietly", "leaves", "race"]
+__all__ = ["Committed", "close_quietly", "race"]
 
 
 @attrs.frozen
@@ -50,48 +66,6 @@ class Committed:
     stream: AttemptStream
     pending: Sequence[Delta]
     ended: bool  # the winner's stream already ended cleanly (a complete, possibly empty answer)
-
-
-def leaves(exc: BaseException) -> list[BaseException]:
-    """The exceptions inside ``exc``, flattening (nested) exception groups."""
-    if not isinstance(exc, BaseExceptionGroup):
-        return [exc]
-    found: list[BaseException] = []
-    for inner in exc.exceptions:
-        found.extend(leaves(inner))
-    return found
-
-
-def classify_exception(exc: BaseException) -> AttemptError:
-    """Turn what a source raised into an :class:`AttemptError`.
-
-    Sources should raise ``AttemptError`` themselves; this covers generic iterators (an
-    ``OSError`` is a connection error, a ``TimeoutError`` a timeout, anything else unknown and
-    fatal) and exception groups from sources that use a nursery: a group's errors are
-    classified one by one, and the group is as bad as its worst (the first fatal one, else the
-    first one).
-    """
-    if isinstance(exc, BaseExceptionGroup):
-        errors = [classify_exception(leaf) for leaf in leaves(exc)]
-        worst = next((e for e in errors if not e.retryable), errors[0])
-        if len(errors) > 1 and worst.__cause__ is not exc:
-            worst.__cause__ = exc  # keep the whole group in the chain
-        return worst
-    if isinstance(exc, AttemptError):
-        return exc
-    err: AttemptError
-    if isinstance(exc, (httpx.TimeoutException, TimeoutError, trio.TooSlowError)):
-        err = AttemptError(ErrorKind.TIMEOUT, f"{type(exc).__name__}: {exc}")
-    elif isinstance(exc, (httpx.TransportError, OSError, trio.BrokenResourceError)) or (
-        # httpcore's and h2's own protocol errors (not mapped to httpx's on every path, e.g.
-        # an HTTP/2 stream used after a cancel): the connection is broken, not the request.
-        type(exc).__module__.split(".")[0] in ("httpcore", "h2", "h11")
-    ):
-        err = AttemptError(ErrorKind.CONNECTION, f"{type(exc).__name__}: {exc}")
-    else:
-        err = AttemptError(ErrorKind.UNKNOWN, f"{type(exc).__name__}: {exc}", retryable=False)
-    err.__cause__ = exc
-    return err
 
 
 async def close_quietly(stream: AttemptStream, limit: float) -> None:

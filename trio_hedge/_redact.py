@@ -2,7 +2,7 @@
 
 Servers quote credentials back: OpenAI's 401 says "Incorrect API key provided: sk-…",
 LiteLLM's proxy says "Received API Key = sk-...1337" (the last four characters), and a
-message cut at :data:`trio_hedge.chunks.MAX_MESSAGE_CHARS` may hold any prefix of a key. So
+message cut at the message limit may hold any prefix of a key. So
 a redactor masks not only whole secrets but *every run of text made of pieces of a secret at
 least* :data:`MIN_PIECE` *characters long*, and it runs on the whole message before anything
 cuts it (cutting first would leave the part of the key before the cut unmasked).

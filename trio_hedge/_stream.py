@@ -1,4 +1,4 @@
-"""`hedged_stream`: the async context manager and its token iterator.
+"""`HedgedStream`: the async context manager and its token iterator.
 
 Entering races the attempts until one commits (the race's nursery lives and dies inside
 ``__aenter__``); iterating then reads the winner's stream in the caller's own task, so after
@@ -10,35 +10,50 @@ from __future__ import annotations
 import sys
 import uuid
 from collections import deque
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
-import httpx
 import trio
 
-from ._client import make_client
-from ._errors import AttemptError, ErrorKind, HedgeError, StreamInterrupted
-from ._events import Delta, counts_as_first_token
-from ._plan import Planner, StaticPlanner
-from ._policy import HedgePolicy
-from ._race import classify_exception, close_quietly, leaves, race
-from ._report import Report, _Recorder
-from ._validate import check_json_body, check_request_id
-from .sources._base import AttemptStream, Source
-from .sources.iterator import IteratorSource
-from .sources.openai_http import HeaderNames, OpenAIChatSource, Replica
+from ._attempt_error import classify_exception, leaves
+from ._plan import Planner
+from ._race import close_quietly, race
+from ._source import AttemptStream
+from .errors import AttemptError, ErrorKind, HedgeError, StreamInterrupted
+from .events import Delta, FirstToken, counts_as_first_token
+from .report import Report, _Recorder
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["HedgedStream", "hedged_stream"]
+__all__ = ["AsyncCloseable", "EventIterator", "HedgedStream", "StreamSettings"]
+
+
+class StreamSettings(Protocol):
+    """What a :class:`HedgedStream` reads of its policy (a :class:`~trio_hedge.HedgePolicy`
+    has these; the engine depends on the fields, not on the policy package). Seconds."""
+
+    @property
+    def first_token(self) -> FirstToken: ...
+    @property
+    def first_token_timeout(self) -> float | None: ...
+    @property
+    def stall_timeout(self) -> float | None: ...
+    @property
+    def close_timeout(self) -> float: ...
+
+
+class AsyncCloseable(Protocol):
+    """A resource the stream made and closes on exit (the HTTP client of a one-off request)."""
+
+    async def aclose(self) -> None: ...
 
 
 class HedgedStream:
     """One hedged request: ``async with`` races to the first token, ``async for`` yields
-    ``str`` tokens from the winner, :meth:`events` yields richer :class:`~trio_hedge.Delta`
+    ``str`` tokens from the winner, :meth:`events` yields richer :class:`~trio_hedge.events.Delta`
     events, and :attr:`report` says what happened. Use each stream once.
 
     The ``async with`` owns a nursery for the racing attempts: it returns at the commit, the
@@ -57,10 +72,10 @@ class HedgedStream:
     def __init__(
         self,
         planner: Planner,
-        policy: HedgePolicy,
+        policy: StreamSettings,
         *,
         request_id: str | None = None,
-        owned_client: httpx.AsyncClient | None = None,
+        owned_client: AsyncCloseable | None = None,
         prompt_tokens: int | None = None,
         idempotency_key: str | None = None,
     ) -> None:
@@ -293,13 +308,13 @@ class HedgedStream:
                 self._take(batch, trio.current_time())
                 pending.extend(batch)
 
-    def events(self) -> _EventIterator:
-        """An async iterator of the winner's :class:`~trio_hedge.Delta` events (content,
+    def events(self) -> EventIterator:
+        """An async iterator of the winner's :class:`~trio_hedge.events.Delta` events (content,
         reasoning, tool-call fragments, usage, finish reason), from where the stream is: the
         events read before the commit first, unless ``async for`` already took them. It holds
         nothing between items, so leaving it early is safe, and ``async for`` may go on after
         it (and the other way round) without repeating or losing content."""
-        return _EventIterator(self)
+        return EventIterator(self)
 
     async def _next_event(self) -> Delta:
         pending = self._pending
@@ -325,13 +340,21 @@ class HedgedStream:
                 rec.attempt(self._winner_number).ended_at = rec.ended_at
 
 
-class _EventIterator:
+class _NextEvent(Protocol):
+    def _next_event(self) -> Coroutine[Any, Any, Delta]: ...
+
+
+class EventIterator:
+    """What ``events()`` returns (here and in :mod:`trio_hedge.aio`): each step awaits the
+    stream's next :class:`~trio_hedge.events.Delta`. A class, not an async generator, so
+    leaving the loop early leaves nothing to finalise."""
+
     __slots__ = ("_stream",)
 
-    def __init__(self, stream: HedgedStream) -> None:
+    def __init__(self, stream: _NextEvent) -> None:
         self._stream = stream
 
-    def __aiter__(self) -> _EventIterator:
+    def __aiter__(self) -> EventIterator:
         return self
 
     def __anext__(self) -> Coroutine[Any, Any, Delta]:
@@ -347,95 +370,3 @@ def _sole_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
     if rest is not None and len(found := leaves(rest)) == 1:
         return found[0]
     return group
-
-
-_DEFAULT_POLICY = HedgePolicy()
-_KNOWN_SOURCES = frozenset({Replica, IteratorSource, OpenAIChatSource})
-
-
-def check_replicas(replicas: object) -> None:
-    """Raise ``TypeError``/``ValueError`` unless ``replicas`` is a non-empty sequence of
-    :class:`~trio_hedge.Replica` or :class:`~trio_hedge.Source` objects (checked before any
-    client is created, so a bad list leaks nothing)."""
-    if isinstance(replicas, (str, bytes)) or not isinstance(replicas, Sequence):
-        raise TypeError("replicas must be a sequence of Replica or Source objects")
-    if not replicas:
-        raise ValueError("replicas must not be empty")
-    names: set[str] = set()
-    for r in replicas:
-        # The runtime Protocol check costs microseconds: known classes skip it.
-        if type(r) not in _KNOWN_SOURCES and not isinstance(r, (Replica, Source)):
-            raise TypeError(f"replicas must be Replica or Source objects, not {type(r).__name__}")
-        if r.name in names:
-            # Reports, events and the Hedger's health are per replica name: two with one name
-            # (the same URL twice, say) could not be told apart.
-            raise ValueError(
-                f"replica names must be unique: {r.name!r} appears twice "
-                "(give each Replica its own name=)"
-            )
-        names.add(r.name)
-
-
-def hedged_stream(
-    request: Mapping[str, Any] | None,
-    replicas: Sequence[Replica | Source],
-    policy: HedgePolicy | None = None,
-    *,
-    client: httpx.AsyncClient | None = None,
-    request_id: str | None = None,
-    headers: HeaderNames | None = None,
-) -> HedgedStream:
-    """Open a first-token hedged stream.
-
-    Args:
-        request: the OpenAI chat-completions JSON body (``model``, ``messages``, …);
-            ``"stream": true`` is set for you. May be ``None`` when every replica is a
-            generic :class:`~trio_hedge.Source`.
-        replicas: where attempts go, in order: :class:`~trio_hedge.Replica` endpoints and/or
-            any :class:`~trio_hedge.Source` (e.g. :func:`~trio_hedge.iterator_source`).
-        policy: a :class:`~trio_hedge.HedgePolicy`; default ``HedgePolicy()`` (hedge after
-            1.0 s, one attempt per replica).
-        client: an ``httpx.AsyncClient`` used as given (pool, proxies, TLS). Without one, the
-            stream creates its own and closes it on exit (share one client when you make many
-            requests).
-        request_id: the id sent on every attempt; default a fresh UUID4 (servers that
-            validate ``X-Request-ID`` as a UUID accept it).
-        headers: which headers carry the request id and attempt number
-            (:class:`~trio_hedge.HeaderNames`); default ``X-Request-ID`` / ``X-Hedge-Attempt``.
-
-    Returns:
-        The request's stream; use it as ``async with hedged_stream(...) as stream:``.
-
-    Raises:
-        TypeError, ValueError: bad arguments (raised here, before any I/O): among them a
-            ``request`` that does not encode to strict JSON (``NaN``, ``Infinity``,
-            ``bytes``…) and a ``request_id`` an HTTP header cannot carry. Messages name the
-            field, never the value.
-    """
-    policy = _DEFAULT_POLICY if policy is None else policy
-    if not isinstance(policy, HedgePolicy):
-        raise TypeError(f"policy must be a HedgePolicy, not {type(policy).__name__}")
-    check_replicas(replicas)
-    check_request_id(request_id)
-    if headers is not None and not isinstance(headers, HeaderNames):
-        raise TypeError(f"headers must be HeaderNames or None, not {type(headers).__name__}")
-    needs_http = any(isinstance(r, Replica) for r in replicas)
-    if needs_http:
-        if request is None or not isinstance(request, Mapping):
-            raise TypeError("request must be the chat-completions JSON body (a mapping)")
-        check_json_body(request, "request")
-        if client is not None and not isinstance(client, httpx.AsyncClient):
-            raise TypeError(f"client must be an httpx.AsyncClient, not {type(client).__name__}")
-    owned = None
-    if needs_http and client is None:
-        owned = client = make_client()
-    sources: list[Source] = []
-    for r in replicas:
-        if isinstance(r, Replica):
-            assert client is not None and request is not None
-            sources.append(r.bind(request, client, headers=headers))
-        else:
-            sources.append(r)
-    return HedgedStream(
-        StaticPlanner(sources, policy), policy, request_id=request_id, owned_client=owned
-    )

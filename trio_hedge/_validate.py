@@ -1,7 +1,14 @@
-"""Input validators shared by :class:`~trio_hedge.Replica`, :func:`~trio_hedge.hedged_stream`
-and :meth:`~trio_hedge.Hedger.stream`: bad input fails at construction, before any I/O.
+"""Every input validator of the library, in one place: bad input fails at construction, before
+any I/O, with a ``TypeError`` or ``ValueError`` naming the field.
 
-Two rules hold for every message raised here:
+- attrs validators for the config classes (:class:`~trio_hedge.HedgePolicy`,
+  :class:`~trio_hedge.HedgerConfig`, :class:`~trio_hedge.LearnedDelay`, the budget, throttle,
+  back-off and outlier detection): durations in seconds, counts, fractions.
+- checks of what is sent on the wire, shared by :class:`~trio_hedge.Replica`,
+  :func:`~trio_hedge.hedged_stream` and :meth:`~trio_hedge.Hedger.stream`: header names and
+  values, API keys, request ids, JSON bodies.
+
+Two rules hold for every message the wire checks raise:
 
 * it names the field (``api_key``, ``headers['X-Api-Key']``, ``request['temperature']``);
 * it never quotes the value: a rejected value is most often a credential (an API key read
@@ -20,17 +27,121 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import attrs
+
 __all__ = [
+    "Validator",
     "check_api_key",
     "check_header_name",
     "check_header_value",
     "check_headers",
     "check_json_body",
+    "check_request_headers",
+    "check_request_hedge_after",
     "check_request_id",
+    "fraction",
+    "integer",
+    "number",
+    "optional_instance_of",
+    "positive_int",
+    "positive_int_or_none",
+    "positive_seconds",
+    "positive_seconds_or_none",
+    "seconds_or_none",
 ]
+
+# -- attrs validators for the config classes ------------------------------------------------
+
+Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+
+
+def number(lo: float | None = None, *, open_lo: bool = False) -> Validator:
+    """A finite real number (not a bool), ``>= lo`` (``> lo`` with ``open_lo``)."""
+
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{attribute.name} must be a number, not {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"{attribute.name} must be a finite number, not {value!r}")
+        if lo is not None and (value <= lo if open_lo else value < lo):
+            op = ">" if open_lo else ">="
+            raise ValueError(f"{attribute.name} must be {op} {lo}, not {value!r}")
+
+    return check
+
+
+def integer(lo: int) -> Validator:
+    """An int (not a bool) ``>= lo``."""
+
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{attribute.name} must be an int, not {value!r}")
+        if value < lo:
+            raise ValueError(f"{attribute.name} must be >= {lo}, not {value!r}")
+
+    return check
+
+
+#: An int (not a bool) ``>= 1``.
+positive_int = integer(1)
+
+
+def positive_int_or_none(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """``None`` or an int (not a bool) ``>= 1``."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{attribute.name} must be an int or None, not {value!r}")
+    if value < 1:
+        raise ValueError(f"{attribute.name} must be >= 1, not {value!r}")
+
+
+def fraction(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """A number strictly between 0 and 1."""
+    number(0.0, open_lo=True)(_inst, attribute, value)
+    assert isinstance(value, (int, float))
+    if value >= 1.0:
+        raise ValueError(f"{attribute.name} must be < 1, not {value!r}")
+
+
+def seconds_or_none(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """``None`` or finite seconds ``>= 0``. One rule for every duration: "never" is ``None``,
+    not infinity."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{attribute.name} must be seconds (a number) or None, not {value!r}")
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0 seconds, not {value!r}")
+    if math.isinf(value):
+        raise ValueError(
+            f"{attribute.name} must be finite seconds (None means never), not {value!r}"
+        )
+
+
+def positive_seconds_or_none(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """``None`` or finite seconds ``> 0``."""
+    seconds_or_none(inst, attribute, value)
+    if value is not None and value == 0:
+        raise ValueError(f"{attribute.name} must be > 0 seconds, not {value!r}")
+
+
+def positive_seconds(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """Finite seconds ``> 0``."""
+    if value is None:
+        raise TypeError(f"{attribute.name} must be seconds (a number), not None")
+    positive_seconds_or_none(inst, attribute, value)
+
+
+def optional_instance_of(kind: type) -> Validator:
+    """``None`` or an instance of ``kind``."""
+    return attrs.validators.optional(attrs.validators.instance_of(kind))
+
+
+# -- what is sent on the wire -----------------------------------------------------------------
 
 # RFC 9110 §5.6.2: token = 1*tchar.
 _TCHAR = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
@@ -189,3 +300,24 @@ def _find_json_problem(value: Any, path: str, seen: set[int]) -> None:
         seen.discard(id(value))
         return
     raise TypeError(f"{path} is a {type(value).__name__}, which JSON cannot encode")
+
+
+def check_request_hedge_after(value: object) -> float | None:
+    """A per-request hedge delay: ``None`` or finite seconds >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"hedge_after must be seconds (a number) or None, not {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"hedge_after must be finite seconds >= 0, not {value!r}")
+    return float(value)
+
+
+def check_request_headers(headers: object) -> dict[str, str] | None:
+    """Per-request extra headers, checked like every header the library sends (values never
+    quoted), with lower-case names as the source's own headers: one key per name."""
+    if headers is None:
+        return None
+    check_headers(headers, "headers")
+    assert isinstance(headers, Mapping)
+    return {name.lower(): value for name, value in headers.items()}

@@ -34,23 +34,23 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 import httpx
 import trio
 
-from ._errors import HedgeError
-from ._events import Delta
-from ._hooks import EventHook
-from ._policy import HedgePolicy
-from ._report import Report
-from ._stats import HedgerStatistics
-from ._stream import HedgedStream, hedged_stream
-from .hedger import Hedger, HedgerConfig
-from .sources._base import Source
-from .sources.openai_http import HeaderNames, Replica
+from ._oneshot import hedged_stream
+from ._source import Source
+from ._stream import EventIterator, HedgedStream
+from .errors import HedgeError
+from .events import Delta, EventHook
+from .hedger import Hedger
+from .policy._config import HedgePolicy, HedgerConfig
+from .policy._stats import HedgerStatistics
+from .report import Report
+from .sources.openai._http import HeaderNames, Replica
 
 __all__ = ["AioHedgedStream", "AioHedger", "aio_hedged_stream"]
 
@@ -73,7 +73,7 @@ class AioHedgedStream:
 
     ``async with`` waits for the commit (raising what the Trio stream raises:
     :class:`~trio_hedge.FatalAttemptError`, :class:`~trio_hedge.AllAttemptsFailed`);
-    ``async for`` yields ``str`` tokens; :meth:`events` yields :class:`~trio_hedge.Delta`
+    ``async for`` yields ``str`` tokens; :meth:`events` yields :class:`~trio_hedge.events.Delta`
     events (both read one queue, as on the Trio stream); :attr:`report` says what happened.
     While iterating, :class:`~trio_hedge.StreamInterrupted` comes after the tokens that
     arrived before the failure. Use each stream once, from one asyncio task.
@@ -242,24 +242,11 @@ class AioHedgedStream:
                 raise StopAsyncIteration
             await self._wait()
 
-    def events(self) -> _AioEventIterator:
-        """An async iterator of the winner's :class:`~trio_hedge.Delta` events (content,
+    def events(self) -> EventIterator:
+        """An async iterator of the winner's :class:`~trio_hedge.events.Delta` events (content,
         reasoning, tool-call fragments, usage, finish reason), as
         :meth:`trio_hedge.HedgedStream.events`: it shares one queue with ``async for``."""
-        return _AioEventIterator(self)
-
-
-class _AioEventIterator:
-    __slots__ = ("_stream",)
-
-    def __init__(self, stream: AioHedgedStream) -> None:
-        self._stream = stream
-
-    def __aiter__(self) -> _AioEventIterator:
-        return self
-
-    def __anext__(self) -> Coroutine[Any, Any, Delta]:
-        return self._stream._next_event()
+        return EventIterator(self)
 
 
 def aio_hedged_stream(
@@ -335,7 +322,7 @@ class AioHedger:
         return AioHedgedStream(self._hedger.stream(request, **kwargs), buffer=self._buffer)
 
     def statistics(self) -> HedgerStatistics:
-        """A :class:`~trio_hedge.HedgerStatistics` snapshot."""
+        """A :class:`~trio_hedge.policy.HedgerStatistics` snapshot."""
         return self._hedger.statistics()
 
     def hedge_delay(self, *, prompt_tokens: int = 0, group: str = "default") -> float | None:

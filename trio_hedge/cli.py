@@ -23,11 +23,12 @@ import attrs
 import trio
 
 from . import __version__, tune
-from ._errors import HedgeError
-from ._policy import HedgePolicy
-from ._report import Report
-from ._stream import HedgedStream, hedged_stream
-from .sources.openai_http import Replica
+from ._oneshot import hedged_stream
+from ._stream import HedgedStream
+from .errors import HedgeError
+from .policy._config import HedgePolicy
+from .report import Report
+from .sources.openai._http import Replica
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup

@@ -3,7 +3,8 @@
 The advice of "The Tail at Scale" (Dean & Barroso, CACM 2013) is to log a while of latencies
 and hedge at the percentile you can afford. This replays such a log offline through the
 Hedger's own delay learner (:class:`~trio_hedge.LearnedDelay`: per size class, censoring-aware,
-the prefill model for classes short of data) and hedge budget (:class:`~trio_hedge.HedgeBudget`)
+the prefill model for classes short of data) and hedge budget
+(:class:`~trio_hedge.policy.HedgeBudget`)
 for a few candidate percentiles and budgets, and predicts for each the hedge rate, the extra
 requests and a bound on the P99 TTFT the callers would see, then recommends one.
 
@@ -47,8 +48,8 @@ from typing import IO, Any
 
 import attrs
 
-from ._budget import BudgetState, HedgeBudget
-from ._delay import DelayModel, LearnedDelay, empirical_quantile
+from .policy._budget import BudgetState, HedgeBudget
+from .policy._delay import DelayModel, LearnedDelay, empirical_quantile
 
 __all__ = [
     "Candidate",
@@ -111,7 +112,7 @@ class Candidate:
         return f"P{self.percentile * 100:g}, {budget}"
 
     def code(self) -> str:
-        budget = "None" if self.budget is None else f"th.HedgeBudget(ratio={self.budget:g})"
+        budget = "None" if self.budget is None else f"th.policy.HedgeBudget(ratio={self.budget:g})"
         return (
             f"th.HedgerConfig(hedge_after=th.LearnedDelay(percentile={self.percentile:g}), "
             f"budget={budget})"

@@ -73,7 +73,7 @@ class GatewayApp:
         self._hedgers = hedgers
         self._client = client
         self._keys = tuple(k.encode() for k in config.keys)
-        self._chat = ChatForwarder(config, hedgers, self.limiter, metrics, config.keys)
+        self._chat = ChatForwarder(config, hedgers, metrics, config.keys)
         metrics.watch(hedgers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

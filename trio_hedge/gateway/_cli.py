@@ -17,7 +17,6 @@ import trio
 
 __all__ = ["add_commands", "run"]
 
-COMMANDS = ("serve", "fake")
 #: The gen-0 threshold `serve` sets: CPython's default (700) runs a collection every 700 net
 #: allocations, and the older generations' collections walk every live object.
 GC_THRESHOLD = 100_000

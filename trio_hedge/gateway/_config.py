@@ -19,7 +19,8 @@ from typing import Any
 
 import attrs
 
-from .. import FirstToken, HedgerConfig, LearnedDelay, Replica
+from .. import HedgerConfig, LearnedDelay, Replica
+from ..events import FirstToken
 
 if sys.version_info >= (3, 11):
     import tomllib

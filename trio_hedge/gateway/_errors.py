@@ -16,14 +16,8 @@ from collections.abc import Sequence
 
 import attrs
 
-from .. import (
-    AttemptError,
-    ErrorKind,
-    HedgeError,
-    ReplicasCooling,
-    RequestFailed,
-    StreamInterrupted,
-)
+from .. import AttemptError, HedgeError, ReplicasCooling, RequestFailed, StreamInterrupted
+from ..errors import ErrorKind
 
 __all__ = ["ErrorAnswer", "answer_for", "mask"]
 

@@ -23,12 +23,12 @@ from typing import Any
 import attrs
 import trio
 
-from .. import Delta, HedgedStream, HedgeError, Hedger, Report
-from ..chunks import merge_tool_calls
+from .. import HedgedStream, HedgeError, Hedger, Report
+from ..events import Delta
+from ..sources.openai import merge_tool_calls
 from ._config import GatewayConfig, Group
 from ._errors import ErrorAnswer, answer_for
 from ._http import Exchange, Receive
-from ._limits import Limiter
 from ._metrics import AccessRecord, GatewayMetrics
 
 __all__ = ["ChatForwarder", "Completion", "Rejected", "RequestOptions", "parse_chat"]
@@ -274,13 +274,11 @@ class ChatForwarder:
         self,
         config: GatewayConfig,
         hedgers: Mapping[str, Hedger],
-        limiter: Limiter,
         metrics: GatewayMetrics,
         secrets: Sequence[str] = (),
     ) -> None:
         self._config = config
         self._hedgers = hedgers
-        self._limiter = limiter
         self._metrics = metrics
         self._secrets = tuple(secrets)
 

@@ -74,11 +74,6 @@ class Limiter:
         for scope in list(self._scopes):
             scope.cancel()
 
-    @property
-    def shutdown_cancelled(self) -> bool:
-        """Whether :meth:`cancel_all` was called."""
-        return self._cancelled
-
 
 async def read_body(receive: Receive, limit: int, declared: int | None) -> bytes:
     """The whole request body, refusing more than ``limit`` bytes (also when the declared

@@ -17,7 +17,8 @@ import hypercorn.config
 import hypercorn.trio
 import trio
 
-from .. import Hedger, make_client
+from .. import Hedger
+from ..transport import make_client
 from ._app import GatewayApp
 from ._config import GatewayConfig
 from ._limits import Limiter

@@ -1,4 +1,4 @@
-"""Log every :class:`~trio_hedge.HedgeEvent` with the standard library's ``logging``."""
+"""Log every :class:`~trio_hedge.events.HedgeEvent` with the standard library's ``logging``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import trio
 
-from .._hooks import EventKind, HedgeEvent
+from ..events import EventKind, HedgeEvent
 
 __all__ = ["LoggingHook"]
 

@@ -1,4 +1,4 @@
-"""OpenTelemetry spans and GenAI client metrics from :class:`~trio_hedge.HedgeEvent` s.
+"""OpenTelemetry spans and GenAI client metrics from :class:`~trio_hedge.events.HedgeEvent` s.
 
 Names follow the GenAI semantic conventions of the installed
 ``opentelemetry-semantic-conventions`` (read from it, not copied, so they follow its version;
@@ -22,8 +22,8 @@ from urllib.parse import urlsplit
 import attrs
 import trio
 
-from .._hooks import EventKind, HedgeEvent
-from .._report import AttemptRecord, Report
+from ..events import EventKind, HedgeEvent
+from ..report import AttemptRecord, Report
 
 __all__ = ["OpenTelemetryHook"]
 

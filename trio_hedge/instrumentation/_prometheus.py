@@ -1,4 +1,5 @@
-"""Prometheus metrics from :class:`~trio_hedge.HedgeEvent` s (needs ``prometheus-client``)."""
+"""Prometheus metrics from :class:`~trio_hedge.events.HedgeEvent` s (needs
+``prometheus-client``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import threading
 import weakref
 from typing import Any
 
-from .._hooks import EventKind, HedgeEvent
+from ..events import EventKind, HedgeEvent
 
 __all__ = ["PrometheusHook"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
-from .._events import Delta
-from ._base import AttemptInfo
+from .._source import AttemptInfo
+from ..events import Delta
 
 __all__ = ["IteratorSource", "iterator_source"]
 
@@ -17,7 +17,7 @@ Factory = Callable[[AttemptInfo], AsyncIterator[Item] | Awaitable[AsyncIterator[
 class _IteratorAttempt:
     __slots__ = ("_iterator",)
 
-    #: See :class:`~trio_hedge.AttemptStream`: an iterator object is read from any task.
+    #: See :class:`~trio_hedge.sources.AttemptStream`: an iterator object is read from any task.
     task_bound = False
 
     def __init__(self, iterator: AsyncIterator[Item]) -> None:
@@ -55,7 +55,7 @@ class _GeneratorAttempt(_IteratorAttempt):
 
 class IteratorSource:
     """Races whatever ``factory(info)`` returns: an async iterator of ``str`` tokens or
-    :class:`~trio_hedge.Delta` events (or an awaitable of one). Exceptions it raises are
+    :class:`~trio_hedge.events.Delta` events (or an awaitable of one). Exceptions it raises are
     classified (``OSError`` → connection, ``TimeoutError`` → timeout, others fatal) unless
     they are :class:`~trio_hedge.AttemptError` already; an exception group is classified by
     its errors.
@@ -93,6 +93,6 @@ class IteratorSource:
 
 
 def iterator_source(factory: Factory, *, name: str) -> IteratorSource:
-    """Wrap ``factory`` (called once per attempt with its :class:`~trio_hedge.AttemptInfo`)
-    as a :class:`~trio_hedge.Source` that `hedged_stream` can race."""
+    """Wrap ``factory`` (called once per attempt with its :class:`~trio_hedge.sources.AttemptInfo`)
+    as a :class:`~trio_hedge.sources.Source` that `hedged_stream` can race."""
     return IteratorSource(factory, name=name)

@@ -1,4 +1,4 @@
-"""The official ``openai`` SDK as a :class:`~trio_hedge.Source`: race
+"""The official ``openai`` SDK as a :class:`~trio_hedge.sources.Source`: race
 ``client.chat.completions.create(..., stream=True)`` over your own ``AsyncOpenAI`` clients.
 
 ``openai.AsyncOpenAI`` runs under Trio (it is built on httpx and anyio, both of which detect
@@ -9,11 +9,12 @@ Leaving its stream early *without* cancelling leaves the response open until
 
 Each attempt is one ``create(**request, stream=True)`` call on the replica's client, whose
 ``ChatCompletionChunk`` s become :class:`SDKChunkDelta` events (a
-:class:`~trio_hedge.Delta` that keeps the ``chunk``): iterate the stream for ``str`` tokens,
+:class:`~trio_hedge.events.Delta` that keeps the ``chunk``): iterate the stream for ``str`` tokens,
 or :func:`sdk_chunks` for the SDK's own chunk objects.
 
 Errors are classified as the HTTP source classifies them (one set of rules,
-:func:`trio_hedge.chunks.classify_http_error`): ``openai.APIStatusError`` by its status code,
+:func:`~trio_hedge.sources.openai.classify_http_error`): ``openai.APIStatusError`` by its
+status code,
 headers (``Retry-After``) and body; ``APITimeoutError`` is a timeout; ``APIConnectionError`` and
 transport errors a connection error (a truncated stream once data arrived); an ``APIError``
 raised inside a 200 stream (an in-band error event) by its error object.
@@ -34,12 +35,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import httpx
 
-from .._errors import AttemptError, ErrorKind
-from .._events import Delta, ToolCallDelta
 from .._redact import Redactor, protect_in_logs
-from ..chunks import _in_band_error, classify_http_error
-from ._base import AttemptInfo
-from .openai_http import ERROR_BODY_LIMIT, HeaderNames
+from .._source import AttemptInfo
+from ..errors import AttemptError, ErrorKind
+from ..events import Delta, ToolCallDelta
+from .openai._errors import _in_band_error, classify_http_error
+from .openai._http import ERROR_BODY_LIMIT, HeaderNames
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -50,12 +51,12 @@ __all__ = ["OpenAISDKSource", "SDKChunkDelta", "openai_sdk_sources", "sdk_chunks
 
 @attrs.frozen(slots=True)
 class SDKChunkDelta(Delta):
-    """A :class:`~trio_hedge.Delta` that carries the SDK's ``ChatCompletionChunk`` it was
+    """A :class:`~trio_hedge.events.Delta` that carries the SDK's ``ChatCompletionChunk`` it was
     made from, for code that wants the SDK's own objects.
 
     Attributes:
         chunk: the SDK's chunk (not part of equality or the repr); the other fields are
-            :class:`~trio_hedge.Delta`'s.
+            :class:`~trio_hedge.events.Delta`'s.
     """
 
     chunk: ChatCompletionChunk | None = attrs.field(default=None, eq=False, repr=False)
@@ -224,7 +225,7 @@ def _check_client(client: object) -> None:
 
 class OpenAISDKSource:
     """One request bound to one replica's ``AsyncOpenAI`` client, as a
-    :class:`~trio_hedge.Source`.
+    :class:`~trio_hedge.sources.Source`.
 
     Args:
         client: an ``openai.AsyncOpenAI`` (or ``AsyncAzureOpenAI``) for this replica; its
@@ -237,7 +238,7 @@ class OpenAISDKSource:
         overrides: arguments merged over ``request`` for this replica (e.g. a smaller
             ``model`` for the backup).
         headers: which headers carry the request id and attempt number
-            (:class:`~trio_hedge.HeaderNames`), sent with ``extra_headers``.
+            (:class:`~trio_hedge.sources.HeaderNames`), sent with ``extra_headers``.
 
     Raises:
         TypeError: ``client`` is not an ``AsyncOpenAI``; ``request`` is not a mapping.

@@ -19,14 +19,15 @@ from typing import Any
 
 import attrs
 
-from ._delay import _int, _number
-from ._errors import TRANSIENT_KINDS, AttemptError, ErrorKind
+from .._attempt_error import TRANSIENT_KINDS
+from .._validate import integer, number
+from ..errors import AttemptError, ErrorKind
 
 __all__ = ["OutlierDetection"]
 
 
 def _percent(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    _number(0.0)(_inst, attribute, value)
+    number(0.0)(_inst, attribute, value)
     assert isinstance(value, (int, float))
     if value > 100:
         raise ValueError(f"{attribute.name} must be <= 100, not {value!r}")
@@ -65,9 +66,9 @@ class OutlierDetection:
         TypeError, ValueError: on a bad field or ``base_ejection > max_ejection``.
     """
 
-    consecutive_failures: int = attrs.field(default=5, validator=_int(1))
-    base_ejection: float = attrs.field(default=10.0, validator=_number(0.0, open_lo=True))
-    max_ejection: float = attrs.field(default=300.0, validator=_number(0.0, open_lo=True))
+    consecutive_failures: int = attrs.field(default=5, validator=integer(1))
+    base_ejection: float = attrs.field(default=10.0, validator=number(0.0, open_lo=True))
+    max_ejection: float = attrs.field(default=300.0, validator=number(0.0, open_lo=True))
     count_slow: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     max_ejection_percent: float = attrs.field(default=100 / 3, validator=_percent)
 

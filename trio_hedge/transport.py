@@ -1,4 +1,7 @@
-"""A shared ``httpx.AsyncClient`` for many concurrent streams: :func:`make_client`.
+"""httpx clients for many concurrent streams: :func:`make_client` (a shared
+``httpx.AsyncClient``), :class:`ShardedTransport` (its transport), :func:`cancel_safe_transport`
+(HTTP/2 safe to cancel, see ``_cancel_safe.py``) and :func:`shared_ssl_context` (one SSL context
+for every client the library makes).
 
 Why: httpcore 1.0.9's connection pool does work proportional to the number of connections it
 holds on every request it starts or finishes (``AsyncConnectionPool.
@@ -31,6 +34,7 @@ share, nor leave a connection open outside its pool.
 from __future__ import annotations
 
 import collections
+import functools
 import ssl
 from collections.abc import AsyncIterator
 from typing import Any
@@ -38,22 +42,35 @@ from typing import Any
 import httpcore
 import httpx
 
-from ._cancel_safe import harden
-from .sources.openai_http import shared_ssl_context
+from ._cancel_safe import cancel_safe_transport, harden
 
-__all__ = ["DEFAULT_LIMITS", "DEFAULT_PER_SHARD", "ShardedTransport", "make_client"]
+__all__ = [
+    "DEFAULT_LIMITS",
+    "DEFAULT_PER_SHARD",
+    "ShardedTransport",
+    "cancel_safe_transport",
+    "http2_connections",
+    "make_client",
+    "shared_ssl_context",
+]
 
-#: Connections per pool before :class:`ShardedTransport` adds another pool.
 DEFAULT_PER_SHARD = 4
-#: Per-pool limits: no cap on connections (a stream holds one while it is read; a cap would
-#: make extra concurrent streams wait for the pool), idle connections kept 5 s.
+"""Connections per pool before :class:`ShardedTransport` adds another pool."""
 DEFAULT_LIMITS = httpx.Limits(
     max_connections=None, max_keepalive_connections=None, keepalive_expiry=5.0
 )
+"""Per-pool limits: no cap on connections (a stream holds one while it is read; a cap would
+make extra concurrent streams wait for the pool), idle connections kept 5 s."""
 
 # Connect fast (a dead replica must fail over quickly); never time out a read: TTFT and
 # inter-token gaps are the hedge delay's and the stall timeout's business.
 DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
+
+
+@functools.cache
+def shared_ssl_context() -> ssl.SSLContext:
+    """One SSL context for every client the library creates: building one costs ~50 ms."""
+    return httpx.create_ssl_context()
 
 
 class ShardedTransport(httpx.AsyncBaseTransport):
@@ -72,7 +89,7 @@ class ShardedTransport(httpx.AsyncBaseTransport):
             the library's shared context.
         network_backend: the httpcore network backend every pool connects through (default
             httpcore's own). With ``http2=True`` the pools are made safe to cancel (see
-            :func:`~trio_hedge.cancel_safe_transport`); HTTP/1.1-only pools are left as
+            :func:`~trio_hedge.transport.cancel_safe_transport`); HTTP/1.1-only pools are left as
             httpx builds them.
         **kwargs: passed to each ``httpx.AsyncHTTPTransport`` (``http1``, ``http2``,
             ``limits``, ``retries``, ``local_address``, ``socket_options``…); ``limits``
@@ -110,6 +127,11 @@ class ShardedTransport(httpx.AsyncBaseTransport):
     def in_flight(self) -> int:
         """Requests sent whose response is not closed yet."""
         return sum(shard.in_flight for shard in self._shards)
+
+    def pools(self) -> list[httpx.AsyncHTTPTransport]:
+        """The shards' httpx transports (connection pools), oldest first: what
+        :func:`http2_connections` inspects to reset HTTP/2 streams a cancel orphaned."""
+        return [shard.transport for shard in self._shards]
 
     def _pick(self) -> _Shard:
         # O(1): the first shard in the queue of shards with room (FIFO, so load spreads
@@ -215,7 +237,7 @@ def make_client(
             speaks HTTP/2 with prior knowledge to ``http://`` URLs.
         http2: speak HTTP/2 (needs the ``h2`` package). Default ``False``. With
             ``http2=True`` the pools are made safe to cancel, as by
-            :func:`~trio_hedge.cancel_safe_transport`.
+            :func:`~trio_hedge.transport.cancel_safe_transport`.
         limits: per-shard ``httpx.Limits``.
         timeout: the client's timeout.
         **client_kwargs: passed to ``httpx.AsyncClient`` (``headers``, ``base_url``,
@@ -227,3 +249,24 @@ def make_client(
         )
     transport = ShardedTransport(per_shard, http1=http1, http2=http2, limits=limits)
     return httpx.AsyncClient(transport=transport, timeout=timeout, **client_kwargs)
+
+
+def http2_connections(client: httpx.AsyncClient) -> list[tuple[Any, Any]]:
+    """The live HTTP/2 connections in ``client``'s pools (httpx's default transport, or
+    :class:`~trio_hedge.transport.ShardedTransport`), as ``(pool connection, HTTP/2 connection)``
+    pairs; ``[]`` for any other transport."""
+    transport = getattr(client, "_transport", None)
+    if isinstance(transport, ShardedTransport):
+        transports: list[Any] = transport.pools()
+    else:
+        transports = [transport]
+    found = []
+    for each in transports:
+        pool = getattr(each, "_pool", None)
+        if not getattr(pool, "_http2", False):
+            continue  # HTTP/1.1 only: a cancel closes the socket, the server sees it
+        for connection in getattr(pool, "connections", ()):
+            inner = getattr(connection, "_connection", None)
+            if hasattr(inner, "_h2_state") and hasattr(inner, "_events"):
+                found.append((connection, inner))
+    return found

@@ -11,7 +11,7 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
-from .._events import Delta
+from .events import Delta
 
 __all__ = ["AttemptInfo", "AttemptStream", "Source"]
 

@@ -1,31 +1,28 @@
-"""The public exception types.
-
-Errors are data until the race ends: an attempt that fails records an :class:`AttemptError`
-and wakes the race; only the race decides whether that error is fatal, a reason to start the
-next attempt at once, or the last straw. What `hedged_stream` raises is always a
-:class:`HedgeError` (or the caller's own cancellation), never a bare ``ExceptionGroup``.
+"""One attempt's failure, as data: :class:`ErrorKind` (why) and :class:`AttemptError` (what
+the race records and decides on); :func:`classify_exception` turns whatever a source raised
+into one. Public from :mod:`trio_hedge.errors`; kept apart from the
+request-level exceptions there because the :class:`~trio_hedge.report.Report` records attempt
+errors while those exceptions carry a report: each module imports only downward.
 """
 
 from __future__ import annotations
 
 import enum
 import sys
-from typing import TYPE_CHECKING
 
-if sys.version_info < (3, 11):  # pragma: no cover
-    from exceptiongroup import ExceptionGroup
+import trio
 
-if TYPE_CHECKING:
-    from ._report import Report
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = [
-    "AllAttemptsFailed",
+    "REPLICA_KINDS",
+    "RETRYABLE_KINDS",
+    "TRANSIENT_KINDS",
     "AttemptError",
     "ErrorKind",
-    "FatalAttemptError",
-    "HedgeError",
-    "RequestFailed",
-    "StreamInterrupted",
+    "classify_exception",
+    "leaves",
 ]
 
 
@@ -163,85 +160,59 @@ class AttemptError(Exception):
         }
 
 
-class HedgeError(Exception):
-    """Base of every error `hedged_stream` raises. ``report`` says what happened so far."""
-
-    report: Report | None
-
-    def __init__(self, message: str, *, report: Report | None = None) -> None:
-        super().__init__(message)
-        self.report = report
-
-
-class RequestFailed(HedgeError):
-    """No attempt produced a first token. ``errors`` holds each failed attempt's error, in
-    the order the attempts started; ``__cause__`` groups them as an ``ExceptionGroup``
-    (as Trio's ``open_tcp_stream`` does for its connection attempts)."""
-
-    def __init__(
-        self, message: str, errors: tuple[AttemptError, ...], *, report: Report | None = None
-    ) -> None:
-        super().__init__(message, report=report)
-        self.errors = errors
-        if errors:
-            self.__cause__ = ExceptionGroup(message, list(errors))
+def leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside ``exc``, flattening (nested) exception groups."""
+    if not isinstance(exc, BaseExceptionGroup):
+        return [exc]
+    found: list[BaseException] = []
+    for inner in exc.exceptions:
+        found.extend(leaves(inner))
+    return found
 
 
-class AllAttemptsFailed(RequestFailed):
-    """Every attempt the policy allowed failed with a retryable error."""
+def _http_stack_kind(cls: type[BaseException]) -> ErrorKind | None:
+    """What an exception of the HTTP stack that a source let through means: a generic
+    iterator may read with httpx, and httpcore's and h2's own protocol errors are not mapped
+    to httpx's on every path (an HTTP/2 stream used after a cancel). httpx's timeouts are
+    timeouts, its transport errors and anything from httpcore, h2 or h11 a broken connection
+    (not a bad request); ``None`` for anything else. Known by class and module name: the
+    engine imports no HTTP library (the HTTP source classifies its own errors, in
+    ``sources/openai/_errors.py``)."""
+    top = cls.__module__.partition(".")[0]
+    if top in ("httpcore", "h2", "h11"):
+        return ErrorKind.CONNECTION
+    if top != "httpx":
+        return None
+    bases = {c.__name__ for c in cls.__mro__ if c.__module__.partition(".")[0] == "httpx"}
+    if "TimeoutException" in bases:
+        return ErrorKind.TIMEOUT
+    return ErrorKind.CONNECTION if "TransportError" in bases else None
 
 
-class FatalAttemptError(RequestFailed):
-    """An attempt failed with an error that is the request's fault (400, 413, 422, context
-    length…): every other attempt was cancelled at once, since a backup would fail the same
-    way. ``error`` is the fatal one; ``errors`` holds every failure, in start order."""
+def classify_exception(exc: BaseException) -> AttemptError:
+    """Turn what a source raised into an :class:`AttemptError`.
 
-    def __init__(
-        self,
-        message: str,
-        errors: tuple[AttemptError, ...],
-        *,
-        error: AttemptError,
-        report: Report | None = None,
-    ) -> None:
-        super().__init__(message, errors, report=report)
-        self.error = error
-
-
-class StreamInterrupted(HedgeError):
-    """The committed winner failed after its first token (stall, cut connection, in-band
-    error). Nothing is retried after commit: the text already relayed stays available as
-    ``text`` (and on ``report``); ``error`` (also ``__cause__``) says why."""
-
-    def __init__(self, error: AttemptError, text: str, *, report: Report | None = None) -> None:
-        super().__init__(f"stream interrupted after commit: {error}", report=report)
-        self.error = error
-        self.text = text
-        self.__cause__ = error
-
-
-class ReplicasCooling(RequestFailed):
-    """No attempt was sent: every replica the request could use asked to be left alone
-    (server pushback, ``Retry-After``) for longer than the Hedger waits
-    (``HedgerConfig.max_pushback_wait``). Raised at once, without waiting in vain; nothing
-    was sent, so ``errors`` is empty.
-
-    Attributes:
-        until: the Trio time (``trio.current_time()``, seconds) at which the first of those
-            replicas may take a request again.
-        retry_in: seconds from the moment this was raised until ``until``.
-        max_wait: the bound that was exceeded, in seconds.
+    Sources should raise ``AttemptError`` themselves; this covers generic iterators (an
+    ``OSError`` is a connection error, a ``TimeoutError`` a timeout, anything else unknown and
+    fatal) and exception groups from sources that use a nursery: a group's errors are
+    classified one by one, and the group is as bad as its worst (the first fatal one, else the
+    first one).
     """
-
-    def __init__(
-        self, *, until: float, retry_in: float, max_wait: float, report: Report | None = None
-    ) -> None:
-        super().__init__(
-            f"every replica is cooling after server pushback until Trio time {until:.3f}, "
-            f"{retry_in:.3f} s from now: longer than max_pushback_wait={max_wait:g} s",
-            (),
-            report=report,
-        )
-        self.until = until
-        self.retry_in = retry_in
-        self.max_wait = max_wait
+    if isinstance(exc, BaseExceptionGroup):
+        errors = [classify_exception(leaf) for leaf in leaves(exc)]
+        worst = next((e for e in errors if not e.retryable), errors[0])
+        if len(errors) > 1 and worst.__cause__ is not exc:
+            worst.__cause__ = exc  # keep the whole group in the chain
+        return worst
+    if isinstance(exc, AttemptError):
+        return exc
+    err: AttemptError
+    http_kind = _http_stack_kind(type(exc))
+    if http_kind is ErrorKind.TIMEOUT or isinstance(exc, (TimeoutError, trio.TooSlowError)):
+        err = AttemptError(ErrorKind.TIMEOUT, f"{type(exc).__name__}: {exc}")
+    elif http_kind is not None or isinstance(exc, (OSError, trio.BrokenResourceError)):
+        err = AttemptError(ErrorKind.CONNECTION, f"{type(exc).__name__}: {exc}")
+    else:
+        err = AttemptError(ErrorKind.UNKNOWN, f"{type(exc).__name__}: {exc}", retryable=False)
+    err.__cause__ = exc
+    return err

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
+
+from .._validate import fraction, integer, number
 
 __all__ = [
     "LearnedDelay",
@@ -37,44 +39,6 @@ __all__ = [
     "empirical_quantile",
     "km_quantile",
 ]
-
-
-Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
-
-
-def _number(lo: float | None = None, *, open_lo: bool = False) -> Validator:
-    """An attrs validator: a finite real number (not a bool), ``>= lo`` (``> lo``)."""
-
-    def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{attribute.name} must be a number, not {value!r}")
-        if not math.isfinite(value):
-            raise ValueError(f"{attribute.name} must be a finite number, not {value!r}")
-        if lo is not None and (value <= lo if open_lo else value < lo):
-            op = ">" if open_lo else ">="
-            raise ValueError(f"{attribute.name} must be {op} {lo}, not {value!r}")
-
-    return check
-
-
-def _int(lo: int) -> Validator:
-    """An attrs validator: an int (not a bool) ``>= lo``."""
-
-    def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{attribute.name} must be an int, not {value!r}")
-        if value < lo:
-            raise ValueError(f"{attribute.name} must be >= {lo}, not {value!r}")
-
-    return check
-
-
-def _fraction(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    """An attrs validator: a number strictly between 0 and 1."""
-    _number(0.0, open_lo=True)(_inst, attribute, value)
-    assert isinstance(value, (int, float))
-    if value >= 1.0:
-        raise ValueError(f"{attribute.name} must be < 1, not {value!r}")
 
 
 # -- estimators ----------------------------------------------------------------------------
@@ -96,24 +60,7 @@ def km_quantile(observations: Iterable[tuple[float, bool]], q: float) -> float |
         ``None`` without observations. At tied times events count before censorings
         (Kaplan & Meier 1958).
     """
-    items = sorted(observations, key=lambda o: (o[0], not o[1]))
-    n = len(items)
-    if n == 0:
-        return None
-    survival = 1.0
-    i = 0
-    while i < n:
-        t = items[i][0]
-        at_risk = n - i
-        deaths = 0
-        while i < n and items[i][0] == t:
-            deaths += items[i][1]
-            i += 1
-        if deaths:
-            survival *= 1.0 - deaths / at_risk
-            if 1.0 - survival >= q - 1e-12:
-                return t
-    return items[-1][0]
+    return km_quantiles(observations, (q,))[0]
 
 
 def empirical_quantile(values: Iterable[float], q: float) -> float | None:
@@ -147,9 +94,9 @@ class SizeClasses:
         TypeError, ValueError: on a bad field.
     """
 
-    first: int = attrs.field(default=256, validator=_int(1))
-    base: float = attrs.field(default=2.0, validator=_number(1.0, open_lo=True))
-    count: int = attrs.field(default=11, validator=_int(1))
+    first: int = attrs.field(default=256, validator=integer(1))
+    base: float = attrs.field(default=2.0, validator=number(1.0, open_lo=True))
+    count: int = attrs.field(default=11, validator=integer(1))
 
     def of(self, tokens: int) -> int:
         """The class of a prompt of ``tokens`` tokens."""
@@ -235,14 +182,14 @@ class LearnedDelay:
         TypeError, ValueError: on a bad field, or ``min_delay > max_delay``.
     """
 
-    percentile: float = attrs.field(default=0.95, validator=_fraction)
-    window: float = attrs.field(default=300.0, validator=_number(0.0, open_lo=True))
-    min_samples: int = attrs.field(default=20, validator=_int(1))
-    fallback: float = attrs.field(default=1.0, validator=_number(0.0))
-    min_delay: float = attrs.field(default=0.05, validator=_number(0.0))
-    max_delay: float = attrs.field(default=60.0, validator=_number(0.0))
-    refresh: float = attrs.field(default=1.0, validator=_number(0.0))
-    max_samples: int = attrs.field(default=2048, validator=_int(1))
+    percentile: float = attrs.field(default=0.95, validator=fraction)
+    window: float = attrs.field(default=300.0, validator=number(0.0, open_lo=True))
+    min_samples: int = attrs.field(default=20, validator=integer(1))
+    fallback: float = attrs.field(default=1.0, validator=number(0.0))
+    min_delay: float = attrs.field(default=0.05, validator=number(0.0))
+    max_delay: float = attrs.field(default=60.0, validator=number(0.0))
+    refresh: float = attrs.field(default=1.0, validator=number(0.0))
+    max_samples: int = attrs.field(default=2048, validator=integer(1))
     classes: SizeClasses = attrs.field(
         factory=SizeClasses, validator=attrs.validators.instance_of(SizeClasses)
     )
@@ -253,7 +200,7 @@ class LearnedDelay:
     @stuck_ratio.validator
     def _check_stuck_ratio(self, attribute: attrs.Attribute[Any], value: object) -> None:
         if value is not None:
-            _number(1.0, open_lo=True)(self, attribute, value)
+            number(1.0, open_lo=True)(self, attribute, value)
 
     def __attrs_post_init__(self) -> None:
         if self.min_delay > self.max_delay:

@@ -19,7 +19,7 @@ class DelayStatistics:
 
     Attributes:
         group: the group (model / replica group).
-        size_class: the class index (see :class:`~trio_hedge.SizeClasses`).
+        size_class: the class index (see :class:`~trio_hedge.policy.SizeClasses`).
         min_tokens: the class's smallest prompt size, in tokens.
         max_tokens: the class's prompt-token bound, exclusive (``None`` for the open last
             class).
@@ -91,15 +91,15 @@ class HedgerStatistics:
         failovers: attempts started because an earlier attempt failed.
         backup_wins: requests won by a hedge (Finagle ``backups_won``).
         hedges_refused: hedges not sent, for any reason (sum of the three below).
-        budget_refusals: refused by the :class:`~trio_hedge.HedgeBudget`
+        budget_refusals: refused by the :class:`~trio_hedge.policy.HedgeBudget`
             (Finagle ``budget_exhausted``).
-        throttle_refusals: refused by the :class:`~trio_hedge.RetryThrottle`.
+        throttle_refusals: refused by the :class:`~trio_hedge.policy.RetryThrottle`.
         no_replica_refusals: refused because no replica the request may still use could take
             it at once (every one ejected, cooling after pushback, or in its back-off).
         failovers_refused: failovers not sent after a failed attempt although the request's
             plan (``max_attempts``, ``attempts_per_replica``) allowed one (sum of the two
             below); the request then goes on with the attempts still running, or fails.
-        failover_throttle_refusals: refused by the :class:`~trio_hedge.RetryThrottle`
+        failover_throttle_refusals: refused by the :class:`~trio_hedge.policy.RetryThrottle`
             (gRFC A6: no retries at or below half the tokens).
         failover_no_replica_refusals: refused because every replica the request may still
             use is ejected, or cooling (or in its back-off) longer than
@@ -120,7 +120,7 @@ class HedgerStatistics:
         ttft_p99: the caller-visible P99 TTFT (seconds), likewise.
         delays: the current hedge delay of every (group, size class) with data.
         replicas: every replica's health, in the order given to the Hedger.
-        prefill: each group's prefill model (:class:`~trio_hedge.PrefillFit`: TTFT against
+        prefill: each group's prefill model (:class:`~trio_hedge.policy.PrefillFit`: TTFT against
             prompt tokens), for groups with enough data (learned delays only).
     """
 

@@ -1,4 +1,6 @@
-"""What happened to one hedged request: per-attempt records and stream timings.
+"""What happened to one hedged request: :class:`Report` (the request: winner, TTFT, TPOT,
+gaps, text, wasted tokens, error), :class:`AttemptRecord` (one attempt: replica, start, TTFT,
+outcome, error) and :class:`AttemptOutcome`.
 
 The race and the stream fill a mutable :class:`_Recorder` as things happen; ``stream.report``
 hands out a frozen :class:`Report` snapshot, during the stream and after it (also when it
@@ -13,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from ._errors import AttemptError
+from ._attempt_error import AttemptError
 
 __all__ = ["AttemptOutcome", "AttemptRecord", "Report"]
 
@@ -31,9 +33,6 @@ class AttemptOutcome(str, enum.Enum):
     """failed with an error before the commit."""
     TIMEOUT = "timeout"
     """stopped by ``first_token_timeout`` before any attempt produced a first token."""
-    NOT_STARTED = "not_started"
-    """planned but never started (the request committed or failed first, or the hedge budget
-    refused it)."""
 
 
 @attrs.frozen

@@ -32,7 +32,7 @@ from collections import deque
 
 import attrs
 
-from ._delay import _fraction, _number
+from .._validate import fraction, number
 
 __all__ = ["Backoff", "HedgeBudget", "RetryThrottle", "backoff_delay", "jitter_draw"]
 
@@ -63,9 +63,9 @@ class HedgeBudget:
         TypeError, ValueError: on a bad field.
     """
 
-    ratio: float = attrs.field(default=0.1, validator=_number(0.0, open_lo=True))
-    min_per_second: float = attrs.field(default=0.5, validator=_number(0.0))
-    window: float = attrs.field(default=60.0, validator=_number(0.0, open_lo=True))
+    ratio: float = attrs.field(default=0.1, validator=number(0.0, open_lo=True))
+    min_per_second: float = attrs.field(default=0.5, validator=number(0.0))
+    window: float = attrs.field(default=60.0, validator=number(0.0, open_lo=True))
     slots: int = attrs.field(default=10)
 
     @ratio.validator
@@ -148,8 +148,8 @@ class RetryThrottle:
         TypeError, ValueError: on a bad field.
     """
 
-    max_tokens: float = attrs.field(default=10.0, validator=_number(0.0, open_lo=True))
-    token_ratio: float = attrs.field(default=0.1, validator=_fraction)
+    max_tokens: float = attrs.field(default=10.0, validator=number(0.0, open_lo=True))
+    token_ratio: float = attrs.field(default=0.1, validator=fraction)
 
     @max_tokens.validator
     def _check_max(self, attribute: attrs.Attribute[float], value: float) -> None:
@@ -208,9 +208,9 @@ class Backoff:
         TypeError, ValueError: on a bad field or ``initial > maximum``.
     """
 
-    initial: float = attrs.field(default=0.1, validator=_number(0.0, open_lo=True))
-    multiplier: float = attrs.field(default=2.0, validator=_number(1.0))
-    maximum: float = attrs.field(default=5.0, validator=_number(0.0, open_lo=True))
+    initial: float = attrs.field(default=0.1, validator=number(0.0, open_lo=True))
+    multiplier: float = attrs.field(default=2.0, validator=number(1.0))
+    maximum: float = attrs.field(default=5.0, validator=number(0.0, open_lo=True))
     jitter: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:

@@ -1,0 +1,187 @@
+"""The public API as users write it, type-checked by ``mypy --strict`` (``[tool.mypy] files``
+in pyproject.toml), as stamina's ``tests/typing/api.py``. It is NOT meant to be executed
+(pytest does not collect it: its name does not start with ``test_``); a change to the public
+API that breaks this code breaks ``mypy``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import httpx
+import trio
+from typing_extensions import assert_type
+
+import trio_hedge
+from trio_hedge import (
+    AllAttemptsFailed,
+    AttemptError,
+    FatalAttemptError,
+    HedgedStream,
+    HedgeError,
+    HedgePolicy,
+    Hedger,
+    HedgerConfig,
+    LearnedDelay,
+    Replica,
+    ReplicasCooling,
+    Report,
+    RequestFailed,
+    StreamInterrupted,
+    hedged_stream,
+    iterator_source,
+)
+from trio_hedge.aio import AioHedgedStream, AioHedger, aio_hedged_stream
+from trio_hedge.errors import ErrorKind
+from trio_hedge.events import Delta, EventKind, FirstToken, HedgeEvent, ToolCallDelta
+from trio_hedge.instrumentation import LoggingHook
+from trio_hedge.policy import (
+    Backoff,
+    HedgeBudget,
+    HedgerStatistics,
+    OutlierDetection,
+    RetryThrottle,
+    SizeClasses,
+)
+from trio_hedge.report import AttemptOutcome, AttemptRecord
+from trio_hedge.sources import AttemptInfo, HeaderNames, Source
+from trio_hedge.transport import make_client
+
+assert_type(trio_hedge.__version__, str)
+
+
+# -- hedged_stream over iterator sources ---------------------------------------------------
+
+
+async def tokens(info: AttemptInfo) -> AsyncIterator[str]:
+    assert_type(info.number, int)
+    assert_type(info.request_id, str)
+    yield "Hello"
+
+
+async def deltas(info: AttemptInfo) -> AsyncIterator[Delta]:
+    yield Delta("Hi", finish_reason="stop")
+
+
+async def one_request() -> str:
+    primary = iterator_source(tokens, name="primary")
+    backup = iterator_source(deltas, name="backup")
+    source: Source = primary  # an IteratorSource is a Source
+    assert_type(source.name, str)
+    policy = HedgePolicy(hedge_after=0.5, first_token=FirstToken.CONTENT, stall_timeout=10.0)
+    async with hedged_stream(None, [primary, backup], policy) as stream:
+        assert_type(stream, HedgedStream)
+        async for token in stream:
+            assert_type(token, str)
+        async for delta in stream.events():
+            assert_type(delta, Delta)
+            assert_type(delta.content, str)
+            assert_type(delta.tool_calls, tuple[ToolCallDelta, ...])
+            assert_type(delta.finish_reason, str | None)
+    return stream.text
+
+
+# -- Hedger, HedgerConfig, LearnedDelay -----------------------------------------------------
+
+
+def on_event(event: HedgeEvent) -> None:
+    if event.kind is EventKind.COMMITTED and event.record is not None:
+        assert_type(event.record.ttft, float | None)
+
+
+def timed(event: HedgeEvent) -> AbstractContextManager[object] | None:
+    return None
+
+
+async def production() -> None:
+    config = HedgerConfig(
+        hedge_after=LearnedDelay(percentile=0.95, window=300.0, classes=SizeClasses()),
+        max_attempts=3,
+        budget=HedgeBudget(ratio=0.1),
+        throttle=RetryThrottle(),
+        backoff=Backoff(),
+        outlier_detection=OutlierDetection(),
+        first_token_timeout=30.0,
+        pick="peak_ewma",
+    )
+    fixed = HedgerConfig(hedge_after=0.8, budget=None, pick="in_order")
+    replicas = [
+        Replica("http://a:8000/v1", api_key="sk-test", name="a"),
+        Replica("http://b:8000/v1", headers={"X-Tenant": "t"}),
+    ]
+    async with (
+        make_client(http2=True) as client,
+        Hedger(
+            replicas,
+            config,
+            client=client,
+            headers=HeaderNames(request_id="X-Request-ID"),
+            on_event=[on_event, timed, LoggingHook()],
+        ) as hedger,
+        Hedger(replicas, fixed) as other,
+    ):
+        assert_type(hedger.config, HedgerConfig)
+        assert_type(other.hedge_delay(prompt_tokens=100), float | None)
+        request = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        async with hedger.stream(request, prompt_tokens=10, group="chat") as stream:
+            async for token in stream:
+                print(token, end="")
+        stats = hedger.statistics()
+        assert_type(stats, HedgerStatistics)
+        assert_type(stats.hedges_sent, int)
+        assert_type(hedger.samples(), list[dict[str, Any]])
+
+
+# -- the report, and catching the exceptions -------------------------------------------------
+
+
+def read(report: Report) -> None:
+    assert_type(report.winner, int | None)
+    assert_type(report.ttft, float | None)
+    assert_type(report.attempts, tuple[AttemptRecord, ...])
+    for attempt in report.attempts:
+        assert_type(attempt.outcome, AttemptOutcome)
+        if attempt.error is not None:
+            assert_type(attempt.error.kind, ErrorKind)
+            assert_type(attempt.error.retryable, bool)
+    assert_type(report.error, BaseException | None)
+
+
+async def careful(hedger: Hedger) -> str | None:
+    try:
+        async with hedger.stream({"model": "m", "messages": []}) as stream:
+            return "".join([t async for t in stream])
+    except ReplicasCooling as exc:
+        assert_type(exc.retry_in, float)
+    except FatalAttemptError as exc:
+        assert_type(exc.errors, tuple[AttemptError, ...])
+    except AllAttemptsFailed as exc:
+        for error in exc.errors:
+            assert_type(error.kind, ErrorKind)
+    except RequestFailed as exc:
+        assert_type(exc.report, Report | None)
+    except StreamInterrupted as exc:
+        assert_type(exc.text, str)
+        assert_type(exc.error, AttemptError)
+    except HedgeError as exc:
+        assert_type(exc.report, Report | None)
+    except (httpx.HTTPError, trio.TooSlowError):
+        pass
+    return None
+
+
+# -- asyncio, through trio-asyncio -----------------------------------------------------------
+
+
+async def from_asyncio(replicas: list[Replica]) -> None:
+    async with aio_hedged_stream({"model": "m", "messages": []}, replicas) as stream:
+        assert_type(stream, AioHedgedStream)
+        async for token in stream:
+            assert_type(token, str)
+        async for delta in stream.events():
+            assert_type(delta, Delta)
+    async with AioHedger(replicas, HedgerConfig()) as hedger:
+        async with hedger.stream({"model": "m", "messages": []}) as s:
+            assert_type(s.report, Report)

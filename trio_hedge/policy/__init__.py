@@ -1,0 +1,55 @@
+"""The policy: when to hedge, whether a hedge or failover may go, where an attempt goes.
+
+Configuration (values, validated at construction):
+
+- :class:`HedgePolicy`: one request's fixed plan for :func:`~trio_hedge.hedged_stream`.
+- :class:`HedgerConfig`: how a :class:`~trio_hedge.Hedger` hedges; the fields the two share
+  are declared once.
+- :class:`LearnedDelay` (with :class:`SizeClasses`, :class:`PrefillFit`): the hedge delay
+  learned from observed TTFTs; :class:`HedgeBudget`, :class:`RetryThrottle`,
+  :class:`Backoff`: the brakes on extra requests; :class:`OutlierDetection`: when a replica
+  is ejected.
+
+The race's advisor: :class:`Planner` (the protocol the race consults at each decision) and
+:class:`StaticPlanner` (a fixed, ordered list and delay). A :class:`~trio_hedge.Hedger`'s
+planner is private: it reads the fleet state every request shares.
+
+Statistics (frozen snapshots): :class:`HedgerStatistics`, :class:`ReplicaStatistics`,
+:class:`DelayStatistics`. Helpers: :func:`estimate_prompt_tokens`,
+:func:`empirical_quantile`, :func:`km_quantile` (Kaplan-Meier, for censored samples).
+
+Inside, one job per module: ``_config`` (the two config classes), ``_delay`` (the delay
+learner), ``_budget`` (budget, throttle, back-off), ``_health`` (replica health and
+ejection), ``_sizing`` (prompt size), ``_stats`` (snapshots), ``_static`` (the static
+planner), ``_fleet`` (the state shared by every request of a Hedger), ``_planner`` (one
+request's decisions over that state).
+"""
+
+from .._plan import Planner
+from ._budget import Backoff, HedgeBudget, RetryThrottle
+from ._config import HedgePolicy, HedgerConfig
+from ._delay import LearnedDelay, PrefillFit, SizeClasses, empirical_quantile, km_quantile
+from ._health import OutlierDetection
+from ._sizing import estimate_prompt_tokens
+from ._static import StaticPlanner
+from ._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
+
+__all__ = [
+    "Backoff",
+    "DelayStatistics",
+    "HedgeBudget",
+    "HedgePolicy",
+    "HedgerConfig",
+    "HedgerStatistics",
+    "LearnedDelay",
+    "OutlierDetection",
+    "Planner",
+    "PrefillFit",
+    "ReplicaStatistics",
+    "RetryThrottle",
+    "SizeClasses",
+    "StaticPlanner",
+    "empirical_quantile",
+    "estimate_prompt_tokens",
+    "km_quantile",
+]

@@ -1,0 +1,248 @@
+"""The state every request of one :class:`~trio_hedge.Hedger` shares: the fleet.
+
+One :class:`FleetState` per Hedger holds what the per-request planners
+(``policy/_planner.py``) read and update at each decision: the delay learner, the hedge
+budget and the retry throttle, each replica's health and load, and the counters behind
+:meth:`~trio_hedge.Hedger.statistics`. It also makes the decisions that need the whole fleet:
+where an attempt goes among eligible replicas (:meth:`FleetState.pick`), how much of a TTFT a
+prompt's size explains (:meth:`FleetState.prefill`), and whether a failing replica is ejected
+under the fleet-wide cap (:meth:`FleetState.health_failure`).
+
+Trio is single-threaded, so the shared state needs no locks; every structure is bounded
+(sliding windows with a sample cap, a capped number of groups), so thousands of concurrent
+streams over a long run do not grow it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+
+import attrs
+import trio
+
+from .._hooks import emit
+from .._source import Source
+from ..events import EventHook, EventKind, HedgeEvent
+from ..sources.openai import Replica
+from ._budget import BudgetState, ThrottleState
+from ._config import HedgerConfig
+from ._delay import DelayModel, LearnedDelay, empirical_quantile
+from ._health import ReplicaState
+from ._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
+
+__all__ = ["FleetCounts", "FleetState"]
+
+#: Commits kept for the caller-visible TTFT percentiles in ``statistics()``.
+_TTFT_SAMPLES = 4096
+
+
+@attrs.define(slots=True)
+class FleetCounts:
+    """The Hedger's counters since it was made (what :class:`HedgerStatistics` reports)."""
+
+    requests: int = 0
+    finished: int = 0
+    failed: int = 0
+    attempts: int = 0
+    hedges_sent: int = 0
+    failovers: int = 0
+    backup_wins: int = 0
+    #: Hedges not sent, by reason.
+    budget: int = 0
+    throttle: int = 0
+    no_replica: int = 0
+    #: Failovers not sent, by reason.
+    failover_throttle: int = 0
+    failover_no_replica: int = 0
+    refused_requests: int = 0
+    ejections_capped: int = 0
+    prompt_sent: int = 0
+    prompt_resent: int = 0
+    wasted: int = 0
+
+    def refused(self, reason: str, *, failover: bool) -> None:
+        """Count a hedge (or failover) not sent, for ``reason``: ``"budget"``, ``"throttle"``
+        or ``"no_replica"``."""
+        if failover:
+            if reason == "throttle":
+                self.failover_throttle += 1
+            else:
+                self.failover_no_replica += 1
+        elif reason == "budget":
+            self.budget += 1
+        elif reason == "throttle":
+            self.throttle += 1
+        else:
+            self.no_replica += 1
+
+
+class FleetState:
+    """What every request of one Hedger shares (see the module docs).
+
+    Args:
+        config: the Hedger's :class:`HedgerConfig`.
+        replicas: where attempts go (:class:`~trio_hedge.Replica` or any
+            :class:`~trio_hedge.sources.Source`), names unique (checked by the caller).
+        on_event: the hooks events go to; the list is shared, not copied.
+    """
+
+    def __init__(
+        self,
+        config: HedgerConfig,
+        replicas: Sequence[Replica | Source],
+        on_event: list[EventHook],
+    ) -> None:
+        self.config = config
+        self.on_event = on_event
+        self.replicas = [
+            ReplicaState(index=i, name=r.name, source=r) for i, r in enumerate(replicas)
+        ]
+        delay = config.hedge_after
+        self.model = DelayModel(delay) if isinstance(delay, LearnedDelay) else None
+        self.budget = BudgetState(config.budget) if config.budget is not None else None
+        self.throttle = ThrottleState(config.throttle) if config.throttle is not None else None
+        outlier = config.outlier_detection
+        self.ejection_limit = 0 if outlier is None else outlier.ejection_limit(len(self.replicas))
+        #: (time of commit, time of first token) of recent winners, for the percentiles.
+        self.ttfts: deque[tuple[float, float]] = deque(maxlen=_TTFT_SAMPLES)
+        self.counts = FleetCounts()
+
+    def pick(self, eligible: list[ReplicaState], now: float) -> ReplicaState:
+        pick = self.config.pick
+        if pick == "in_order" or len(eligible) == 1:
+            return eligible[0]
+        if pick == "least_loaded":
+            return min(eligible, key=lambda r: (r.in_flight, r.index))
+        decay = self.config.latency_decay
+        best = eligible[0]
+        best_key = (math.inf, 0)
+        for r in eligible:
+            latency, n = r.load(now, decay)
+            key = (latency * (n + 1), n)  # ties: fewer attempts, then the given order
+            if key < best_key:
+                best, best_key = r, key
+        return best
+
+    def prefill(self, group: str, tokens: int | None, now: float) -> float:
+        """The seconds of a TTFT that the group's prefill model puts down to the prompt's
+        size: its median for ``tokens`` minus its intercept (0 without a model or a size).
+        Beyond the sizes it was fitted on the model grows in proportion to tokens, so a long
+        prompt's prefill is predicted even when only short ones were seen."""
+        if self.model is None or not tokens:
+            return 0.0
+        fit = self.model.fit(group, now)
+        return 0.0 if fit is None else fit.median(tokens) - fit.intercept
+
+    def emit(self, event: HedgeEvent) -> None:
+        if self.on_event:
+            emit(self.on_event, event)
+
+    def health_failure(
+        self,
+        replica: ReplicaState,
+        now: float,
+        reason: str,
+        request_id: str,
+        group: str,
+        *,
+        at_once: bool = False,
+    ) -> None:
+        """Count one failure against ``replica``; eject it if it is due and the fleet-wide
+        cap (``max_ejection_percent``, never the last replica) has room."""
+        config = self.config.outlier_detection
+        if not replica.failure(now, config, at_once=at_once):
+            return
+        assert config is not None
+        ejected = 0
+        for r in self.replicas:
+            ejected += r.ejected_until > now
+        if ejected >= self.ejection_limit:
+            self.counts.ejections_capped += 1
+            return
+        replica.eject(now, config)
+        self.emit(
+            HedgeEvent(
+                EventKind.REPLICA_EJECTED,
+                now,
+                request_id,
+                group,
+                replica.name,
+                reason=reason,
+                until=replica.ejected_until,
+            )
+        )
+
+    def statistics(self) -> HedgerStatistics:
+        """A frozen :class:`HedgerStatistics` snapshot (call inside Trio)."""
+        now = trio.current_time()
+        c = self.counts
+        horizon = now - self.config.stats_window
+        ttfts = [v for t, v in self.ttfts if t >= horizon]
+        delays: list[DelayStatistics] = []
+        if self.model is not None:
+            classes = self.model.config.classes
+            for group, index, observations, censored, delay, learned in self.model.describe(now):
+                low, high = classes.bounds(index)
+                delays.append(
+                    DelayStatistics(
+                        group=group,
+                        size_class=index,
+                        min_tokens=low,
+                        max_tokens=high,
+                        observations=observations,
+                        censored=censored,
+                        delay=delay,
+                        learned=learned,
+                    )
+                )
+        decay = self.config.latency_decay
+        peak_ewma = self.config.pick == "peak_ewma"
+        replicas = tuple(
+            ReplicaStatistics(
+                name=r.name,
+                state="ejected" if r.ejected(now) else "cooling" if r.cooling(now) else "healthy",
+                in_flight=r.in_flight,
+                attempts=r.attempts,
+                wins=r.wins,
+                failures=r.failures,
+                cooling_for=max(0.0, r.cooling_until - now),
+                ejected_for=max(0.0, r.ejected_until - now),
+                times_ejected=r.times_ejected,
+                consecutive_failures=r.consecutive,
+                latency=r.load(now, decay)[0] if peak_ewma else 0.0,
+                lingering=len(r.lingering),
+            )
+            for r in self.replicas
+        )
+        return HedgerStatistics(
+            time=now,
+            requests=c.requests,
+            finished=c.finished,
+            failed=c.failed,
+            attempts=c.attempts,
+            hedges_sent=c.hedges_sent,
+            failovers=c.failovers,
+            backup_wins=c.backup_wins,
+            hedges_refused=c.budget + c.throttle + c.no_replica,
+            budget_refusals=c.budget,
+            throttle_refusals=c.throttle,
+            no_replica_refusals=c.no_replica,
+            failovers_refused=c.failover_throttle + c.failover_no_replica,
+            failover_throttle_refusals=c.failover_throttle,
+            failover_no_replica_refusals=c.failover_no_replica,
+            requests_refused=c.refused_requests,
+            ejections_capped=c.ejections_capped,
+            throttle_tokens=None if self.throttle is None else self.throttle.tokens,
+            budget_window=None if self.budget is None else self.budget.counts(now),
+            prompt_tokens_sent=c.prompt_sent,
+            prompt_tokens_resent=c.prompt_resent,
+            wasted_tokens=c.wasted,
+            ttft_p50=empirical_quantile(ttfts, 0.5),
+            ttft_p90=empirical_quantile(ttfts, 0.9),
+            ttft_p99=empirical_quantile(ttfts, 0.99),
+            delays=tuple(delays),
+            replicas=replicas,
+            prefill=() if self.model is None else tuple(self.model.fits(now)),
+        )
