@@ -28,9 +28,11 @@ request's decisions over that state).
 from .._plan import Planner
 from ._budget import Backoff, HedgeBudget, RetryThrottle
 from ._config import HedgePolicy, HedgerConfig
-from ._delay import LearnedDelay, PrefillFit, SizeClasses, empirical_quantile, km_quantile
+from ._delay import LearnedDelay
 from ._health import OutlierDetection
-from ._sizing import estimate_prompt_tokens
+from ._prefill import PrefillFit
+from ._quantiles import empirical_quantile, km_quantile
+from ._sizing import SizeClasses, estimate_prompt_tokens
 from ._static import StaticPlanner
 from ._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
 

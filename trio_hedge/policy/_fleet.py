@@ -28,8 +28,9 @@ from ..events import EventHook, EventKind, HedgeEvent
 from ..sources.openai import Replica
 from ._budget import BudgetState, ThrottleState
 from ._config import HedgerConfig
-from ._delay import DelayModel, LearnedDelay, empirical_quantile
+from ._delay import DelayModel, LearnedDelay
 from ._health import ReplicaState
+from ._quantiles import empirical_quantile
 from ._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
 
 __all__ = ["FleetCounts", "FleetState"]
