@@ -26,7 +26,8 @@ request's decisions over that state).
 """
 
 from .._plan import Planner
-from ._budget import Backoff, HedgeBudget, RetryThrottle
+from ._backoff import Backoff
+from ._budget import HedgeBudget
 from ._config import HedgePolicy, HedgerConfig
 from ._delay import LearnedDelay
 from ._health import OutlierDetection
@@ -35,6 +36,7 @@ from ._quantiles import empirical_quantile, km_quantile
 from ._sizing import SizeClasses, estimate_prompt_tokens
 from ._static import StaticPlanner
 from ._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
+from ._throttle import RetryThrottle
 
 __all__ = [
     "Backoff",
