@@ -19,10 +19,11 @@ Statistics (frozen snapshots): :class:`HedgerStatistics`, :class:`ReplicaStatist
 :func:`empirical_quantile`, :func:`km_quantile` (Kaplan-Meier, for censored samples).
 
 Inside, one job per module: ``_config`` (the two config classes), ``_delay`` (the delay
-learner), ``_budget`` (budget, throttle, back-off), ``_health`` (replica health and
-ejection), ``_sizing`` (prompt size), ``_stats`` (snapshots), ``_static`` (the static
-planner), ``_fleet`` (the state shared by every request of a Hedger), ``_planner`` (one
-request's decisions over that state).
+learner), ``_quantiles`` (the estimators), ``_prefill`` (the prefill model), ``_budget``
+(the hedge budget), ``_throttle`` (the retry throttle), ``_backoff`` (the back-off),
+``_health`` (replica health and ejection), ``_sizing`` (prompt size and size classes),
+``_stats`` (snapshots), ``_static`` (the static planner), ``_fleet`` (the state shared by
+every request of a Hedger), ``_planner`` (one request's decisions over that state).
 """
 
 from .._plan import Planner
