@@ -14,7 +14,8 @@ import trio_hedge as th
 from trio_hedge.events import EventKind
 from trio_hedge.instrumentation import LoggingHook, PrometheusHook
 from trio_hedge.policy import HedgeBudget, RetryThrottle
-from trio_hedge.policy._budget import BudgetState, ThrottleState
+from trio_hedge.policy._budget import BudgetState
+from trio_hedge.policy._throttle import ThrottleState
 
 from .fleet import Fail, Fleet, run, table
 from .scripted import Script

@@ -15,7 +15,8 @@ import trio_hedge as th
 from trio_hedge import LearnedDelay
 from trio_hedge.events import EventKind
 from trio_hedge.policy import SizeClasses
-from trio_hedge.policy._delay import DelayModel, PrefillFit, fit_line
+from trio_hedge.policy._delay import DelayModel
+from trio_hedge.policy._prefill import PrefillFit, fit_line
 
 from .fleet import Fleet, run
 from .scripted import Script

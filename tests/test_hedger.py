@@ -16,7 +16,7 @@ from trio_hedge import HedgerConfig
 from trio_hedge.errors import ErrorKind
 from trio_hedge.events import EventKind
 from trio_hedge.policy import OutlierDetection
-from trio_hedge.policy._budget import backoff_delay, jitter_draw
+from trio_hedge.policy._backoff import backoff_delay, jitter_draw
 from trio_hedge.report import AttemptOutcome as O
 from trio_hedge.testing import Behaviour, MockReplicas
 

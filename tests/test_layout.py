@@ -194,3 +194,50 @@ def test_data_flows_one_way() -> None:
         if not module.startswith(front_ends + entry_points):
             bad = sorted(m for m in imports if m.startswith(front_ends))
             assert not bad, (module, bad)
+
+
+#: The policy's modules, bottom up: each imports policy modules of lower layers only. The
+#: estimators, prompt sizing and the brakes are leaves; the prefill model uses the
+#: estimators; the delay learner uses both; the configs hold the parts; the fleet and the
+#: planners use it all (docs/layout.md).
+POLICY_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("_quantiles", "_sizing", "_budget", "_throttle", "_backoff", "_health"),
+    ("_prefill",),
+    ("_delay",),
+    ("_config", "_stats"),
+    ("_static", "_fleet"),
+    ("_planner",),
+)
+
+
+def layering_violations(
+    graph: dict[str, set[str]], package: str, layers: tuple[tuple[str, ...], ...]
+) -> list[str]:
+    """``importer -> imported`` for every import within ``package`` that is not strictly
+    downward, and every module of ``package`` the layers do not place."""
+    level = {f"{package}.{name}": i for i, names in enumerate(layers) for name in names}
+    problems = [
+        f"{m} is not placed" for m in graph if m.startswith(package + ".") and m not in level
+    ]
+    for module, rank in level.items():
+        problems.extend(
+            f"{module} -> {target}"
+            for target in sorted(graph.get(module, ()))
+            if target in level and level[target] >= rank
+        )
+    return problems
+
+
+def test_the_policy_flows_one_way() -> None:
+    graph = import_graph()
+    for names in POLICY_LAYERS:
+        for name in names:
+            assert f"trio_hedge.policy.{name}" in graph, f"{name} is gone: update POLICY_LAYERS"
+    assert layering_violations(graph, "trio_hedge.policy", POLICY_LAYERS) == []
+    # The check sees a back edge and an unplaced module.
+    fake = {"p.a": set(), "p.b": {"p.a"}, "p.c": {"p.b"}}
+    assert layering_violations(fake, "p", (("a",), ("b",), ("c",))) == []
+    fake["p.a"] = {"p.c"}
+    assert layering_violations(fake, "p", (("a",), ("b",), ("c",))) == ["p.a -> p.c"]
+    assert layering_violations(fake, "p", (("a", "b"), ("c",))) == ["p.a -> p.c", "p.b -> p.a"]
+    assert layering_violations({"p.x": set()}, "p", ()) == ["p.x is not placed"]

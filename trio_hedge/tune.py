@@ -49,7 +49,8 @@ from typing import IO, Any
 import attrs
 
 from .policy._budget import BudgetState, HedgeBudget
-from .policy._delay import DelayModel, LearnedDelay, empirical_quantile
+from .policy._delay import DelayModel, LearnedDelay
+from .policy._quantiles import empirical_quantile
 
 __all__ = [
     "Candidate",

@@ -19,20 +19,25 @@ Statistics (frozen snapshots): :class:`HedgerStatistics`, :class:`ReplicaStatist
 :func:`empirical_quantile`, :func:`km_quantile` (Kaplan-Meier, for censored samples).
 
 Inside, one job per module: ``_config`` (the two config classes), ``_delay`` (the delay
-learner), ``_budget`` (budget, throttle, back-off), ``_health`` (replica health and
-ejection), ``_sizing`` (prompt size), ``_stats`` (snapshots), ``_static`` (the static
-planner), ``_fleet`` (the state shared by every request of a Hedger), ``_planner`` (one
-request's decisions over that state).
+learner), ``_quantiles`` (the estimators), ``_prefill`` (the prefill model), ``_budget``
+(the hedge budget), ``_throttle`` (the retry throttle), ``_backoff`` (the back-off),
+``_health`` (replica health and ejection), ``_sizing`` (prompt size and size classes),
+``_stats`` (snapshots), ``_static`` (the static planner), ``_fleet`` (the state shared by
+every request of a Hedger), ``_planner`` (one request's decisions over that state).
 """
 
 from .._plan import Planner
-from ._budget import Backoff, HedgeBudget, RetryThrottle
+from ._backoff import Backoff
+from ._budget import HedgeBudget
 from ._config import HedgePolicy, HedgerConfig
-from ._delay import LearnedDelay, PrefillFit, SizeClasses, empirical_quantile, km_quantile
+from ._delay import LearnedDelay
 from ._health import OutlierDetection
-from ._sizing import estimate_prompt_tokens
+from ._prefill import PrefillFit
+from ._quantiles import empirical_quantile, km_quantile
+from ._sizing import SizeClasses, estimate_prompt_tokens
 from ._static import StaticPlanner
 from ._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
+from ._throttle import RetryThrottle
 
 __all__ = [
     "Backoff",

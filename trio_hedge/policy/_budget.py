@@ -1,40 +1,29 @@
-"""The brakes on extra requests: a ratio budget, a failure throttle, and a back-off.
+"""The hedge budget: a ratio of backups to requests over a sliding window, plus a floor.
 
 Why: a hedge delay at the P90 sends backups for ~10% of requests *only while the latency
 distribution stays put*. When every replica slows down at once (overload), every request
 crosses the delay and a hedger without a budget doubles the load exactly when there is no
-capacity for it: a hedge storm. Two independent brakes, both checked at the moment a backup
-would be sent (never reserved earlier):
+capacity for it: a hedge storm.
 
-* :class:`HedgeBudget` — backups may be at most ``ratio`` of the requests seen in the last
-  ``window`` seconds, plus a floor of ``min_per_second`` (Envoy's retry budget,
-  ``budget_percent`` / ``min_retry_concurrency``; Finagle's ``RetryBudget``, whose
-  ``minRetriesPerSec × ttl`` is our floor).
-* :class:`RetryThrottle` — gRPC's retry throttling (gRFC A6): a token count starts at
-  ``max_tokens``; each failed attempt takes one token, each success gives back
-  ``token_ratio``; hedges *and* failovers stop while the count is at or below
-  ``max_tokens / 2`` and resume once successes have refilled it.
-
-The budget is checked when a backup would be sent and spent only when it really starts.
-A third brake paces one request's repeated attempts on the *same* replica:
-
-* :class:`Backoff` — gRPC's retry back-off (gRFC A6): the ``n``-th repeat waits
-  ``random(0, min(initial × multiplier^(n−1), maximum))`` seconds after that replica's last
-  failure (:func:`backoff_delay`, a pure function; the random draw comes from
-  :func:`jitter_draw`, derived from the request id, so a schedule is reproducible).
+[`HedgeBudget`][trio_hedge.policy.HedgeBudget]: backups may be at most ``ratio`` of the
+requests seen in the last ``window`` seconds, plus a floor of ``min_per_second`` (Envoy's
+retry budget, ``budget_percent`` / ``min_retry_concurrency``; Finagle's ``RetryBudget``,
+whose ``minRetriesPerSec × ttl`` is our floor). The budget is checked when a backup would be
+sent and spent only when it really starts (never reserved earlier). It is one of two brakes
+on the fleet's extra requests, checked at the same moment and independent of each other; the
+other is the retry throttle (``policy/_throttle.py``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import deque
 
 import attrs
 
-from .._validate import fraction, number
+from .._validate import number
 
-__all__ = ["Backoff", "HedgeBudget", "RetryThrottle", "backoff_delay", "jitter_draw"]
+__all__ = ["BudgetState", "HedgeBudget"]
 
 
 @attrs.frozen
@@ -82,7 +71,8 @@ class HedgeBudget:
 
 
 class BudgetState:
-    """The counters behind a :class:`HedgeBudget` (internal; bounded to ``slots`` entries)."""
+    """The counters behind a [`HedgeBudget`][trio_hedge.policy.HedgeBudget] (internal; bounded
+    to ``slots`` entries)."""
 
     __slots__ = ("_backups", "_config", "_requests", "_slot_width", "_slots")
 
@@ -118,7 +108,7 @@ class BudgetState:
         return c.ratio * self._requests + c.min_per_second * c.window - self._backups
 
     def allows(self, now: float) -> bool:
-        """Whether one more backup fits now. Spends nothing (see :meth:`spend`)."""
+        """Whether one more backup fits now. Spends nothing (see ``spend``)."""
         return self.allowance(now) >= 1.0 - 1e-9
 
     def spend(self, now: float) -> None:
@@ -130,110 +120,3 @@ class BudgetState:
         """``(requests, backups)`` in the window."""
         self._current(now)
         return self._requests, self._backups
-
-
-@attrs.frozen
-class RetryThrottle:
-    """gRPC's retry throttle (gRFC A6, "retryThrottling").
-
-    Attributes:
-        max_tokens: the bucket size and the starting count, in ``(0, 1000]``. Default 10.
-        token_ratio: tokens a successful attempt gives back, in ``(0, 1)``. Default 0.1.
-
-    Hedges and failovers are allowed while ``tokens > max_tokens / 2`` (a primary always
-    is). Each attempt that fails with a retryable error takes one token (down to 0); each
-    attempt that gets a first token adds ``token_ratio`` (up to ``max_tokens``).
-
-    Raises:
-        TypeError, ValueError: on a bad field.
-    """
-
-    max_tokens: float = attrs.field(default=10.0, validator=number(0.0, open_lo=True))
-    token_ratio: float = attrs.field(default=0.1, validator=fraction)
-
-    @max_tokens.validator
-    def _check_max(self, attribute: attrs.Attribute[float], value: float) -> None:
-        if value > 1000:
-            raise ValueError(f"max_tokens must be <= 1000 (gRFC A6), not {value!r}")
-
-
-class ThrottleState:
-    """The token count behind a :class:`RetryThrottle` (internal). Counted in thousandths
-    of a token, as gRPC does, so ``token_ratio`` adds up without rounding drift."""
-
-    __slots__ = ("_max", "_milli", "_ratio")
-
-    def __init__(self, config: RetryThrottle) -> None:
-        self._max = round(config.max_tokens * 1000)
-        self._ratio = max(1, round(config.token_ratio * 1000))
-        self._milli = self._max
-
-    @property
-    def tokens(self) -> float:
-        return self._milli / 1000
-
-    def failure(self) -> None:
-        self._milli = max(0, self._milli - 1000)
-
-    def success(self) -> None:
-        self._milli = min(self._max, self._milli + self._ratio)
-
-    @property
-    def allows(self) -> bool:
-        return self._milli * 2 > self._max
-
-
-@attrs.frozen
-class Backoff:
-    """How long one request waits before it tries a replica it already tried again: gRPC's
-    retry back-off (gRFC A6, ``initialBackoff`` / ``backoffMultiplier`` / ``maxBackoff``).
-    A failover to a replica the request has not tried yet never waits.
-
-    The ``n``-th repeat on a replica (``n = 1`` for its second attempt) may start
-    ``min(initial × multiplier^(n−1), maximum)`` seconds after that replica's last failure,
-    times a draw in ``[0, 1)`` with ``jitter`` ("full jitter", as gRPC does) so that the
-    requests a blip failed together do not come back together.
-
-    Attributes:
-        initial: seconds before the first repeat (before jitter). Default 0.1 (gRFC A6's
-            example).
-        multiplier: growth per repeat, ``>= 1``. Default 2.
-        maximum: the longest wait, in seconds. Default 5 (an LLM replica that failed fast
-            five times in a row is not coming back within the request).
-        jitter: ``True`` (default) scales each wait by a draw in ``[0, 1)`` derived from the
-            request id (:func:`jitter_draw`): reproducible for one request, spread across
-            requests, exact in virtual time; ``False`` waits the full ceiling.
-
-    Raises:
-        TypeError, ValueError: on a bad field or ``initial > maximum``.
-    """
-
-    initial: float = attrs.field(default=0.1, validator=number(0.0, open_lo=True))
-    multiplier: float = attrs.field(default=2.0, validator=number(1.0))
-    maximum: float = attrs.field(default=5.0, validator=number(0.0, open_lo=True))
-    jitter: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
-
-    def __attrs_post_init__(self) -> None:
-        if self.initial > self.maximum:
-            raise ValueError(f"initial ({self.initial}) must be <= maximum ({self.maximum})")
-
-
-def backoff_delay(repeat: int, backoff: Backoff, draw: float = 1.0) -> float:
-    """Seconds the ``repeat``-th repeat on one replica waits after its last failure
-    (``repeat >= 1``): ``min(initial × multiplier^(repeat−1), maximum)``, times ``draw``
-    (in ``[0, 1)``) when ``backoff.jitter`` is set. Pure: the caller supplies the draw."""
-    try:
-        ceiling = min(backoff.initial * backoff.multiplier ** (repeat - 1), backoff.maximum)
-    except OverflowError:  # multiplier^n left the floats long after it passed the maximum
-        ceiling = backoff.maximum
-    return ceiling * draw if backoff.jitter else ceiling
-
-
-def jitter_draw(request_id: str, replica: str, repeat: int) -> float:
-    """A draw in ``[0, 1)`` for :func:`backoff_delay`, derived from the request id, replica
-    and repeat: the same request always gets the same schedule (reproducible from its logs,
-    exact in virtual-time tests), different requests get independent-looking ones (request
-    ids are UUID4s by default)."""
-    key = f"{request_id}\x00{replica}\x00{repeat}".encode("utf-8", "surrogatepass")
-    digest = hashlib.blake2b(key, digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2.0**64

@@ -21,9 +21,11 @@ from .._validate import (
     seconds_or_none,
 )
 from ..events import FirstToken
-from ._budget import Backoff, HedgeBudget, RetryThrottle
+from ._backoff import Backoff
+from ._budget import HedgeBudget
 from ._delay import LearnedDelay
 from ._health import OutlierDetection
+from ._throttle import RetryThrottle
 
 __all__ = ["HedgePolicy", "HedgerConfig"]
 

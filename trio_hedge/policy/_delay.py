@@ -1,21 +1,26 @@
-"""A hedge delay learned from observed times to first token, per prompt-size class.
+"""The hedge delay learned from observed times to first token, per group and prompt-size class:
+[`LearnedDelay`][trio_hedge.LearnedDelay] (the configuration) and the learner behind it
+(``DelayModel``: a sliding window of observations per class, the estimates cached).
 
 Why size classes: a single global delay hedges long prompts too early; the backup repeats the
 most expensive work (prefill) and drags a second replica into the same long wait, so the tail
 gets *worse* (field notes, "Hedging long prompts backfires"). TTFT grows with the prompt, so
 the delay is learned per group (model / replica group) and per log-spaced class of prompt
-tokens, and each request is hedged at the chosen percentile of *its* class.
+tokens ([`SizeClasses`][trio_hedge.policy.SizeClasses]), and each request is hedged at the
+chosen percentile of *its* class.
 
 Why censoring: when a request commits, its other attempts are cancelled before their first
 token. Their TTFT is not unknown but *at least* the time they ran (right-censored). Dropping
 them (as tower's hedge does, timing only successes) keeps the fast ones and loses the slow
 ones, so the estimate is biased low and the delay shrinks into a hedge storm. The Kaplan–Meier
 product-limit estimator (Kaplan & Meier, "Nonparametric estimation from incomplete
-observations", JASA 1958) uses both kinds of observation without that bias.
+observations", JASA 1958; ``policy/_quantiles.py``) uses both kinds of observation without
+that bias.
 
 Why a prefill model: a class of rare long prompts may never collect enough observations of its
 own. Its delay then comes from a model of TTFT against prompt tokens fitted on every class of
-the group (:class:`PrefillFit`), which grows at least linearly with the prompt, as prefill does.
+the group ([`PrefillFit`][trio_hedge.policy.PrefillFit], ``policy/_prefill.py``); this module
+chooses the observations it is fitted on and caches it.
 
 Everything uses Trio's clock (``trio.current_time()``), so virtual time in tests is exact.
 """
@@ -24,96 +29,17 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
 
 from .._validate import fraction, integer, number
+from ._prefill import PrefillFit, fit_prefill, prefill_spread
+from ._quantiles import km_quantiles
+from ._sizing import SizeClasses
 
-__all__ = [
-    "LearnedDelay",
-    "PrefillFit",
-    "SizeClasses",
-    "TTFTWindow",
-    "empirical_quantile",
-    "km_quantile",
-]
-
-
-# -- estimators ----------------------------------------------------------------------------
-
-
-def km_quantile(observations: Iterable[tuple[float, bool]], q: float) -> float | None:
-    """The ``q`` quantile of the Kaplan–Meier (product-limit) estimate of a distribution.
-
-    Args:
-        observations: ``(time, observed)`` pairs: ``observed=True`` is an exact time (an
-            attempt got its first token after ``time`` seconds), ``False`` a right-censored
-            one (it was cancelled after ``time`` seconds without one: the TTFT is at least
-            ``time``).
-        q: the quantile, in ``(0, 1)``.
-
-    Returns:
-        the smallest observed time ``t`` with ``1 − S(t) ≥ q``; when censoring leaves the
-        estimate short of ``q`` (the tail is unknown), the largest time seen (a lower bound);
-        ``None`` without observations. At tied times events count before censorings
-        (Kaplan & Meier 1958).
-    """
-    return km_quantiles(observations, (q,))[0]
-
-
-def empirical_quantile(values: Iterable[float], q: float) -> float | None:
-    """The nearest-rank ``q`` quantile of ``values`` (the smallest value with at least a
-    fraction ``q`` of values at or below it), or ``None`` when empty. This is what an
-    estimator that ignores censored observations computes."""
-    data = sorted(values)
-    if not data:
-        return None
-    rank = max(1, math.ceil(q * len(data) - 1e-9))
-    return data[min(rank, len(data)) - 1]
-
-
-# -- size classes --------------------------------------------------------------------------
-
-
-@attrs.frozen
-class SizeClasses:
-    """Log-spaced classes of prompt size (estimated prompt tokens).
-
-    Class 0 holds prompts below ``first`` tokens; class ``k ≥ 1`` holds
-    ``[first·base^(k−1), first·base^k)``; the last class (``count − 1``) holds everything
-    above. With the defaults: < 256, 256–511, 512–1023, …, ≥ 131,072 tokens.
-
-    Attributes:
-        first: the upper bound of class 0, in tokens. Default 256.
-        base: the ratio between successive class bounds (> 1). Default 2.0.
-        count: how many classes (bounds memory). Default 11.
-
-    Raises:
-        TypeError, ValueError: on a bad field.
-    """
-
-    first: int = attrs.field(default=256, validator=integer(1))
-    base: float = attrs.field(default=2.0, validator=number(1.0, open_lo=True))
-    count: int = attrs.field(default=11, validator=integer(1))
-
-    def of(self, tokens: int) -> int:
-        """The class of a prompt of ``tokens`` tokens."""
-        if tokens < self.first:
-            return 0
-        k = int(math.log(tokens / self.first) / math.log(self.base) + 1e-9) + 1
-        return min(k, self.count - 1)
-
-    def bounds(self, index: int) -> tuple[int, int | None]:
-        """``(low, high)`` token bounds of class ``index`` (``high`` exclusive, ``None`` for
-        the open last class)."""
-        low = 0 if index == 0 else math.ceil(self.first * self.base ** (index - 1))
-        high = None if index >= self.count - 1 else math.ceil(self.first * self.base**index)
-        return low, high
-
-
-# -- the policy ----------------------------------------------------------------------------
+__all__ = ["DelayModel", "LearnedDelay", "TTFTWindow"]
 
 
 @attrs.frozen
@@ -128,11 +54,11 @@ class LearnedDelay:
     the percentile ``1 − 0.05``.
 
     Until a class has ``min_samples`` observations in the window, its delay comes from the
-    group's *prefill model* (:class:`PrefillFit`): ``TTFT ≈ (a + b·tokens) · E``, a line
-    fitted on the censoring-aware medians of the classes that have at least half
-    ``min_samples`` observations (``min_samples`` in all), with a spread ``E`` estimated
-    (Kaplan–Meier) from every observation divided by the line, evaluated at the request's
-    own prompt size. Beyond the
+    group's *prefill model* ([`PrefillFit`][trio_hedge.policy.PrefillFit]):
+    ``TTFT ≈ (a + b·tokens) · E``, a line fitted on the censoring-aware medians of the
+    classes that have at least half ``min_samples`` observations (``min_samples`` in all),
+    with a spread ``E`` estimated (Kaplan–Meier) from every observation divided by the
+    line, evaluated at the request's own prompt size. Beyond the
     largest size it was fitted on the model grows in proportion to tokens, and the delay is
     never below the nearest smaller learned class's delay scaled by the ratio of prompt
     sizes: the delay grows at least as fast as prefill does. Rare long prompts rarely fill
@@ -162,7 +88,7 @@ class LearnedDelay:
         refresh: seconds an estimate is cached before it is recomputed (Finagle refreshes
             every 3 s); 0 recomputes whenever new data arrived. Default 1.0.
         max_samples: observations kept per class (memory bound; oldest dropped). Default 2048.
-        classes: the :class:`SizeClasses`. Default ``SizeClasses()``.
+        classes: the [`SizeClasses`][trio_hedge.policy.SizeClasses]. Default ``SizeClasses()``.
         censoring: use cancelled attempts as censored observations (Kaplan–Meier). ``False``
             times only attempts that got a first token (tower's behaviour, biased low); it
             exists for comparison. Default ``True``.
@@ -232,7 +158,7 @@ class TTFTWindow:
     """The observations of one (group, size class) over a sliding window, and the cached
     estimates made from them: the class's percentile (once it has ``min_samples``
     observations) and its median with the median prompt size (once it has enough for the
-    prefill model, :data:`_fit_samples`). Memory: at most ``max_samples`` entries."""
+    prefill model, ``_fit_samples``). Memory: at most ``max_samples`` entries."""
 
     __slots__ = (
         "_cached",
@@ -332,101 +258,6 @@ def _median_int(values: list[int]) -> int:
     return values[(len(values) - 1) // 2]
 
 
-def km_quantiles(
-    observations: Iterable[tuple[float, bool]], qs: tuple[float, ...]
-) -> tuple[float | None, ...]:
-    """:func:`km_quantile` for several increasing quantiles in one pass."""
-    items = sorted(observations, key=lambda o: (o[0], not o[1]))
-    n = len(items)
-    if n == 0:
-        return tuple(None for _ in qs)
-    out: list[float] = []
-    survival = 1.0
-    i = 0
-    while i < n and len(out) < len(qs):
-        t = items[i][0]
-        at_risk = n - i
-        deaths = 0
-        while i < n and items[i][0] == t:
-            deaths += items[i][1]
-            i += 1
-        if deaths:
-            survival *= 1.0 - deaths / at_risk
-            while len(out) < len(qs) and 1.0 - survival >= qs[len(out)] - 1e-12:
-                out.append(t)
-    while len(out) < len(qs):
-        out.append(items[-1][0])
-    return tuple(out)
-
-
-@attrs.frozen
-class PrefillFit:
-    """The prefill model of one group: ``TTFT ≈ (intercept + slope · tokens) · E``, where the
-    line is fitted on the size classes' censoring-aware medians and ``E`` is the spread, a
-    multiplicative noise whose quantiles are estimated (Kaplan–Meier) from every observation
-    divided by the line. Beyond the largest prompt size it was fitted on, the line continues
-    in proportion to tokens (``TTFT/tokens`` never falls): prefill grows at least linearly
-    with the prompt (attention makes it superlinear on long contexts), and a line with a
-    positive intercept would grow slower.
-
-    This is an accelerated-failure-time model (log TTFT = log line + log E) with the
-    Kaplan–Meier estimate of the residual distribution, as in Buckley & James, "Linear
-    regression with censored data" (Biometrika 1979).
-
-    Attributes:
-        group: the group it was fitted on.
-        intercept: seconds (``≥ 0``).
-        slope: seconds per prompt token (``≥ 0``).
-        max_tokens: the largest class median the line was fitted on (tokens).
-        points: size classes the line was fitted on.
-        observations: observations behind it.
-        spread: the ``percentile`` quantile of ``E`` (≥ 1 in practice), or ``None`` when not
-            computed (only the line was needed).
-    """
-
-    group: str
-    intercept: float
-    slope: float
-    max_tokens: int
-    points: int
-    observations: int
-    spread: float | None = None
-
-    def median(self, tokens: int) -> float:
-        """The model's median TTFT, in seconds, of a prompt of ``tokens`` tokens."""
-        line = self.intercept + self.slope * tokens
-        if tokens <= self.max_tokens:
-            return line
-        edge = self.intercept + self.slope * self.max_tokens
-        return max(line, edge * tokens / max(self.max_tokens, 1))
-
-    def quantile(self, tokens: int) -> float | None:
-        """The model's ``percentile`` TTFT of a prompt of ``tokens`` tokens (``None`` without
-        a spread)."""
-        return None if self.spread is None else self.median(tokens) * self.spread
-
-
-def fit_line(points: list[tuple[int, float, int]]) -> tuple[float, float]:
-    """``(intercept, slope)`` of the line through ``(tokens, seconds, weight)`` points by
-    weighted least squares, both kept ``≥ 0``. One point (or prompts all of one size) gives
-    the flat line through it, which with the proportional continuation above it is the most
-    cautious line a single size allows (the longest delay for every other size)."""
-    total = sum(w for _, _, w in points)
-    mean_x = sum(x * w for x, _, w in points) / total
-    mean_y = sum(y * w for _, y, w in points) / total
-    sxx = sum(w * (x - mean_x) ** 2 for x, _, w in points)
-    if sxx <= 0:
-        return mean_y, 0.0
-    slope = sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / sxx
-    if slope <= 0:
-        return mean_y, 0.0  # no growth seen: flat (the proportional continuation still grows)
-    intercept = mean_y - slope * mean_x
-    if intercept < 0:  # superlinear data: a line through the origin
-        slope = sum(w * x * y for x, y, w in points) / sum(w * x * x for x, _, w in points)
-        intercept = 0.0
-    return intercept, slope
-
-
 class _Group:
     """The windows of one group and its cached prefill model."""
 
@@ -440,8 +271,9 @@ class _Group:
 
 
 class DelayModel:
-    """Per-group, per-class windows of one :class:`LearnedDelay` (internal to the Hedger),
-    and each group's prefill model (:class:`PrefillFit`).
+    """Per-group, per-class windows of one [`LearnedDelay`][trio_hedge.LearnedDelay]
+    (internal to the Hedger), and each group's prefill model
+    ([`PrefillFit`][trio_hedge.policy.PrefillFit]).
 
     Groups are kept in least-recently-used order and capped at ``max_groups``."""
 
@@ -525,17 +357,7 @@ class DelayModel:
             if summary is not None:
                 median, tokens, n = summary
                 points.append((max(tokens, 1), median, n))
-        if not points:
-            return None
-        intercept, slope = fit_line(points)
-        return PrefillFit(
-            group=group,
-            intercept=intercept,
-            slope=slope,
-            max_tokens=max(x for x, _, _ in points),
-            points=len(points),
-            observations=sum(n for _, _, n in points),
-        )
+        return fit_prefill(group, points)
 
     def _spread(self, entry: _Group, fit: PrefillFit, now: float) -> float | None:
         spread = self._raw_spread(entry, fit, now)
@@ -543,7 +365,11 @@ class DelayModel:
         return spread if spread is None or ratio is None else min(spread, ratio)
 
     def _raw_spread(self, entry: _Group, fit: PrefillFit, now: float) -> float | None:
-        ratios: list[tuple[float, bool]] = []
+        return prefill_spread(fit, self._pooled(entry, now), self.config.percentile)
+
+    def _pooled(self, entry: _Group, now: float) -> Iterator[tuple[float, bool, int]]:
+        """``(seconds, observed, prompt tokens)`` of every observation of the group's classes
+        with enough observations to be points of the prefill model."""
         need = _fit_samples(self.config)
         for window in entry.windows:
             if window is None:
@@ -552,10 +378,7 @@ class DelayModel:
             if len(samples) < need:
                 continue
             for _, seconds, observed, tokens, _, _ in samples:
-                line = fit.median(max(tokens, 1))
-                if line > 0:
-                    ratios.append((seconds / line, observed))
-        return km_quantile(ratios, self.config.percentile)
+                yield seconds, observed, tokens
 
     def delay(self, group: str, size_class: int, now: float, tokens: int | None = None) -> float:
         """The hedge delay in seconds for a request of this group and class, of ``tokens``

@@ -26,11 +26,13 @@ from .._hooks import emit
 from .._source import Source
 from ..events import EventHook, EventKind, HedgeEvent
 from ..sources.openai import Replica
-from ._budget import BudgetState, ThrottleState
+from ._budget import BudgetState
 from ._config import HedgerConfig
-from ._delay import DelayModel, LearnedDelay, empirical_quantile
+from ._delay import DelayModel, LearnedDelay
 from ._health import ReplicaState
+from ._quantiles import empirical_quantile
 from ._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
+from ._throttle import ThrottleState
 
 __all__ = ["FleetCounts", "FleetState"]
 

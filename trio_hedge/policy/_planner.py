@@ -26,7 +26,7 @@ from ..errors import AttemptError, ReplicasCooling, StreamInterrupted
 from ..events import EventKind, HedgeEvent
 from ..report import AttemptOutcome, AttemptRecord, Report
 from ..sources.openai import Replica
-from ._budget import backoff_delay, jitter_draw
+from ._backoff import backoff_delay, jitter_draw
 from ._fleet import FleetState
 from ._health import ReplicaState, counts_against_replica
 

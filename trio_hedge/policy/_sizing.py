@@ -1,4 +1,5 @@
-"""How big a request's prompt is, in tokens: given by the caller, or estimated.
+"""How big a request's prompt is, in tokens: given by the caller, or estimated; and which
+log-spaced size class that puts it in (``SizeClasses``, the classes the delay is learned in).
 
 The estimate is deliberately crude (about 4 characters of text per token, the usual rule of
 thumb for English with BPE tokenizers, plus a few tokens of framing per message): it only has
@@ -12,7 +13,11 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["estimate_prompt_tokens"]
+import attrs
+
+from .._validate import integer, number
+
+__all__ = ["SizeClasses", "estimate_prompt_tokens"]
 
 #: Tokens of framing per chat message (role markers, separators).
 MESSAGE_OVERHEAD = 4
@@ -73,3 +78,39 @@ def estimate_prompt_tokens(
     if isinstance(tools, list):
         chars += len(repr(tools))
     return math.ceil(chars / chars_per_token) + MESSAGE_OVERHEAD * count
+
+
+@attrs.frozen
+class SizeClasses:
+    """Log-spaced classes of prompt size (estimated prompt tokens).
+
+    Class 0 holds prompts below ``first`` tokens; class ``k ≥ 1`` holds
+    ``[first·base^(k−1), first·base^k)``; the last class (``count − 1``) holds everything
+    above. With the defaults: < 256, 256–511, 512–1023, …, ≥ 131,072 tokens.
+
+    Attributes:
+        first: the upper bound of class 0, in tokens. Default 256.
+        base: the ratio between successive class bounds (> 1). Default 2.0.
+        count: how many classes (bounds memory). Default 11.
+
+    Raises:
+        TypeError, ValueError: on a bad field.
+    """
+
+    first: int = attrs.field(default=256, validator=integer(1))
+    base: float = attrs.field(default=2.0, validator=number(1.0, open_lo=True))
+    count: int = attrs.field(default=11, validator=integer(1))
+
+    def of(self, tokens: int) -> int:
+        """The class of a prompt of ``tokens`` tokens."""
+        if tokens < self.first:
+            return 0
+        k = int(math.log(tokens / self.first) / math.log(self.base) + 1e-9) + 1
+        return min(k, self.count - 1)
+
+    def bounds(self, index: int) -> tuple[int, int | None]:
+        """``(low, high)`` token bounds of class ``index`` (``high`` exclusive, ``None`` for
+        the open last class)."""
+        low = 0 if index == 0 else math.ceil(self.first * self.base ** (index - 1))
+        high = None if index >= self.count - 1 else math.ceil(self.first * self.base**index)
+        return low, high

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import attrs
 
-from ._delay import PrefillFit
+from ._prefill import PrefillFit
 
 __all__ = ["DelayStatistics", "HedgerStatistics", "ReplicaStatistics"]
 
