@@ -5,10 +5,11 @@ seconds, send it to a backup; the first stream to produce a token wins and is re
 other attempt is cancelled at once.
 
 The names most programs need are here; the rest live in documented submodules:
-:mod:`trio_hedge.errors`, :mod:`trio_hedge.events`, :mod:`trio_hedge.report`,
-:mod:`trio_hedge.policy`, :mod:`trio_hedge.sources`, :mod:`trio_hedge.transport`,
-:mod:`trio_hedge.instrumentation`, :mod:`trio_hedge.testing`, :mod:`trio_hedge.aio` and
-:mod:`trio_hedge.gateway`. ``docs/layout.md`` shows how the code is laid out.
+`trio_hedge.errors`, `trio_hedge.events`, `trio_hedge.report`,
+`trio_hedge.policy`, `trio_hedge.sources`, `trio_hedge.transport`,
+[`trio_hedge.instrumentation`][trio_hedge.instrumentation],
+[`trio_hedge.testing`][trio_hedge.testing], [`trio_hedge.aio`][trio_hedge.aio] and
+[`trio_hedge.gateway`][trio_hedge.gateway]. ``docs/layout.md`` shows how the code is laid out.
 """
 
 from . import errors, events, policy, report, sources, transport  # noqa: F401 (public submodules)

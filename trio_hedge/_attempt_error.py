@@ -1,8 +1,8 @@
-"""One attempt's failure, as data: :class:`ErrorKind` (why) and :class:`AttemptError` (what
-the race records and decides on); :func:`classify_exception` turns whatever a source raised
-into one. Public from :mod:`trio_hedge.errors`; kept apart from the
-request-level exceptions there because the :class:`~trio_hedge.report.Report` records attempt
-errors while those exceptions carry a report: each module imports only downward.
+"""One attempt's failure, as data: [`ErrorKind`][trio_hedge.errors.ErrorKind] (why) and
+[`AttemptError`][trio_hedge.AttemptError] (what the race records and decides on);
+`classify_exception` turns whatever a source raised into one. Public from `trio_hedge.errors`; kept
+apart from the request-level exceptions there because the [`Report`][trio_hedge.Report] records
+attempt errors while those exceptions carry a report: each module imports only downward.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class ErrorKind(str, enum.Enum):
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     """the prompt does not fit the model's context window: the request's fault; fatal."""
     AUTH = "auth"
-    """401/403: bad or missing API key: the replica's fault (see :data:`REPLICA_KINDS`)."""
+    """401/403: bad or missing API key: the replica's fault (see `REPLICA_KINDS`)."""
     NOT_FOUND = "not_found"
     """404: the replica does not serve this model or path: the replica's fault."""
     STREAM_TRUNCATED = "stream_truncated"
@@ -92,10 +92,11 @@ class AttemptError(Exception):
     """One attempt's failure, classified.
 
     Attributes:
-        kind: the :class:`ErrorKind`.
+        kind: the [`ErrorKind`][trio_hedge.errors.ErrorKind].
         retryable: whether another attempt (on another replica) may succeed. Defaults to
-            whether ``kind`` is in :data:`RETRYABLE_KINDS`; a non-retryable error is the
-            request's fault and ends the whole request (:class:`FatalAttemptError`).
+            whether ``kind`` is in `RETRYABLE_KINDS`; a non-retryable error is the
+            request's fault and ends the whole request
+            ([`FatalAttemptError`][trio_hedge.FatalAttemptError]).
         retry_after: seconds the server asked to wait before trying it again (from
             ``Retry-After`` / ``retry-after-ms``), or ``None``.
         status_code: the HTTP status, or ``None`` for transport/in-band errors.
@@ -123,7 +124,7 @@ class AttemptError(Exception):
 
     @property
     def replica_fault(self) -> bool:
-        """Whether the error is the replica's fault (:data:`REPLICA_KINDS`): the replica is
+        """Whether the error is the replica's fault (`REPLICA_KINDS`): the replica is
         misconfigured for this request, another replica may still answer."""
         return self.kind in REPLICA_KINDS
 
@@ -190,7 +191,7 @@ def _http_stack_kind(cls: type[BaseException]) -> ErrorKind | None:
 
 
 def classify_exception(exc: BaseException) -> AttemptError:
-    """Turn what a source raised into an :class:`AttemptError`.
+    """Turn what a source raised into an [`AttemptError`][trio_hedge.AttemptError].
 
     Sources should raise ``AttemptError`` themselves; this covers generic iterators (an
     ``OSError`` is a connection error, a ``TimeoutError`` a timeout, anything else unknown and

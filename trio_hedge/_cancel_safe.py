@@ -1,4 +1,5 @@
-"""httpcore's HTTP/2 connections, made safe to cancel: :func:`cancel_safe_transport`.
+"""httpcore's HTTP/2 connections, made safe to cancel:
+[`cancel_safe_transport`][trio_hedge.transport.cancel_safe_transport].
 
 A hedging library cancels attempts all the time, and httpcore 1.0.9 (httpcore2 2.16 too)
 mishandles a cancel at three points of an HTTP/2 connection's life. Each fault below breaks
@@ -14,15 +15,15 @@ mishandles a cancel at three points of an HTTP/2 connection's life. Each fault b
    server's HPACK decoder loses step (a GOAWAY that cuts every stream on the connection,
    winners included), sees RST_STREAM for a stream it never opened (PROTOCOL_ERROR, RFC 9113
    §6.4), or never hears of a loser's reset and keeps generating; over TLS, a cancelled
-   ``send_all`` breaks the ``SSLStream``. Fix: :class:`CancelSafeBackend`, behind httpcore's
+   ``send_all`` breaks the ``SSLStream``. Fix: `CancelSafeBackend`, behind httpcore's
    public network-backend interface, runs every write in a shielded cancel scope, so bytes
    taken from the h2 state always reach the socket; the cancel is delivered at the task's
    next checkpoint. The write stays bounded by the client's write timeout (``make_client``:
-   30 s; httpx's default: 5 s; :data:`WRITE_TIMEOUT_CAP` without one). Reads need nothing: a
+   30 s; httpx's default: 5 s; `WRITE_TIMEOUT_CAP` without one). Reads need nothing: a
    Trio receive returns data or is cancelled before it takes any. Failing cases:
    ``test_a_cancelled_write_still_reaches_the_server``,
    ``test_a_losers_reset_is_not_lost_with_another_tasks_cancelled_write``.
-2. **A setup cut short** (:func:`setup_cut_short`): a cancel inside the loop that sets a new
+2. **A setup cut short** (`setup_cut_short`): a cancel inside the loop that sets a new
    connection up leaves its stream semaphore over-full; the next request raises
    ``ValueError("semaphore released too many times")`` and its stream is never reset. Fix:
    the connection is closed as the cancelled request leaves it. Failing case:
@@ -38,7 +39,7 @@ mishandles a cancel at three points of an HTTP/2 connection's life. Each fault b
    ``test_a_request_cancelled_while_another_connects_leaves_the_connection_pooled``.
 
 httpx's ``AsyncHTTPTransport`` takes no network backend and no connection hook, so
-:func:`harden` sets them on the pool it built: its ``_network_backend`` (which httpcore's
+`harden` sets them on the pool it built: its ``_network_backend`` (which httpcore's
 pools hand to every connection they create) and its ``create_connection`` (the method
 httpcore's proxy pools override). The alternatives copy httpx: a subclass that builds the
 pool itself repeats httpx's constructor (TLS, proxies, limits), and a transport of our own
@@ -106,7 +107,7 @@ class CancelSafeStream(httpcore.AsyncNetworkStream):
 
 
 class CancelSafeBackend(httpcore.AsyncNetworkBackend):
-    """``inner`` (default httpcore's Trio backend), with :class:`CancelSafeStream` streams."""
+    """``inner`` (default httpcore's Trio backend), with `CancelSafeStream` streams."""
 
     def __init__(self, inner: httpcore.AsyncNetworkBackend | None = None) -> None:
         self.inner = inner if inner is not None else httpcore.TrioBackend()
@@ -230,16 +231,18 @@ def cancel_safe_transport(
     """An ``httpx.AsyncHTTPTransport(**kwargs)`` whose HTTP/2 connections survive cancelled
     requests (see the module docstring for why).
 
-    Use it for your own ``httpx.AsyncClient`` with HTTP/2::
+    Use it for your own ``httpx.AsyncClient`` with HTTP/2:
 
-        client = httpx.AsyncClient(transport=trio_hedge.transport.cancel_safe_transport(http2=True))
+    ```python
+    client = httpx.AsyncClient(transport=trio_hedge.transport.cancel_safe_transport(http2=True))
+    ```
 
-    (:func:`~trio_hedge.transport.make_client` and
-    :class:`~trio_hedge.transport.ShardedTransport` do this themselves when ``http2=True``.)
-    Without it, with httpcore 1.0.9, a cancelled request can
+    ([`make_client`][trio_hedge.transport.make_client] and
+    [`ShardedTransport`][trio_hedge.transport.ShardedTransport] do this themselves when
+    ``http2=True``.) Without it, with httpcore 1.0.9, a cancelled request can
     cut a write in half (corrupting the connection for its other streams, or losing a
     loser's RST_STREAM), or leave a connection open outside its pool. A cancelled task waits
-    for a write in progress, at most the client's write timeout (:data:`WRITE_TIMEOUT_CAP`
+    for a write in progress, at most the client's write timeout (`WRITE_TIMEOUT_CAP`
     without one); a write only waits when the server stops reading its socket.
 
     Args:

@@ -1,19 +1,20 @@
-"""Calling the Hedger's ``on_event`` hooks with :class:`~trio_hedge.events.HedgeEvent` s.
+"""Calling the Hedger's ``on_event`` hooks with [`HedgeEvent`][trio_hedge.events.HedgeEvent]s.
 
 Like stamina's instrumentation hooks: a plain list of callables, each called synchronously
-with one :class:`HedgeEvent`. Keep callbacks quick (they run inside the race); an exception in
-one is logged on the ``trio_hedge`` logger and otherwise ignored, so instrumentation can never
-break a request.
+with one [`HedgeEvent`][trio_hedge.events.HedgeEvent]. Keep callbacks quick (they run inside the
+race); an exception in one is logged on the ``trio_hedge`` logger and otherwise ignored, so
+instrumentation can never break a request.
 
 A hook may also return a context manager (as stamina's ``RetryHook`` may, since 25.1): it is
 entered at once and exited when what the event began ends. For ``attempt_started`` that is the
-attempt's end (its ``attempt_failed`` event, with the :class:`~trio_hedge.AttemptError` as the
-exception; its ``attempt_cancelled`` event; or, for the winner, the ``request_finished`` event,
+attempt's end (its ``attempt_failed`` event, with the [`AttemptError`][trio_hedge.AttemptError] as
+the exception; its ``attempt_cancelled`` event; or, for the winner, the ``request_finished`` event,
 with the request's error if it has one), so a span or a timer wraps an attempt. A context
 manager returned for any other event is exited at once. Hooks that return ``None`` work as
 before. The context manager is entered and exited in whichever Trio task emits the events, so
 it must not set context variables it expects to reset (OpenTelemetry's ``use_span``): start
-and end a span explicitly instead (see :class:`~trio_hedge.instrumentation.OpenTelemetryHook`).
+and end a span explicitly instead (see
+[`OpenTelemetryHook`][trio_hedge.instrumentation.OpenTelemetryHook]).
 """
 
 from __future__ import annotations

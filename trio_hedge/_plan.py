@@ -1,10 +1,10 @@
 """Which replica each attempt goes to, when to hedge, and whether a hedge is allowed.
 
-The race asks a :class:`Planner` at the moment it needs an answer (so a budget is checked when
-a backup would be sent, not reserved earlier) and tells it what happened to each attempt. The
-planners themselves are policy (:mod:`trio_hedge.policy`): the
-:class:`~trio_hedge.policy.StaticPlanner` serves a fixed, ordered list with a fixed delay;
-the long-lived :class:`trio_hedge.Hedger` supplies a learning planner.
+The race asks a [`Planner`][trio_hedge.policy.Planner] at the moment it needs an answer (so a budget
+is checked when a backup would be sent, not reserved earlier) and tells it what happened to each
+attempt. The planners themselves are policy (`trio_hedge.policy`): the
+[`StaticPlanner`][trio_hedge.policy.StaticPlanner] serves a fixed, ordered list with a fixed delay;
+the long-lived [`trio_hedge.Hedger`][trio_hedge.Hedger] supplies a learning planner.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ class Planner(Protocol):
     """The race's advisor for one request.
 
     A planner may set a class attribute ``observes_attempts = False`` when its
-    :meth:`attempt_changed` ignores its calls: the race then skips building the records."""
+    [`attempt_changed`][trio_hedge.policy.Planner.attempt_changed] ignores its calls: the race then
+    skips building the records."""
 
     async def next_source(self, number: int, trigger: str) -> Source | None:
         """The source for attempt ``number`` (``trigger`` says why it starts), or ``None``
@@ -43,5 +44,5 @@ class Planner(Protocol):
 
     def request_finished(self, report: Report) -> None:
         """The request ended (its stream closed, or the race failed or was cancelled): the
-        final :class:`~trio_hedge.Report`. Called at most once, never before the race began."""
+        final [`Report`][trio_hedge.Report]. Called at most once, never before the race began."""
         ...

@@ -22,15 +22,15 @@ delay). The first attempt to produce a first token *commits* (gRPC commits at th
 response headers; a server answers 200 while still queued, so we commit at the first parsed
 token), and every other attempt is cancelled so its server stops. How many attempts, when the
 delay, and whether a hedge may go now (a budget, gRFC A6's throttle) are the
-:class:`~trio_hedge.policy.Planner`'s to say; this module only races.
+[`Planner`][trio_hedge.policy.Planner]'s to say; this module only races.
 
-How it runs. The parent loop (:meth:`_Race._stagger`, in the caller's own task) starts an
+How it runs. The parent loop (`_Race._stagger`, in the caller's own task) starts an
 attempt, then waits ``with trio.move_on_after(delay): await news.receive()``: the next attempt
 starts after the delay *or* when an attempt fails; no timer tasks. Every failure is one piece of
 news in a queue, so failures landing together each start their own attempt, and a failure landing
 as the delay ends is a failover, not a hedge. Each attempt runs in a task of the stream's
 nursery, inside its own cancel scope, and owns what it opened until the line that hands it over
-(:meth:`_Race._commit`). The commit cancels the parent loop and every loser's scope and
+(`_Race._commit`). The commit cancels the parent loop and every loser's scope and
 returns: the caller gets the first token at once, while each loser closes its own stream in
 its own task (shielded, bounded); the stream's ``async with`` waits for them before it exits.
 """
@@ -479,7 +479,7 @@ async def race(
     own tasks, which ``nursery`` waits for.
 
     Returns:
-        the :class:`Committed` winner; its stream is open and owned by the caller.
+        the `Committed` winner; its stream is open and owned by the caller.
 
     Raises:
         FatalAttemptError: an attempt failed with an error that is the request's fault.

@@ -1,16 +1,16 @@
-"""Masking secrets in text that came from a server: :class:`Redactor`.
+"""Masking secrets in text that came from a server: `Redactor`.
 
 Servers quote credentials back: OpenAI's 401 says "Incorrect API key provided: sk-…",
 LiteLLM's proxy says "Received API Key = sk-...1337" (the last four characters), and a
 message cut at the message limit may hold any prefix of a key. So
 a redactor masks not only whole secrets but *every run of text made of pieces of a secret at
-least* :data:`MIN_PIECE` *characters long*, and it runs on the whole message before anything
+least* `MIN_PIECE` *characters long*, and it runs on the whole message before anything
 cuts it (cutting first would leave the part of the key before the cut unmasked).
 
 One other library's logs need the same care: hpack (4.x) logs every header it encodes for
 HTTP/2 at DEBUG -- ``Adding b'api-key'=b'…' to the header table`` -- except those h2 marks
 sensitive (``authorization``, ``proxy-authorization``, short cookies). A key sent in another
-header (Azure's ``api-key``, ``x-api-key``) would show in clear. :func:`protect_in_logs`
+header (Azure's ``api-key``, ``x-api-key``) would show in clear. `protect_in_logs`
 registers a redactor with a filter on the ``hpack`` loggers that masks its secrets in their
 records (the filter runs only for records a DEBUG level lets through: free otherwise).
 """
@@ -34,9 +34,9 @@ REDACTED = "***"
 
 class Redactor:
     """A callable ``text -> text`` that masks every piece of ``secrets`` of at least
-    :data:`MIN_PIECE` characters (also in their JSON- and repr-escaped spellings).
+    `MIN_PIECE` characters (also in their JSON- and repr-escaped spellings).
 
-    Secrets shorter than :data:`MIN_PIECE` cannot be told from ordinary text and are not
+    Secrets shorter than `MIN_PIECE` cannot be told from ordinary text and are not
     masked. Building one is cheap (the index is built on the first call, which only happens
     when an error is being reported); calling it is O(len(text)).
     """
@@ -137,7 +137,7 @@ class _HeaderLogFilter(logging.Filter):
 
 
 def protect_in_logs(redactor: Redactor) -> None:
-    """Mask ``redactor``'s secrets in the records of :data:`HEADER_LOGGERS` for as long as
+    """Mask ``redactor``'s secrets in the records of `HEADER_LOGGERS` for as long as
     ``redactor`` lives (weakly referenced)."""
     global _installed, _registered
     if not redactor:

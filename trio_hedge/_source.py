@@ -1,7 +1,8 @@
-"""The interface the race engine races: a :class:`Source` opens :class:`AttemptStream` s.
+"""The interface the race engine races: a [`Source`][trio_hedge.sources.Source] opens
+[`AttemptStream`][trio_hedge.sources.AttemptStream]s.
 
 The engine knows nothing of HTTP: the OpenAI-compatible HTTP source is one implementation of
-this interface, and any async-iterator factory is another (:mod:`trio_hedge.sources.iterator`).
+this interface, and any async-iterator factory is another (`trio_hedge.sources.iterator`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ __all__ = ["AttemptInfo", "AttemptStream", "Source"]
 
 @attrs.frozen
 class AttemptInfo:
-    """Who an attempt is, handed to :meth:`Source.open`.
+    """Who an attempt is, handed to [`Source.open`][trio_hedge.sources.Source.open].
 
     Attributes:
         request_id: the id shared by every attempt of one request (a UUID4 string).

@@ -32,8 +32,9 @@ __all__ = ["AsyncCloseable", "EventIterator", "HedgedStream", "StreamSettings"]
 
 
 class StreamSettings(Protocol):
-    """What a :class:`HedgedStream` reads of its policy (a :class:`~trio_hedge.HedgePolicy`
-    has these; the engine depends on the fields, not on the policy package). Seconds."""
+    """What a [`HedgedStream`][trio_hedge.HedgedStream] reads of its policy (a
+    [`HedgePolicy`][trio_hedge.HedgePolicy] has these; the engine depends on the fields, not on the
+    policy package). Seconds."""
 
     @property
     def first_token(self) -> FirstToken: ...
@@ -53,8 +54,9 @@ class AsyncCloseable(Protocol):
 
 class HedgedStream:
     """One hedged request: ``async with`` races to the first token, ``async for`` yields
-    ``str`` tokens from the winner, :meth:`events` yields richer :class:`~trio_hedge.events.Delta`
-    events, and :attr:`report` says what happened. Use each stream once.
+    ``str`` tokens from the winner, [`events`][trio_hedge.HedgedStream.events] yields richer
+    [`Delta`][trio_hedge.events.Delta] events, and [`report`][trio_hedge.HedgedStream.report] says
+    what happened. Use each stream once.
 
     The ``async with`` owns a nursery for the racing attempts: it returns at the commit, the
     losers close their own streams concurrently (each within ``close_timeout``), and the block
@@ -114,7 +116,7 @@ class HedgedStream:
 
     @property
     def report(self) -> Report:
-        """A frozen snapshot of what happened so far (see :class:`~trio_hedge.Report`)."""
+        """A frozen snapshot of what happened so far (see [`Report`][trio_hedge.Report])."""
         return self._recorder.snapshot()
 
     @property
@@ -309,7 +311,7 @@ class HedgedStream:
                 pending.extend(batch)
 
     def events(self) -> EventIterator:
-        """An async iterator of the winner's :class:`~trio_hedge.events.Delta` events (content,
+        """An async iterator of the winner's [`Delta`][trio_hedge.events.Delta] events (content,
         reasoning, tool-call fragments, usage, finish reason), from where the stream is: the
         events read before the commit first, unless ``async for`` already took them. It holds
         nothing between items, so leaving it early is safe, and ``async for`` may go on after
@@ -345,8 +347,8 @@ class _NextEvent(Protocol):
 
 
 class EventIterator:
-    """What ``events()`` returns (here and in :mod:`trio_hedge.aio`): each step awaits the
-    stream's next :class:`~trio_hedge.events.Delta`. A class, not an async generator, so
+    """What ``events()`` returns (here and in [`trio_hedge.aio`][trio_hedge.aio]): each step awaits
+    the stream's next [`Delta`][trio_hedge.events.Delta]. A class, not an async generator, so
     leaving the loop early leaves nothing to finalise."""
 
     __slots__ = ("_stream",)

@@ -1,12 +1,12 @@
 """Every input validator of the library, in one place: bad input fails at construction, before
 any I/O, with a ``TypeError`` or ``ValueError`` naming the field.
 
-- attrs validators for the config classes (:class:`~trio_hedge.HedgePolicy`,
-  :class:`~trio_hedge.HedgerConfig`, :class:`~trio_hedge.LearnedDelay`, the budget, throttle,
-  back-off and outlier detection): durations in seconds, counts, fractions.
-- checks of what is sent on the wire, shared by :class:`~trio_hedge.Replica`,
-  :func:`~trio_hedge.hedged_stream` and :meth:`~trio_hedge.Hedger.stream`: header names and
-  values, API keys, request ids, JSON bodies.
+- attrs validators for the config classes ([`HedgePolicy`][trio_hedge.HedgePolicy],
+  [`HedgerConfig`][trio_hedge.HedgerConfig], [`LearnedDelay`][trio_hedge.LearnedDelay], the budget,
+  throttle, back-off and outlier detection): durations in seconds, counts, fractions.
+- checks of what is sent on the wire, shared by [`Replica`][trio_hedge.sources.Replica],
+  [`hedged_stream`][trio_hedge.hedged_stream] and [`stream`][trio_hedge.Hedger.stream]: header names
+  and values, API keys, request ids, JSON bodies.
 
 Two rules hold for every message the wire checks raise:
 
@@ -208,7 +208,7 @@ def check_header_value(value: object, field: str, *, allow_empty: bool = True) -
 
 def check_api_key(value: object, field: str = "api_key") -> None:
     """Raise unless ``value`` is ``None`` or a non-empty ``str`` that fits in
-    ``Authorization: Bearer …`` (see :func:`check_header_value`)."""
+    ``Authorization: Bearer …`` (see `check_header_value`)."""
     if value is None:
         return
     check_header_value(value, field, allow_empty=False)
@@ -250,11 +250,11 @@ def check_request_id(value: object, field: str = "request_id") -> None:
 def check_json_body(body: object, field: str) -> None:
     """Raise unless ``body`` is a mapping that encodes to strict JSON (RFC 8259).
 
-    Python's :mod:`json` writes ``NaN`` and ``Infinity`` by default, which no JSON parser
+    Python's `json` writes ``NaN`` and ``Infinity`` by default, which no JSON parser
     is bound to accept (servers answer 400, or worse, parse them differently); other objects
     (``bytes``, sets, dataclasses…) cannot be encoded at all. Checking here costs one
     ``json.dumps`` (C-accelerated; ~20 µs for a 10 KB body) and finds the problem before any
-    attempt starts, which matters for a :class:`~trio_hedge.Hedger`: it binds replicas lazily,
+    attempt starts, which matters for a [`Hedger`][trio_hedge.Hedger]: it binds replicas lazily,
     inside the race, where a bad body would otherwise fail each attempt in turn.
 
     Raises:

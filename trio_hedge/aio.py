@@ -1,24 +1,27 @@
-"""asyncio code through trio-asyncio: hedged streams and a shared :class:`AioHedger`.
+"""asyncio code through trio-asyncio: hedged streams and a shared
+[`AioHedger`][trio_hedge.aio.AioHedger].
 
 Start from a plain asyncio program by running it with ``trio_asyncio.run`` instead of
-``asyncio.run``::
+``asyncio.run``:
 
-    import trio_asyncio
-    from trio_hedge.aio import aio_hedged_stream
+```python
+import trio_asyncio
+from trio_hedge.aio import aio_hedged_stream
 
-    async def main():  # an ordinary asyncio coroutine
-        async with aio_hedged_stream(request, replicas) as stream:
-            async for token in stream:
-                print(token, end="")
+async def main():  # an ordinary asyncio coroutine
+    async with aio_hedged_stream(request, replicas) as stream:
+        async for token in stream:
+            print(token, end="")
 
-    trio_asyncio.run(trio_asyncio.aio_as_trio(main))
+trio_asyncio.run(trio_asyncio.aio_as_trio(main))
+```
 
 How the bridge works. trio-asyncio runs each ``__anext__`` of an adapted Trio iterator in a
 *new* Trio task, and a hedged stream (whose race holds a nursery) cannot be iterated across
 tasks; a Trio task per token also costs ~100 µs. So one Trio task (the *pump*) owns the whole
-:class:`~trio_hedge.HedgedStream`, from the race to the close, and appends the winner's deltas
-to a buffer that asyncio reads directly: the asyncio side waits (one asyncio future) only when
-the buffer is empty, and then takes everything that arrived meanwhile. A hand-over costs one
+[`HedgedStream`][trio_hedge.HedgedStream], from the race to the close, and appends the winner's
+deltas to a buffer that asyncio reads directly: the asyncio side waits (one asyncio future) only
+when the buffer is empty, and then takes everything that arrived meanwhile. A hand-over costs one
 wake-up however many tokens it carries, never a task or a future per token. The pump stops
 reading ahead when ``buffer`` deltas wait unread.
 
@@ -69,14 +72,16 @@ def _trio_asyncio_loop() -> Any:
 
 
 class AioHedgedStream:
-    """The asyncio face of one :class:`~trio_hedge.HedgedStream`.
+    """The asyncio face of one [`HedgedStream`][trio_hedge.HedgedStream].
 
     ``async with`` waits for the commit (raising what the Trio stream raises:
-    :class:`~trio_hedge.FatalAttemptError`, :class:`~trio_hedge.AllAttemptsFailed`);
-    ``async for`` yields ``str`` tokens; :meth:`events` yields :class:`~trio_hedge.events.Delta`
-    events (both read one queue, as on the Trio stream); :attr:`report` says what happened.
-    While iterating, :class:`~trio_hedge.StreamInterrupted` comes after the tokens that
-    arrived before the failure. Use each stream once, from one asyncio task.
+    [`FatalAttemptError`][trio_hedge.FatalAttemptError],
+    [`AllAttemptsFailed`][trio_hedge.AllAttemptsFailed]); ``async for`` yields ``str`` tokens;
+    [`events`][trio_hedge.aio.AioHedgedStream.events] yields [`Delta`][trio_hedge.events.Delta]
+    events (both read one queue, as on the Trio stream);
+    [`report`][trio_hedge.aio.AioHedgedStream.report] says what happened. While iterating,
+    [`StreamInterrupted`][trio_hedge.StreamInterrupted] comes after the tokens that arrived before
+    the failure. Use each stream once, from one asyncio task.
 
     Args:
         stream: the Trio stream to run (not yet entered).
@@ -106,7 +111,7 @@ class AioHedgedStream:
 
     @property
     def report(self) -> Report:
-        """The underlying stream's report (see :class:`~trio_hedge.Report`)."""
+        """The underlying stream's report (see [`Report`][trio_hedge.Report])."""
         return self._stream.report
 
     @property
@@ -243,9 +248,10 @@ class AioHedgedStream:
             await self._wait()
 
     def events(self) -> EventIterator:
-        """An async iterator of the winner's :class:`~trio_hedge.events.Delta` events (content,
+        """An async iterator of the winner's [`Delta`][trio_hedge.events.Delta] events (content,
         reasoning, tool-call fragments, usage, finish reason), as
-        :meth:`trio_hedge.HedgedStream.events`: it shares one queue with ``async for``."""
+        [`trio_hedge.HedgedStream.events`][trio_hedge.HedgedStream.events]: it shares one queue with
+        ``async for``."""
         return EventIterator(self)
 
 
@@ -257,26 +263,28 @@ def aio_hedged_stream(
     buffer: int = DEFAULT_BUFFER,
     **kwargs: Any,
 ) -> AioHedgedStream:
-    """:func:`~trio_hedge.hedged_stream` for asyncio code on trio-asyncio; takes the same
+    """[`hedged_stream`][trio_hedge.hedged_stream] for asyncio code on trio-asyncio; takes the same
     arguments (validated here, before any I/O), plus ``buffer`` (see
-    :class:`AioHedgedStream`). A ``client=`` must be an ``httpx.AsyncClient`` that only the
-    library uses: its connections live in Trio."""
+    [`AioHedgedStream`][trio_hedge.aio.AioHedgedStream]). A ``client=`` must be an
+    ``httpx.AsyncClient`` that only the library uses: its connections live in Trio."""
     return AioHedgedStream(hedged_stream(request, replicas, policy, **kwargs), buffer=buffer)
 
 
 class AioHedger:
-    """A :class:`~trio_hedge.Hedger` for asyncio code: one long-lived object shared by every
-    asyncio task of an application (learned hedge delay, budget, replica health)::
+    """A [`Hedger`][trio_hedge.Hedger] for asyncio code: one long-lived object shared by every
+    asyncio task of an application (learned hedge delay, budget, replica health):
 
-        async with AioHedger(replicas) as hedger:      # in asyncio code on trio-asyncio
-            async with hedger.stream(request) as stream:
-                async for token in stream: ...
+    ```python
+    async with AioHedger(replicas) as hedger:      # in asyncio code on trio-asyncio
+        async with hedger.stream(request) as stream:
+            async for token in stream: ...
+    ```
 
-    Takes the :class:`~trio_hedge.Hedger`'s arguments. All its work runs in Trio (one pump
+    Takes the [`Hedger`][trio_hedge.Hedger]'s arguments. All its work runs in Trio (one pump
     task per open stream), in the loop's thread, so the shared state needs no locks.
 
     Raises:
-        TypeError, ValueError: as :class:`~trio_hedge.Hedger` (bad replicas or config).
+        TypeError, ValueError: as [`Hedger`][trio_hedge.Hedger] (bad replicas or config).
     """
 
     def __init__(
@@ -296,23 +304,23 @@ class AioHedger:
 
     @property
     def hedger(self) -> Hedger:
-        """The Trio :class:`~trio_hedge.Hedger` doing the work (for Trio code in the same
+        """The Trio [`Hedger`][trio_hedge.Hedger] doing the work (for Trio code in the same
         program: both faces share one state)."""
         return self._hedger
 
     @property
     def on_event(self) -> list[EventHook]:
-        """The mutable list of event hooks (see :class:`~trio_hedge.Hedger`)."""
+        """The mutable list of event hooks (see [`Hedger`][trio_hedge.Hedger])."""
         return self._hedger.on_event
 
     @property
     def config(self) -> HedgerConfig:
-        """The :class:`~trio_hedge.HedgerConfig`."""
+        """The [`HedgerConfig`][trio_hedge.HedgerConfig]."""
         return self._hedger.config
 
     def stream(self, request: Mapping[str, Any] | None, **kwargs: Any) -> AioHedgedStream:
-        """Open one hedged request; takes :meth:`trio_hedge.Hedger.stream`'s arguments
-        (``hedge``, ``side_effects``, ``idempotency_key``, ``prompt_tokens``, ``group``,
+        """Open one hedged request; takes [`trio_hedge.Hedger.stream`][trio_hedge.Hedger.stream]'s
+        arguments (``hedge``, ``side_effects``, ``idempotency_key``, ``prompt_tokens``, ``group``,
         ``request_id``), validated here, before any I/O.
 
         Raises:
@@ -322,7 +330,7 @@ class AioHedger:
         return AioHedgedStream(self._hedger.stream(request, **kwargs), buffer=self._buffer)
 
     def statistics(self) -> HedgerStatistics:
-        """A :class:`~trio_hedge.policy.HedgerStatistics` snapshot."""
+        """A [`HedgerStatistics`][trio_hedge.policy.HedgerStatistics] snapshot."""
         return self._hedger.statistics()
 
     def hedge_delay(self, *, prompt_tokens: int = 0, group: str = "default") -> float | None:
@@ -330,7 +338,8 @@ class AioHedger:
         return self._hedger.hedge_delay(prompt_tokens=prompt_tokens, group=group)
 
     async def aclose(self) -> None:
-        """Close the client the hedger created (see :meth:`trio_hedge.Hedger.aclose`)."""
+        """Close the client the hedger created (see
+        [`trio_hedge.Hedger.aclose`][trio_hedge.Hedger.aclose])."""
         await _trio_asyncio_loop().trio_as_future(self._hedger.aclose)
 
     async def __aenter__(self) -> AioHedger:

@@ -1,4 +1,4 @@
-"""Deprecated: the chunk codec is :mod:`trio_hedge.sources.openai` now (removed in the next
+"""Deprecated: the chunk codec is `trio_hedge.sources.openai` now (removed in the next
 release)."""
 
 from ._deprecated import moved_attributes, warn_moved_module

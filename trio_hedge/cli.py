@@ -1,13 +1,14 @@
 """The ``trio-hedge`` command: ``demo`` (no set-up), ``stream`` (any OpenAI-compatible servers)
-and ``tune`` (choose the policy from a TTFT log: :mod:`trio_hedge.tune`).
+and ``tune`` (choose the policy from a TTFT log: [`trio_hedge.tune`][trio_hedge.tune]).
 
 Exit status: 0 on success, 1 when the request failed (the error is printed, and included in
 ``--json`` output), 2 on bad usage, 130 when interrupted (Ctrl-C: what arrived so far, the
 report and "interrupted" are printed first).
 
 ``stream`` never waits forever: by default it gives up without a first token after
-:data:`DEFAULT_FIRST_TOKEN_TIMEOUT` seconds, and after the first token when the stream goes
-quiet for :data:`DEFAULT_STALL_TIMEOUT` seconds (``0`` turns either off).
+[`DEFAULT_FIRST_TOKEN_TIMEOUT`][trio_hedge.cli.DEFAULT_FIRST_TOKEN_TIMEOUT] seconds, and after the
+first token when the stream goes quiet for
+[`DEFAULT_STALL_TIMEOUT`][trio_hedge.cli.DEFAULT_STALL_TIMEOUT] seconds (``0`` turns either off).
 """
 
 from __future__ import annotations

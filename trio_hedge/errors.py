@@ -1,10 +1,12 @@
-"""The public exception types: :class:`HedgeError` and its subclasses (what a request
-raises), :class:`AttemptError` and :class:`ErrorKind` (why one attempt failed).
+"""The public exception types: [`HedgeError`][trio_hedge.HedgeError] and its subclasses (what a
+request raises), [`AttemptError`][trio_hedge.AttemptError] and
+[`ErrorKind`][trio_hedge.errors.ErrorKind] (why one attempt failed).
 
-Errors are data until the race ends: an attempt that fails records an :class:`AttemptError`
-and wakes the race; only the race decides whether that error is fatal, a reason to start the
-next attempt at once, or the last straw. What `hedged_stream` raises is always a
-:class:`HedgeError` (or the caller's own cancellation), never a bare ``ExceptionGroup``.
+Errors are data until the race ends: an attempt that fails records an
+[`AttemptError`][trio_hedge.AttemptError] and wakes the race; only the race decides whether that
+error is fatal, a reason to start the next attempt at once, or the last straw. What `hedged_stream`
+raises is always a [`HedgeError`][trio_hedge.HedgeError] (or the caller's own cancellation), never a
+bare ``ExceptionGroup``.
 """
 
 from __future__ import annotations

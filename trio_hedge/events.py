@@ -1,15 +1,15 @@
 """What the library tells you, as frozen values.
 
-Stream events -- what one chunk of a streamed answer carries: :class:`Delta` (content,
-reasoning, :class:`ToolCallDelta` fragments, finish reason, usage) and :class:`FirstToken`
-(which deltas count as the first token). One :class:`Delta` is made per SSE data event (not
-per field), because this is the hot path: a UI streams thousands of them and a gateway
-millions.
+Stream events -- what one chunk of a streamed answer carries: [`Delta`][trio_hedge.events.Delta]
+(content, reasoning, [`ToolCallDelta`][trio_hedge.events.ToolCallDelta] fragments, finish reason,
+usage) and [`FirstToken`][trio_hedge.events.FirstToken] (which deltas count as the first token). One
+[`Delta`][trio_hedge.events.Delta] is made per SSE data event (not per field), because this is the
+hot path: a UI streams thousands of them and a gateway millions.
 
-Hedge events -- what a :class:`~trio_hedge.Hedger` hands its ``on_event`` hooks
-(:data:`EventHook`): a :class:`HedgeEvent` of some :class:`EventKind` for every attempt
-started, committed, failed or cancelled, hedge or failover refused, replica cooled or ejected,
-and request finished.
+Hedge events -- what a [`Hedger`][trio_hedge.Hedger] hands its ``on_event`` hooks
+([`EventHook`][trio_hedge.events.EventHook]): a [`HedgeEvent`][trio_hedge.events.HedgeEvent] of some
+[`EventKind`][trio_hedge.events.EventKind] for every attempt started, committed, failed or
+cancelled, hedge or failover refused, replica cooled or ejected, and request finished.
 """
 
 from __future__ import annotations
@@ -143,18 +143,18 @@ class HedgeEvent:
     """One instrumentation event.
 
     Attributes:
-        kind: an :class:`EventKind`.
+        kind: an [`EventKind`][trio_hedge.events.EventKind].
         time: Trio's clock when it happened (``trio.current_time()``, seconds).
         request_id: the request's id (or ``None`` for replica events without one).
         group: the request's group.
         replica: the replica concerned, or ``None``.
-        record: the attempt's :class:`~trio_hedge.report.AttemptRecord` (attempt events),
+        record: the attempt's [`AttemptRecord`][trio_hedge.report.AttemptRecord] (attempt events),
             or ``None``.
         reason: for ``hedge_refused``: ``"budget"``, ``"throttle"`` or ``"no_replica"``; for
             ``failover_refused``: ``"throttle"`` or ``"no_replica"``; for replica events: why
             (the error kind, or ``"slow"``); else ``None``.
         until: for replica events: Trio time the cooldown or ejection ends.
-        report: for ``request_finished``: the final :class:`~trio_hedge.Report`.
+        report: for ``request_finished``: the final [`Report`][trio_hedge.Report].
     """
 
     kind: EventKind

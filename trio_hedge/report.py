@@ -1,10 +1,11 @@
-"""What happened to one hedged request: :class:`Report` (the request: winner, TTFT, TPOT,
-gaps, text, wasted tokens, error), :class:`AttemptRecord` (one attempt: replica, start, TTFT,
-outcome, error) and :class:`AttemptOutcome`.
+"""What happened to one hedged request: [`Report`][trio_hedge.Report] (the request: winner, TTFT,
+TPOT, gaps, text, wasted tokens, error), [`AttemptRecord`][trio_hedge.report.AttemptRecord] (one
+attempt: replica, start, TTFT, outcome, error) and
+[`AttemptOutcome`][trio_hedge.report.AttemptOutcome].
 
-The race and the stream fill a mutable :class:`_Recorder` as things happen; ``stream.report``
-hands out a frozen :class:`Report` snapshot, during the stream and after it (also when it
-ended in an error). All times are seconds on Trio's clock, as offsets from the moment the
+The race and the stream fill a mutable `_Recorder` as things happen; ``stream.report``
+hands out a frozen [`Report`][trio_hedge.Report] snapshot, during the stream and after it (also when
+it ended in an error). All times are seconds on Trio's clock, as offsets from the moment the
 request started, so they are exact in virtual time.
 """
 
@@ -48,8 +49,8 @@ class AttemptRecord:
         ttft: seconds from this attempt's start to its first token, or ``None``.
         ended_at: seconds from the request's start to when it failed or was cancelled (for
             the winner: when the stream ended), or ``None`` while running.
-        outcome: an :class:`AttemptOutcome`.
-        error: the :class:`AttemptError` when it failed, else ``None``.
+        outcome: an [`AttemptOutcome`][trio_hedge.report.AttemptOutcome].
+        error: the [`AttemptError`][trio_hedge.AttemptError] when it failed, else ``None``.
         tokens_received: content tokens this attempt received; for a loser these are wasted
             tokens.
     """
@@ -84,7 +85,8 @@ class Report:
 
     Attributes:
         request_id: the id every attempt carried (a UUID4 string).
-        attempts: one :class:`AttemptRecord` per started attempt, in start order.
+        attempts: one [`AttemptRecord`][trio_hedge.report.AttemptRecord] per started attempt, in
+            start order.
         winner: the winning attempt's number, or ``None`` (not committed, or failed).
         hedged: whether a backup was sent because the hedge delay passed.
         hedges_refused: backups the hedge budget refused for this request.
@@ -223,7 +225,7 @@ class _AttemptState:
 
 @attrs.define(slots=True)
 class _Recorder:
-    """Mutable state behind :class:`Report`; times are absolute on Trio's clock."""
+    """Mutable state behind [`Report`][trio_hedge.Report]; times are absolute on Trio's clock."""
 
     request_id: str
     origin: float = 0.0

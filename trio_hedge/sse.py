@@ -1,4 +1,4 @@
-"""Deprecated: the SSE decoder is :mod:`trio_hedge.sources.openai` now (removed in the next
+"""Deprecated: the SSE decoder is `trio_hedge.sources.openai` now (removed in the next
 release)."""
 
 from ._deprecated import moved_attributes, warn_moved_module

@@ -1,7 +1,8 @@
-"""httpx clients for many concurrent streams: :func:`make_client` (a shared
-``httpx.AsyncClient``), :class:`ShardedTransport` (its transport), :func:`cancel_safe_transport`
-(HTTP/2 safe to cancel, see ``_cancel_safe.py``) and :func:`shared_ssl_context` (one SSL context
-for every client the library makes).
+"""httpx clients for many concurrent streams: [`make_client`][trio_hedge.transport.make_client] (a
+shared ``httpx.AsyncClient``), [`ShardedTransport`][trio_hedge.transport.ShardedTransport] (its
+transport), [`cancel_safe_transport`][trio_hedge.transport.cancel_safe_transport] (HTTP/2 safe to
+cancel, see ``_cancel_safe.py``) and [`shared_ssl_context`][trio_hedge.transport.shared_ssl_context]
+(one SSL context for every client the library makes).
 
 Why: httpcore 1.0.9's connection pool does work proportional to the number of connections it
 holds on every request it starts or finishes (``AsyncConnectionPool.
@@ -16,11 +17,11 @@ same requests, growing ~2.2x per doubling of *n* (see ``docs/benchmarks.md``). h
 caller reads it, so the 101st concurrent stream waits for the pool (forever, with the
 library's ``pool=None`` timeout).
 
-The workaround: :class:`ShardedTransport` spreads requests over independent pools, each
-given at most ``per_shard`` (default 4) open responses, adding pools as concurrency grows, so
-every pool's scans stay short and opening *n* streams costs O(n). No pool has a connection
-limit. All pools share one SSL context (building one costs ~16-50 ms). Round-robin over a
-fixed number of pools was not enough: with 16 pools, a second wave of 1,000 streams (reusing
+The workaround: [`ShardedTransport`][trio_hedge.transport.ShardedTransport] spreads requests over
+independent pools, each given at most ``per_shard`` (default 4) open responses, adding pools as
+concurrency grows, so every pool's scans stay short and opening *n* streams costs O(n). No pool has
+a connection limit. All pools share one SSL context (building one costs ~16-50 ms). Round-robin over
+a fixed number of pools was not enough: with 16 pools, a second wave of 1,000 streams (reusing
 1,000 idle keep-alive connections) took 5.7 s against 0.9 s raw, as a pool's cost per event
 is quadratic in its *idle* connections (the ``len([... for connection in
 self._connections])`` inside the loop over connections); with at most 16 open responses per
@@ -55,7 +56,8 @@ __all__ = [
 ]
 
 DEFAULT_PER_SHARD = 4
-"""Connections per pool before :class:`ShardedTransport` adds another pool."""
+"""Connections per pool before [`ShardedTransport`][trio_hedge.transport.ShardedTransport] adds
+another pool."""
 DEFAULT_LIMITS = httpx.Limits(
     max_connections=None, max_keepalive_connections=None, keepalive_expiry=5.0
 )
@@ -89,11 +91,11 @@ class ShardedTransport(httpx.AsyncBaseTransport):
             the library's shared context.
         network_backend: the httpcore network backend every pool connects through (default
             httpcore's own). With ``http2=True`` the pools are made safe to cancel (see
-            :func:`~trio_hedge.transport.cancel_safe_transport`); HTTP/1.1-only pools are left as
-            httpx builds them.
+            [`cancel_safe_transport`][trio_hedge.transport.cancel_safe_transport]); HTTP/1.1-only
+            pools are left as httpx builds them.
         **kwargs: passed to each ``httpx.AsyncHTTPTransport`` (``http1``, ``http2``,
             ``limits``, ``retries``, ``local_address``, ``socket_options``…); ``limits``
-            defaults to :data:`DEFAULT_LIMITS` (per pool).
+            defaults to [`DEFAULT_LIMITS`][trio_hedge.transport.DEFAULT_LIMITS] (per pool).
     """
 
     def __init__(
@@ -130,7 +132,8 @@ class ShardedTransport(httpx.AsyncBaseTransport):
 
     def pools(self) -> list[httpx.AsyncHTTPTransport]:
         """The shards' httpx transports (connection pools), oldest first: what
-        :func:`http2_connections` inspects to reset HTTP/2 streams a cancel orphaned."""
+        [`http2_connections`][trio_hedge.transport.http2_connections] inspects to reset HTTP/2
+        streams a cancel orphaned."""
         return [shard.transport for shard in self._shards]
 
     def _pick(self) -> _Shard:
@@ -224,11 +227,11 @@ def make_client(
 ) -> httpx.AsyncClient:
     """An ``httpx.AsyncClient`` for many concurrent hedged streams (share one per process).
 
-    It sends requests through a :class:`ShardedTransport` (pools of about ``per_shard``
-    open responses each, added as needed, no connection cap), with the library's timeouts
-    (connect 5 s, no read timeout, no pool timeout). Use it as
+    It sends requests through a [`ShardedTransport`][trio_hedge.transport.ShardedTransport] (pools
+    of about ``per_shard`` open responses each, added as needed, no connection cap), with the
+    library's timeouts (connect 5 s, no read timeout, no pool timeout). Use it as
     ``async with make_client() as client:`` and pass ``client=client`` to
-    :func:`~trio_hedge.hedged_stream`.
+    [`hedged_stream`][trio_hedge.hedged_stream].
 
     Args:
         per_shard: connections per pool before another pool is added (see the module
@@ -237,7 +240,7 @@ def make_client(
             speaks HTTP/2 with prior knowledge to ``http://`` URLs.
         http2: speak HTTP/2 (needs the ``h2`` package). Default ``False``. With
             ``http2=True`` the pools are made safe to cancel, as by
-            :func:`~trio_hedge.transport.cancel_safe_transport`.
+            [`cancel_safe_transport`][trio_hedge.transport.cancel_safe_transport].
         limits: per-shard ``httpx.Limits``.
         timeout: the client's timeout.
         **client_kwargs: passed to ``httpx.AsyncClient`` (``headers``, ``base_url``,
@@ -253,8 +256,8 @@ def make_client(
 
 def http2_connections(client: httpx.AsyncClient) -> list[tuple[Any, Any]]:
     """The live HTTP/2 connections in ``client``'s pools (httpx's default transport, or
-    :class:`~trio_hedge.transport.ShardedTransport`), as ``(pool connection, HTTP/2 connection)``
-    pairs; ``[]`` for any other transport."""
+    [`ShardedTransport`][trio_hedge.transport.ShardedTransport]), as
+    ``(pool connection, HTTP/2 connection)`` pairs; ``[]`` for any other transport."""
     transport = getattr(client, "_transport", None)
     if isinstance(transport, ShardedTransport):
         transports: list[Any] = transport.pools()

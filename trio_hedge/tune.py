@@ -2,19 +2,19 @@
 
 The advice of "The Tail at Scale" (Dean & Barroso, CACM 2013) is to log a while of latencies
 and hedge at the percentile you can afford. This replays such a log offline through the
-Hedger's own delay learner (:class:`~trio_hedge.LearnedDelay`: per size class, censoring-aware,
-the prefill model for classes short of data) and hedge budget
-(:class:`~trio_hedge.policy.HedgeBudget`)
+Hedger's own delay learner ([`LearnedDelay`][trio_hedge.LearnedDelay]: per size class,
+censoring-aware, the prefill model for classes short of data) and hedge budget
+([`HedgeBudget`][trio_hedge.policy.HedgeBudget])
 for a few candidate percentiles and budgets, and predicts for each the hedge rate, the extra
 requests and a bound on the P99 TTFT the callers would see, then recommends one.
 
 The log: JSON lines, one attempt (or one request) each, in any of three shapes:
 
-* this module's own records, which :meth:`trio_hedge.Hedger.samples` writes: ``ts`` (Unix
-  seconds), ``prompt_tokens`` (or ``prompt_chars``), ``group`` (or ``model``), ``replica``,
-  ``attempt`` (1 = the primary; default 1) and one of ``ttft`` (seconds to the first token),
-  ``cancelled_at`` (seconds it ran before it was cancelled without one) or ``failed_at``;
-* a JSON log formatter's output of :class:`~trio_hedge.instrumentation.LoggingHook` (an
+* this module's own records, which [`trio_hedge.Hedger.samples`][trio_hedge.Hedger.samples] writes:
+  ``ts`` (Unix seconds), ``prompt_tokens`` (or ``prompt_chars``), ``group`` (or ``model``),
+  ``replica``, ``attempt`` (1 = the primary; default 1) and one of ``ttft`` (seconds to the first
+  token), ``cancelled_at`` (seconds it ran before it was cancelled without one) or ``failed_at``;
+* a JSON log formatter's output of [`LoggingHook`][trio_hedge.instrumentation.LoggingHook] (an
   object with the event's ``message`` and its fields under ``trio_hedge``);
 * ``LoggingHook``'s text lines as the standard ``logging`` writes them (``committed
   ts=… request_id=… ttft=…``; keep its DEBUG lines: commits are DEBUG).
@@ -122,7 +122,7 @@ class Candidate:
 
 @attrs.frozen
 class Prediction:
-    """What a :class:`Candidate` would have done to the log.
+    """What a [`Candidate`][trio_hedge.tune.Candidate] would have done to the log.
 
     Attributes:
         candidate: the candidate.
@@ -349,9 +349,9 @@ def replay(
     """Replay ``records`` through the delay learner and budget of ``candidate``.
 
     Args:
-        records: from :func:`parse_records`.
+        records: from [`parse_records`][trio_hedge.tune.parse_records].
         candidate: the percentile and budget to try.
-        delay: the other :class:`~trio_hedge.LearnedDelay` settings (window, min_samples,
+        delay: the other [`LearnedDelay`][trio_hedge.LearnedDelay] settings (window, min_samples,
             classes…); its percentile is replaced by the candidate's. Default the Hedger's.
         replicas: how many replicas a request may use (at most ``replicas − 1`` backups, the
             ``k``-th sent ``k`` hedge delays after the primary).

@@ -1,12 +1,12 @@
 """``trio-hedge serve``: an OpenAI-compatible gateway that hedges with first-token commit.
 
 Any client (the official ``openai`` SDKs, LangChain, curl) points its ``base_url`` here; the
-gateway races the upstream replicas through the library's public :class:`~trio_hedge.Hedger`
+gateway races the upstream replicas through the library's public [`Hedger`][trio_hedge.Hedger]
 and relays the winner's events as they arrive. Needs the ``gateway`` extra (hypercorn,
 prometheus-client). See ``docs/gateway.md``.
 
-The configuration names import without the extra; :func:`serve` and :class:`GatewayApp`
-import it when first used.
+The configuration names import without the extra; [`serve`][trio_hedge.gateway.serve] and
+[`GatewayApp`][trio_hedge.gateway.GatewayApp] import it when first used.
 """
 
 from __future__ import annotations

@@ -49,13 +49,13 @@ def _content_length(ex: Exchange) -> int | None:
 
 
 class GatewayApp:
-    """An ASGI 3 application serving one :class:`~trio_hedge.gateway.GatewayConfig`.
+    """An ASGI 3 application serving one [`GatewayConfig`][trio_hedge.gateway.GatewayConfig].
 
     Args:
         config: the configuration.
-        hedgers: one long-lived :class:`~trio_hedge.Hedger` per group name.
+        hedgers: one long-lived [`Hedger`][trio_hedge.Hedger] per group name.
         client: the ``httpx.AsyncClient`` the Hedgers share (for ``/v1/models``).
-        metrics: the :class:`GatewayMetrics` whose hook the Hedgers call.
+        metrics: the `GatewayMetrics` whose hook the Hedgers call.
 
     The caller owns the Hedgers and the client (``serve()`` opens and closes them).
     """

@@ -2,9 +2,9 @@
 ``tomli`` on Python 3.10) and command-line flags over it.
 
 Everything is validated when the file is loaded, before a socket is opened: a bad field
-raises :class:`ConfigError` naming it (``replicas[1].base_url: ...``). Secrets never sit in
-the file: keys are read from the environment variables it names, and never appear in a repr,
-a log line or an error.
+raises [`ConfigError`][trio_hedge.gateway.ConfigError] naming it (``replicas[1].base_url: ...``).
+Secrets never sit in the file: keys are read from the environment variables it names, and never
+appear in a repr, a log line or an error.
 """
 
 from __future__ import annotations
@@ -127,14 +127,14 @@ def _patterns(value: Iterable[str]) -> tuple[str, ...]:
 @attrs.frozen
 class Group:
     """A replica group: the requests whose ``model`` matches one of ``models`` race its
-    ``replicas`` under one :class:`~trio_hedge.Hedger` with config ``hedger``.
+    ``replicas`` under one [`Hedger`][trio_hedge.Hedger] with config ``hedger``.
 
     Attributes:
         name: the group's name (in logs and metrics).
         replicas: replica names, primary preference first.
         models: ``fnmatch`` patterns of the request's ``model`` (``"*"`` matches any, and a
             request without a model). The first group that matches takes the request.
-        hedger: the :class:`~trio_hedge.HedgerConfig` of the group's Hedger.
+        hedger: the [`HedgerConfig`][trio_hedge.HedgerConfig] of the group's Hedger.
         side_effects: the group's requests act besides generating text: hedged on time only
             when the client sends an ``Idempotency-Key``. Default ``False``.
     """
@@ -163,9 +163,9 @@ class GatewayConfig:
     """The whole gateway.
 
     Attributes:
-        replicas: the upstream :class:`~trio_hedge.Replica` endpoints (unique names).
-        groups: the :class:`Group` s, matched in order; default one group ``"default"``
-            with every replica, for every model.
+        replicas: the upstream [`Replica`][trio_hedge.sources.Replica] endpoints (unique names).
+        groups: the [`Group`][trio_hedge.gateway.Group]s, matched in order; default one group
+            ``"default"`` with every replica, for every model.
         host: the address to listen on (HTTP/1.1 and h2c on one port). Default
             ``127.0.0.1``.
         port: the port to listen on. Default 8080.
@@ -173,7 +173,7 @@ class GatewayConfig:
             authentication. Compared in constant time. Hidden in the repr.
         forward_client_key: send a client's own ``Authorization`` upstream, to replicas
             that have no key of their own. Default ``False``. Not with ``keys``.
-        limits: the :class:`Limits`.
+        limits: the [`Limits`][trio_hedge.gateway.Limits].
     """
 
     replicas: tuple[Replica, ...] = attrs.field(converter=_replicas)
@@ -302,10 +302,10 @@ def _hedge_after(value: object, where: str) -> Any:
 
 def hedger_config(table: Mapping[str, Any], base: HedgerConfig, where: str) -> HedgerConfig:
     """``base`` with the fields of ``table`` (a ``[hedger]`` TOML table): every
-    :class:`~trio_hedge.HedgerConfig` field by name. Policy objects (``budget``,
+    [`HedgerConfig`][trio_hedge.HedgerConfig] field by name. Policy objects (``budget``,
     ``throttle``, ``outlier_detection``) take a table of their fields, ``false`` for none or
     ``true`` for the defaults; ``hedge_after`` takes seconds, ``"learned"``, ``"off"`` or a
-    :class:`~trio_hedge.LearnedDelay` table; ``false`` stands for ``None`` elsewhere
+    [`LearnedDelay`][trio_hedge.LearnedDelay] table; ``false`` stands for ``None`` elsewhere
     (``first_token_timeout = false``).
 
     Raises:
@@ -374,7 +374,8 @@ def _replica(table: Mapping[str, Any], where: str, environ: Mapping[str, str]) -
 def parse_config(
     document: Mapping[str, Any], *, environ: Mapping[str, str] | None = None
 ) -> GatewayConfig:
-    """A :class:`GatewayConfig` from a parsed TOML document (see ``docs/gateway.md``).
+    """A [`GatewayConfig`][trio_hedge.gateway.GatewayConfig] from a parsed TOML document (see
+    ``docs/gateway.md``).
 
     Raises:
         ConfigError: a missing, unknown or bad field, or an environment variable it names
@@ -439,7 +440,7 @@ def parse_config(
 def load_config(
     path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None
 ) -> GatewayConfig:
-    """Read and validate a TOML file (see :func:`parse_config`).
+    """Read and validate a TOML file (see [`parse_config`][trio_hedge.gateway.parse_config]).
 
     Raises:
         ConfigError: the file is not valid TOML, or a field is wrong.

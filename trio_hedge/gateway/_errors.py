@@ -137,17 +137,17 @@ def answer_for(
 ) -> ErrorAnswer:
     """The answer for a failed request.
 
-    * :class:`~trio_hedge.FatalAttemptError` (the request's fault): the fatal error's status
-      and message.
-    * :class:`~trio_hedge.AllAttemptsFailed` and other :class:`~trio_hedge.RequestFailed`:
-      the attempts' common status (401, 404, 429, 503…), 503 for mixed capacity errors,
-      502 for errors that disagree, 504 for the first-token timeout; ``Retry-After`` is the
-      earliest any replica gave.
-    * :class:`~trio_hedge.ReplicasCooling` (every replica asked to be left alone for longer
-      than the Hedger waits; nothing was sent): 503 with ``Retry-After`` until the first
+    * [`FatalAttemptError`][trio_hedge.FatalAttemptError] (the request's fault): the fatal error's
+      status and message.
+    * [`AllAttemptsFailed`][trio_hedge.AllAttemptsFailed] and other
+      [`RequestFailed`][trio_hedge.RequestFailed]: the attempts' common status (401, 404, 429,
+      503…), 503 for mixed capacity errors, 502 for errors that disagree, 504 for the first-token
+      timeout; ``Retry-After`` is the earliest any replica gave.
+    * [`ReplicasCooling`][trio_hedge.ReplicasCooling] (every replica asked to be left alone for
+      longer than the Hedger waits; nothing was sent): 503 with ``Retry-After`` until the first
       of them may take a request again.
-    * :class:`~trio_hedge.StreamInterrupted` (after the commit): the winner's error.
-    * any other :class:`~trio_hedge.HedgeError`: 503 with its ``retry_after`` when it
+    * [`StreamInterrupted`][trio_hedge.StreamInterrupted] (after the commit): the winner's error.
+    * any other [`HedgeError`][trio_hedge.HedgeError]: 503 with its ``retry_after`` when it
       carries one.
 
     ``secrets`` (a client's forwarded key, the gateway's keys) are masked in the message.

@@ -30,7 +30,7 @@ class Limiter:
     No queue: past ``max_concurrent`` a request is refused at once (503 with
     ``Retry-After``), so a client or load balancer can try another instance instead of
     waiting behind this one. While draining, new requests are refused and the ones in flight
-    go on until :meth:`cancel_all` (the drain timeout) cancels them.
+    go on until `cancel_all` (the drain timeout) cancels them.
     """
 
     def __init__(self, max_concurrent: int) -> None:
@@ -42,7 +42,7 @@ class Limiter:
 
     def admit(self) -> trio.CancelScope:
         """Count one more request in flight; give it a cancel scope the drain timeout
-        cancels. Pair with :meth:`release`.
+        cancels. Pair with `release`.
 
         Raises:
             Draining: the gateway is shutting down.

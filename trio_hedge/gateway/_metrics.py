@@ -1,7 +1,7 @@
 """Prometheus metrics (``GET /metrics``) and the JSON access log, one line per request.
 
 Metrics live in the gateway's own registry (two gateways in one process, as in tests, do not
-collide): the library's :class:`~trio_hedge.instrumentation.PrometheusHook` counters
+collide): the library's [`PrometheusHook`][trio_hedge.instrumentation.PrometheusHook] counters
 (requests, attempts, backups won, hedges refused, replica events, TTFT histogram), the
 gateway's requests by path and status, requests in flight, relayed tokens, refusals by
 reason, and, read from each group's ``Hedger.statistics()`` at scrape time, every replica's
@@ -85,7 +85,7 @@ class _HedgerCollector(Collector):
 
 
 class GatewayMetrics:
-    """The gateway's registry and metrics; :attr:`hook` goes on every Hedger's ``on_event``."""
+    """The gateway's registry and metrics; `hook` goes on every Hedger's ``on_event``."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()

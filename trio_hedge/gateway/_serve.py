@@ -1,5 +1,5 @@
 """Run the gateway on hypercorn's Trio worker: HTTP/1.1 and h2c (HTTP/2 without TLS) on one
-port, one long-lived :class:`~trio_hedge.Hedger` per group over one shared connection pool.
+port, one long-lived [`Hedger`][trio_hedge.Hedger] per group over one shared connection pool.
 
 Shutdown (SIGTERM or SIGINT, or ``stop.set()``): stop accepting, answer new requests on open
 connections with 503, let in-flight requests go on for ``drain_timeout`` seconds, then cancel

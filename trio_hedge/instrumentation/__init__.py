@@ -1,10 +1,13 @@
-"""Ready-made ``on_event`` hooks for :class:`trio_hedge.Hedger` (stamina-style: each imports
-its library lazily, so the core depends on none of them)::
+"""Ready-made ``on_event`` hooks for [`trio_hedge.Hedger`][trio_hedge.Hedger] (stamina-style: each
+imports its library lazily, so the core depends on none of them):
 
-    hedger = trio_hedge.Hedger(replicas, on_event=[LoggingHook(), PrometheusHook()])
+```python
+hedger = trio_hedge.Hedger(replicas, on_event=[LoggingHook(), PrometheusHook()])
+```
 
 A hook may return a context manager that wraps what the event began (an attempt, for
-``attempt_started``): :class:`OpenTelemetryHook` wraps each attempt in a span that way.
+``attempt_started``): [`OpenTelemetryHook`][trio_hedge.instrumentation.OpenTelemetryHook] wraps each
+attempt in a span that way.
 """
 
 from ._logging import LoggingHook

@@ -1,4 +1,5 @@
-"""Log every :class:`~trio_hedge.events.HedgeEvent` with the standard library's ``logging``."""
+"""Log every [`HedgeEvent`][trio_hedge.events.HedgeEvent] with the standard library's
+``logging``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""OpenTelemetry spans and GenAI client metrics from :class:`~trio_hedge.events.HedgeEvent` s.
+"""OpenTelemetry spans and GenAI client metrics from [`HedgeEvent`][trio_hedge.events.HedgeEvent]s.
 
 Names follow the GenAI semantic conventions of the installed
 ``opentelemetry-semantic-conventions`` (read from it, not copied, so they follow its version;
@@ -108,8 +108,8 @@ def _server(address: str) -> tuple[str, int | None] | None:
 
 
 class OpenTelemetryHook:
-    """An ``on_event`` hook for :class:`~trio_hedge.Hedger` (or
-    :class:`~trio_hedge.aio.AioHedger`) that traces and measures hedged requests with
+    """An ``on_event`` hook for [`Hedger`][trio_hedge.Hedger] (or
+    [`AioHedger`][trio_hedge.aio.AioHedger]) that traces and measures hedged requests with
     OpenTelemetry (extra ``otel``).
 
     Spans: one ``chat {model}`` CLIENT span per request, and a child ``chat {model}`` span per
@@ -123,11 +123,11 @@ class OpenTelemetryHook:
     (s, the caller-visible TTFT).
 
     Usage tokens and the response model come from the server: pass them with
-    :meth:`observe_response` before the stream's ``async with`` exits (e.g. from the usage
-    delta of ``stream.events()``). Without that, ``gen_ai.usage.output_tokens`` is the count
-    of content chunks received and ``gen_ai.usage.input_tokens`` the request's
-    ``prompt_tokens`` (given or estimated), and the span says so with
-    ``trio_hedge.usage.estimated = true``.
+    [`observe_response`][trio_hedge.instrumentation.OpenTelemetryHook.observe_response] before the
+    stream's ``async with`` exits (e.g. from the usage delta of ``stream.events()``). Without that,
+    ``gen_ai.usage.output_tokens`` is the count of content chunks received and
+    ``gen_ai.usage.input_tokens`` the request's ``prompt_tokens`` (given or estimated), and the span
+    says so with ``trio_hedge.usage.estimated = true``.
 
     No attribute carries a credential: the hook reads only events (which hold none) and the
     ``replicas``' URLs (which may not carry credentials).

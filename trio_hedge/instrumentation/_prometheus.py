@@ -1,4 +1,4 @@
-"""Prometheus metrics from :class:`~trio_hedge.events.HedgeEvent` s (needs
+"""Prometheus metrics from [`HedgeEvent`][trio_hedge.events.HedgeEvent]s (needs
 ``prometheus-client``)."""
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class PrometheusHook:
     - ``trio_hedge_replica_events_total{replica,kind}``: cooldowns and ejections;
     - ``trio_hedge_ttft_seconds``: caller-visible time to first token (histogram).
 
-    Several hooks in one process (one per :class:`~trio_hedge.Hedger`, say) with the same
+    Several hooks in one process (one per [`Hedger`][trio_hedge.Hedger], say) with the same
     registry and prefix share one set of collectors, so their counts add up; give each its own
     ``registry`` (or ``prefix``) to keep them apart. Metric names and labels are listed in
     ``docs/instrumentation.md``.

@@ -2,21 +2,27 @@
 
 Configuration (values, validated at construction):
 
-- :class:`HedgePolicy`: one request's fixed plan for :func:`~trio_hedge.hedged_stream`.
-- :class:`HedgerConfig`: how a :class:`~trio_hedge.Hedger` hedges; the fields the two share
-  are declared once.
-- :class:`LearnedDelay` (with :class:`SizeClasses`, :class:`PrefillFit`): the hedge delay
-  learned from observed TTFTs; :class:`HedgeBudget`, :class:`RetryThrottle`,
-  :class:`Backoff`: the brakes on extra requests; :class:`OutlierDetection`: when a replica
+- [`HedgePolicy`][trio_hedge.HedgePolicy]: one request's fixed plan for
+  [`hedged_stream`][trio_hedge.hedged_stream].
+- [`HedgerConfig`][trio_hedge.HedgerConfig]: how a [`Hedger`][trio_hedge.Hedger] hedges; the fields
+  the two share are declared once.
+- [`LearnedDelay`][trio_hedge.LearnedDelay] (with [`SizeClasses`][trio_hedge.policy.SizeClasses],
+  [`PrefillFit`][trio_hedge.policy.PrefillFit]): the hedge delay learned from observed TTFTs;
+  [`HedgeBudget`][trio_hedge.policy.HedgeBudget],
+  [`RetryThrottle`][trio_hedge.policy.RetryThrottle], [`Backoff`][trio_hedge.policy.Backoff]: the
+  brakes on extra requests; [`OutlierDetection`][trio_hedge.policy.OutlierDetection]: when a replica
   is ejected.
 
-The race's advisor: :class:`Planner` (the protocol the race consults at each decision) and
-:class:`StaticPlanner` (a fixed, ordered list and delay). A :class:`~trio_hedge.Hedger`'s
-planner is private: it reads the fleet state every request shares.
+The race's advisor: [`Planner`][trio_hedge.policy.Planner] (the protocol the race consults at each
+decision) and [`StaticPlanner`][trio_hedge.policy.StaticPlanner] (a fixed, ordered list and delay).
+A [`Hedger`][trio_hedge.Hedger]'s planner is private: it reads the fleet state every request shares.
 
-Statistics (frozen snapshots): :class:`HedgerStatistics`, :class:`ReplicaStatistics`,
-:class:`DelayStatistics`. Helpers: :func:`estimate_prompt_tokens`,
-:func:`empirical_quantile`, :func:`km_quantile` (Kaplan-Meier, for censored samples).
+Statistics (frozen snapshots): [`HedgerStatistics`][trio_hedge.policy.HedgerStatistics],
+[`ReplicaStatistics`][trio_hedge.policy.ReplicaStatistics],
+[`DelayStatistics`][trio_hedge.policy.DelayStatistics]. Helpers:
+[`estimate_prompt_tokens`][trio_hedge.policy.estimate_prompt_tokens],
+[`empirical_quantile`][trio_hedge.policy.empirical_quantile],
+[`km_quantile`][trio_hedge.policy.km_quantile] (Kaplan-Meier, for censored samples).
 
 Inside, one job per module: ``_config`` (the two config classes), ``_delay`` (the delay
 learner), ``_quantiles`` (the estimators), ``_prefill`` (the prefill model), ``_budget``

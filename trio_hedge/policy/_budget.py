@@ -30,9 +30,11 @@ __all__ = ["BudgetState", "HedgeBudget"]
 class HedgeBudget:
     """At most ``ratio`` backups per request, plus a floor, over a sliding window.
 
-    A backup may be sent at time ``t`` when, counting over ``[t − window, t]``::
+    A backup may be sent at time ``t`` when, counting over ``[t − window, t]``:
 
-        backups + 1 <= ratio × requests + min_per_second × window
+    ```text
+    backups + 1 <= ratio × requests + min_per_second × window
+    ```
 
     So over any run of ``window`` seconds the backups are bounded by ``ratio`` of the
     requests plus ``min_per_second × window`` (the floor lets a quiet service still hedge).

@@ -1,8 +1,8 @@
-"""The configuration classes: :class:`HedgePolicy` (one request's fixed plan, for
-:func:`~trio_hedge.hedged_stream`) and :class:`HedgerConfig` (how a
-:class:`~trio_hedge.Hedger` hedges). Both are frozen attrs values validated at construction;
+"""The configuration classes: [`HedgePolicy`][trio_hedge.HedgePolicy] (one request's fixed plan, for
+[`hedged_stream`][trio_hedge.hedged_stream]) and [`HedgerConfig`][trio_hedge.HedgerConfig] (how a
+[`Hedger`][trio_hedge.Hedger] hedges). Both are frozen attrs values validated at construction;
 the six fields they share (attempt limits, the first-token rule, the three timeouts) are
-declared once, in :class:`_SharedFields`, so one default and one rule hold for both.
+declared once, in `_SharedFields`, so one default and one rule hold for both.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ __all__ = ["HedgePolicy", "HedgerConfig"]
 
 
 class _SharedFields:
-    """Field factories for what :class:`HedgePolicy` and :class:`HedgerConfig` share (each
-    class documents them; the defaults and validators live here only)."""
+    """Field factories for what [`HedgePolicy`][trio_hedge.HedgePolicy] and
+    [`HedgerConfig`][trio_hedge.HedgerConfig] share (each class documents them; the defaults and
+    validators live here only)."""
 
     @staticmethod
     def max_attempts() -> Any:
@@ -81,21 +82,23 @@ class HedgePolicy:
         hedge_after: the hedge delay: seconds without a first token before the next backup
             is sent. ``None`` never hedges on time (attempts then start only on failure, a
             plain failover). Default 1.0. Pick it near the P90–P95 of your TTFT ("The Tail at
-            Scale", Dean & Barroso 2013); :class:`trio_hedge.Hedger` learns it per request size.
+            Scale", Dean & Barroso 2013); [`trio_hedge.Hedger`][trio_hedge.Hedger] learns it per
+            request size.
         max_attempts: attempts per request, primary included; ``None`` means one per replica
             times ``attempts_per_replica``. Default ``None``.
         attempts_per_replica: how many attempts of one request may go to the same replica.
             Default 1 (a second attempt on the same replica usually lands in the same queue).
         hedge: ``False`` disables time-based hedging for this request (failover on error
             still happens). Default ``True``.
-        first_token: what counts as the first token (:class:`FirstToken`). Default content.
+        first_token: what counts as the first token ([`FirstToken`][trio_hedge.events.FirstToken]).
+            Default content.
         first_token_timeout: seconds, over all attempts, to wait for a first token before
-            failing with :class:`~trio_hedge.AllAttemptsFailed` (``kind="timeout"``); ``None``
-            waits as long as the caller's own cancel scope allows. Default ``None``.
+            failing with [`AllAttemptsFailed`][trio_hedge.AllAttemptsFailed] (``kind="timeout"``);
+            ``None`` waits as long as the caller's own cancel scope allows. Default ``None``.
         stall_timeout: after commit, seconds the winner may go without content before the
-            stream fails with :class:`~trio_hedge.StreamInterrupted` (``kind="stall"``).
-            Keep-alive comments, role-only deltas and empty events do not reset it (Envoy's
-            ``per_try_idle_timeout``). ``None`` disables it. Default ``None``.
+            stream fails with [`StreamInterrupted`][trio_hedge.StreamInterrupted]
+            (``kind="stall"``). Keep-alive comments, role-only deltas and empty events do not reset
+            it (Envoy's ``per_try_idle_timeout``). ``None`` disables it. Default ``None``.
         close_timeout: seconds a loser's close may take before it is abandoned (its socket is
             closed regardless). Default 1.0.
 
@@ -125,37 +128,37 @@ def _check_hedge_after(_inst: object, attribute: attrs.Attribute[Any], value: ob
 
 @attrs.frozen
 class HedgerConfig:
-    """How a :class:`Hedger` hedges. Durations in seconds.
+    """How a [`Hedger`][trio_hedge.Hedger] hedges. Durations in seconds.
 
     Attributes:
-        hedge_after: a :class:`~trio_hedge.LearnedDelay` (default: P95 of the last 300 s of
+        hedge_after: a [`LearnedDelay`][trio_hedge.LearnedDelay] (default: P95 of the last 300 s of
             TTFTs per group and prompt-size class, 1.0 s until 20 observations), a fixed
             number of seconds, or ``None`` to never hedge on time (failover only).
         max_attempts: attempts per request, primary included; ``None`` (default) allows one
             per replica times ``attempts_per_replica``. gRPC caps it at 5 (gRFC A6).
         attempts_per_replica: attempts of one request a replica may take. Default 1.
-        first_token: what counts as the first token (:class:`~trio_hedge.events.FirstToken`).
+        first_token: what counts as the first token ([`FirstToken`][trio_hedge.events.FirstToken]).
         first_token_timeout: seconds over all attempts to wait for a first token, else
-            :class:`~trio_hedge.AllAttemptsFailed` (``kind="timeout"``). Default ``None``
-            (the caller's own cancel scope is the deadline).
+            [`AllAttemptsFailed`][trio_hedge.AllAttemptsFailed] (``kind="timeout"``). Default
+            ``None`` (the caller's own cancel scope is the deadline).
         stall_timeout: after commit, seconds the winner may go without content before
-            :class:`~trio_hedge.StreamInterrupted` (``kind="stall"``); it counts against the
-            replica's health. Default ``None``.
+            [`StreamInterrupted`][trio_hedge.StreamInterrupted] (``kind="stall"``); it counts
+            against the replica's health. Default ``None``.
         close_timeout: seconds a loser's close may take. Default 1.0.
-        budget: a :class:`~trio_hedge.policy.HedgeBudget` (default 10% + 0.5/s over 60 s) or
+        budget: a [`HedgeBudget`][trio_hedge.policy.HedgeBudget] (default 10% + 0.5/s over 60 s) or
             ``None`` for no budget.
-        throttle: a :class:`~trio_hedge.policy.RetryThrottle` (default 10 tokens, ratio 0.1) or
-            ``None``.
-        outlier_detection: an :class:`~trio_hedge.policy.OutlierDetection` (default 5 failures in
-            a row, 10 s doubling up to 300 s, at most a third of the replicas) or ``None`` to
-            never eject.
-        backoff: a :class:`~trio_hedge.policy.Backoff` for a request's repeated attempts on one
+        throttle: a [`RetryThrottle`][trio_hedge.policy.RetryThrottle] (default 10 tokens, ratio
+            0.1) or ``None``.
+        outlier_detection: an [`OutlierDetection`][trio_hedge.policy.OutlierDetection] (default 5
+            failures in a row, 10 s doubling up to 300 s, at most a third of the replicas) or
+            ``None`` to never eject.
+        backoff: a [`Backoff`][trio_hedge.policy.Backoff] for a request's repeated attempts on one
             replica (only with ``attempts_per_replica > 1``; default 0.1 s doubling up to
             5 s, full jitter) or ``None`` to repeat at once (the throttle still applies).
         max_pushback_wait: seconds an attempt may wait for a replica to end its cooldown
             (server pushback) when every replica it could use is cooling. Beyond that the
-            primary raises :class:`~trio_hedge.ReplicasCooling` at once (saying until when)
-            and a later attempt is not sent. ``None`` waits as long as the caller's cancel
+            primary raises [`ReplicasCooling`][trio_hedge.ReplicasCooling] at once (saying until
+            when) and a later attempt is not sent. ``None`` waits as long as the caller's cancel
             scope allows. Default 10: a rate-limit window usually ends within seconds, and a
             caller who waits longer should say so (a batch job: raise it).
         pick: where an attempt goes among the eligible replicas (ties in the given order):
@@ -213,7 +216,8 @@ class HedgerConfig:
     stats_window: float = attrs.field(default=60.0, validator=number(0.0, open_lo=True))
 
     def stream_policy(self) -> HedgePolicy:
-        """The per-stream part (timeouts, first-token rule) as a :class:`HedgePolicy`."""
+        """The per-stream part (timeouts, first-token rule) as a
+        [`HedgePolicy`][trio_hedge.HedgePolicy]."""
         return HedgePolicy(
             hedge_after=None,
             first_token=self.first_token,

@@ -1,12 +1,12 @@
-"""The state every request of one :class:`~trio_hedge.Hedger` shares: the fleet.
+"""The state every request of one [`Hedger`][trio_hedge.Hedger] shares: the fleet.
 
-One :class:`FleetState` per Hedger holds what the per-request planners
+One `FleetState` per Hedger holds what the per-request planners
 (``policy/_planner.py``) read and update at each decision: the delay learner, the hedge
 budget and the retry throttle, each replica's health and load, and the counters behind
-:meth:`~trio_hedge.Hedger.statistics`. It also makes the decisions that need the whole fleet:
-where an attempt goes among eligible replicas (:meth:`FleetState.pick`), how much of a TTFT a
-prompt's size explains (:meth:`FleetState.prefill`), and whether a failing replica is ejected
-under the fleet-wide cap (:meth:`FleetState.health_failure`).
+[`statistics`][trio_hedge.Hedger.statistics]. It also makes the decisions that need the whole fleet:
+where an attempt goes among eligible replicas (`FleetState.pick`), how much of a TTFT a
+prompt's size explains (`FleetState.prefill`), and whether a failing replica is ejected
+under the fleet-wide cap (`FleetState.health_failure`).
 
 Trio is single-threaded, so the shared state needs no locks; every structure is bounded
 (sliding windows with a sample cap, a capped number of groups), so thousands of concurrent
@@ -42,7 +42,8 @@ _TTFT_SAMPLES = 4096
 
 @attrs.define(slots=True)
 class FleetCounts:
-    """The Hedger's counters since it was made (what :class:`HedgerStatistics` reports)."""
+    """The Hedger's counters since it was made (what
+    [`HedgerStatistics`][trio_hedge.policy.HedgerStatistics] reports)."""
 
     requests: int = 0
     finished: int = 0
@@ -84,9 +85,9 @@ class FleetState:
     """What every request of one Hedger shares (see the module docs).
 
     Args:
-        config: the Hedger's :class:`HedgerConfig`.
-        replicas: where attempts go (:class:`~trio_hedge.Replica` or any
-            :class:`~trio_hedge.sources.Source`), names unique (checked by the caller).
+        config: the Hedger's [`HedgerConfig`][trio_hedge.HedgerConfig].
+        replicas: where attempts go ([`Replica`][trio_hedge.sources.Replica] or any
+            [`Source`][trio_hedge.sources.Source]), names unique (checked by the caller).
         on_event: the hooks events go to; the list is shared, not copied.
     """
 
@@ -177,7 +178,8 @@ class FleetState:
         )
 
     def statistics(self) -> HedgerStatistics:
-        """A frozen :class:`HedgerStatistics` snapshot (call inside Trio)."""
+        """A frozen [`HedgerStatistics`][trio_hedge.policy.HedgerStatistics] snapshot (call inside
+        Trio)."""
         now = trio.current_time()
         c = self.counts
         horizon = now - self.config.stats_window

@@ -7,7 +7,7 @@
   ``max_ejection_time`` / ``max_ejection_percent``): ``consecutive_failures`` failures in a
   row eject the replica for ``base_ejection × 2^(n−1)`` seconds, ``n`` counting ejections
   since its last success, capped at ``max_ejection``; an error that is the replica's own
-  fault (401/403, quota, unknown model: :attr:`~trio_hedge.AttemptError.replica_fault`)
+  fault (401/403, quota, unknown model: [`replica_fault`][trio_hedge.AttemptError.replica_fault])
   ejects it at once. A success resets both counts. Never more than ``max_ejection_percent``
   of the replicas are out at once (at least one may be, the last one never is).
 """
@@ -181,7 +181,7 @@ class ReplicaState:
 
     def failure(self, now: float, config: OutlierDetection | None, *, at_once: bool) -> bool:
         """Count one failure; returns whether the replica is due for ejection (the caller
-        checks the fleet-wide cap, then calls :meth:`eject`). ``at_once``: the replica's own
+        checks the fleet-wide cap, then calls `eject`). ``at_once``: the replica's own
         fault, due now whatever its count."""
         self.failures += 1
         if config is None or self.ejected(now):

@@ -4,7 +4,8 @@ log-spaced size class that puts it in (``SizeClasses``, the classes the delay is
 The estimate is deliberately crude (about 4 characters of text per token, the usual rule of
 thumb for English with BPE tokenizers, plus a few tokens of framing per message): it only has
 to put a prompt in the right *log-spaced* size class, where a factor of 1.5 rarely matters.
-Pass ``prompt_tokens`` to :meth:`trio_hedge.Hedger.stream` when you know better.
+Pass ``prompt_tokens`` to [`trio_hedge.Hedger.stream`][trio_hedge.Hedger.stream] when you know
+better.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def estimate_prompt_tokens(
     Counts the text of every message in ``request["messages"]`` (string contents and the
     ``text`` of content parts), of ``request["prompt"]`` (completions API) and of tool
     definitions (as JSON-ish text length), divides by ``chars_per_token`` and adds
-    :data:`MESSAGE_OVERHEAD` tokens per message.
+    `MESSAGE_OVERHEAD` tokens per message.
 
     Args:
         request: the JSON body, or ``None`` (then 0).

@@ -1,5 +1,6 @@
-"""The :class:`StaticPlanner`: a fixed, ordered list of sources and a fixed hedge delay, for
-:func:`~trio_hedge.hedged_stream` (no state shared between requests)."""
+"""The [`StaticPlanner`][trio_hedge.policy.StaticPlanner]: a fixed, ordered list of sources and a
+fixed hedge delay, for [`hedged_stream`][trio_hedge.hedged_stream] (no state shared between
+requests)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ class StaticPlanner:
     """Replicas in the given order, each up to ``policy.attempts_per_replica`` times (round
     robin), capped at ``policy.max_attempts``; a fixed hedge delay; no budget. The plan is
     computed as it goes (``attempts_per_replica=10**9`` costs nothing up front), and a replica
-    that failed with an error that is its own fault (:attr:`AttemptError.replica_fault`: a
-    wrong key, an unknown model) is not tried again in the same request."""
+    that failed with an error that is its own fault
+    ([`AttemptError.replica_fault`][trio_hedge.AttemptError.replica_fault]: a wrong key, an unknown
+    model) is not tried again in the same request."""
 
     def __init__(self, sources: Sequence[Source], policy: HedgePolicy) -> None:
         self._sources = tuple(sources)
@@ -27,7 +29,7 @@ class StaticPlanner:
         self._next = 0  # position in the round robin
         self._delay = policy.hedge_after if policy.hedge else None
         self._dead: set[int] = set()  # ids of sources at fault for this request
-        #: The race skips :meth:`attempt_changed` (and building its records) when ``False``:
+        #: The race skips `attempt_changed` (and building its records) when ``False``:
         #: with one attempt per replica, a replica's own fault changes nothing here.
         self.observes_attempts = policy.attempts_per_replica > 1
 

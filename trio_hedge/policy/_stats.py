@@ -1,4 +1,4 @@
-"""Frozen snapshots of a :class:`~trio_hedge.Hedger`'s shared state (``hedger.statistics()``).
+"""Frozen snapshots of a [`Hedger`][trio_hedge.Hedger]'s shared state (``hedger.statistics()``).
 
 Counter names follow Finagle's ``BackupRequestFilter`` (``backups_sent``, ``backups_won``,
 ``budget_exhausted``) where there is one.
@@ -19,7 +19,7 @@ class DelayStatistics:
 
     Attributes:
         group: the group (model / replica group).
-        size_class: the class index (see :class:`~trio_hedge.policy.SizeClasses`).
+        size_class: the class index (see [`SizeClasses`][trio_hedge.policy.SizeClasses]).
         min_tokens: the class's smallest prompt size, in tokens.
         max_tokens: the class's prompt-token bound, exclusive (``None`` for the open last
             class).
@@ -79,7 +79,7 @@ class ReplicaStatistics:
 
 @attrs.frozen
 class HedgerStatistics:
-    """A snapshot of a :class:`~trio_hedge.Hedger`. Counts are totals since it was created.
+    """A snapshot of a [`Hedger`][trio_hedge.Hedger]. Counts are totals since it was created.
 
     Attributes:
         time: Trio's clock at the snapshot (seconds).
@@ -91,21 +91,22 @@ class HedgerStatistics:
         failovers: attempts started because an earlier attempt failed.
         backup_wins: requests won by a hedge (Finagle ``backups_won``).
         hedges_refused: hedges not sent, for any reason (sum of the three below).
-        budget_refusals: refused by the :class:`~trio_hedge.policy.HedgeBudget`
+        budget_refusals: refused by the [`HedgeBudget`][trio_hedge.policy.HedgeBudget]
             (Finagle ``budget_exhausted``).
-        throttle_refusals: refused by the :class:`~trio_hedge.policy.RetryThrottle`.
+        throttle_refusals: refused by the [`RetryThrottle`][trio_hedge.policy.RetryThrottle].
         no_replica_refusals: refused because no replica the request may still use could take
             it at once (every one ejected, cooling after pushback, or in its back-off).
         failovers_refused: failovers not sent after a failed attempt although the request's
             plan (``max_attempts``, ``attempts_per_replica``) allowed one (sum of the two
             below); the request then goes on with the attempts still running, or fails.
-        failover_throttle_refusals: refused by the :class:`~trio_hedge.policy.RetryThrottle`
-            (gRFC A6: no retries at or below half the tokens).
+        failover_throttle_refusals: refused by the
+            [`RetryThrottle`][trio_hedge.policy.RetryThrottle] (gRFC A6: no retries at or below half
+            the tokens).
         failover_no_replica_refusals: refused because every replica the request may still
             use is ejected, or cooling (or in its back-off) longer than
             ``max_pushback_wait``.
         requests_refused: requests that sent nothing and raised
-            :class:`~trio_hedge.ReplicasCooling` (counted neither in ``requests`` nor in
+            [`ReplicasCooling`][trio_hedge.ReplicasCooling] (counted neither in ``requests`` nor in
             ``finished``).
         ejections_capped: times a replica was due for ejection but stayed in because
             ``max_ejection_percent`` of the replicas (or all but one) were already out.
@@ -120,8 +121,8 @@ class HedgerStatistics:
         ttft_p99: the caller-visible P99 TTFT (seconds), likewise.
         delays: the current hedge delay of every (group, size class) with data.
         replicas: every replica's health, in the order given to the Hedger.
-        prefill: each group's prefill model (:class:`~trio_hedge.policy.PrefillFit`: TTFT against
-            prompt tokens), for groups with enough data (learned delays only).
+        prefill: each group's prefill model ([`PrefillFit`][trio_hedge.policy.PrefillFit]: TTFT
+            against prompt tokens), for groups with enough data (learned delays only).
     """
 
     time: float

@@ -1,12 +1,16 @@
-"""What the race engine races: the :class:`Source` interface and its implementations.
+"""What the race engine races: the [`Source`][trio_hedge.sources.Source] interface and its
+implementations.
 
-- :class:`Source`, :class:`AttemptStream`, :class:`AttemptInfo`: the interface (a source
-  opens one stream per attempt; the engine knows nothing else of it).
-- :func:`iterator_source` / :class:`IteratorSource`: any async-iterator factory.
-- :class:`Replica`, :class:`HeaderNames`, :class:`OpenAIChatSource`: OpenAI-compatible chat
-  completions over httpx (the :mod:`trio_hedge.sources.openai` package).
-- :mod:`trio_hedge.sources.openai_sdk`: calls made through your own ``openai.AsyncOpenAI``
-  clients.
+- [`Source`][trio_hedge.sources.Source], [`AttemptStream`][trio_hedge.sources.AttemptStream],
+  [`AttemptInfo`][trio_hedge.sources.AttemptInfo]: the interface (a source opens one stream per
+  attempt; the engine knows nothing else of it).
+- [`iterator_source`][trio_hedge.sources.iterator_source] /
+  [`IteratorSource`][trio_hedge.sources.IteratorSource]: any async-iterator factory.
+- [`Replica`][trio_hedge.sources.Replica], [`HeaderNames`][trio_hedge.sources.HeaderNames],
+  [`OpenAIChatSource`][trio_hedge.sources.OpenAIChatSource]: OpenAI-compatible chat completions over
+  httpx (the `trio_hedge.sources.openai` package).
+- [`trio_hedge.sources.openai_sdk`][trio_hedge.sources.openai_sdk]: calls made through your own
+  ``openai.AsyncOpenAI`` clients.
 """
 
 from .._source import AttemptInfo, AttemptStream, Source

@@ -1,4 +1,5 @@
-"""Any async-iterator factory as a :class:`Source` (another SDK, a non-HTTP source)."""
+"""Any async-iterator factory as a [`Source`][trio_hedge.sources.Source] (another SDK, a non-HTTP
+source)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ Factory = Callable[[AttemptInfo], AsyncIterator[Item] | Awaitable[AsyncIterator[
 class _IteratorAttempt:
     __slots__ = ("_iterator",)
 
-    #: See :class:`~trio_hedge.sources.AttemptStream`: an iterator object is read from any task.
+    #: See [`AttemptStream`][trio_hedge.sources.AttemptStream]: an iterator object is read from
+    #: any task.
     task_bound = False
 
     def __init__(self, iterator: AsyncIterator[Item]) -> None:
@@ -55,9 +57,9 @@ class _GeneratorAttempt(_IteratorAttempt):
 
 class IteratorSource:
     """Races whatever ``factory(info)`` returns: an async iterator of ``str`` tokens or
-    :class:`~trio_hedge.events.Delta` events (or an awaitable of one). Exceptions it raises are
+    [`Delta`][trio_hedge.events.Delta] events (or an awaitable of one). Exceptions it raises are
     classified (``OSError`` → connection, ``TimeoutError`` → timeout, others fatal) unless
-    they are :class:`~trio_hedge.AttemptError` already; an exception group is classified by
+    they are [`AttemptError`][trio_hedge.AttemptError] already; an exception group is classified by
     its errors.
 
     An async generator is safe even when it keeps a cancel scope or nursery open across
@@ -93,6 +95,7 @@ class IteratorSource:
 
 
 def iterator_source(factory: Factory, *, name: str) -> IteratorSource:
-    """Wrap ``factory`` (called once per attempt with its :class:`~trio_hedge.sources.AttemptInfo`)
-    as a :class:`~trio_hedge.sources.Source` that `hedged_stream` can race."""
+    """Wrap ``factory`` (called once per attempt with its
+    [`AttemptInfo`][trio_hedge.sources.AttemptInfo]) as a [`Source`][trio_hedge.sources.Source] that
+    `hedged_stream` can race."""
     return IteratorSource(factory, name=name)

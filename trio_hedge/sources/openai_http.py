@@ -1,5 +1,6 @@
-"""Deprecated: the HTTP source is :mod:`trio_hedge.sources.openai` now, its SSL context
-:func:`trio_hedge.transport.shared_ssl_context` (removed in the next release)."""
+"""Deprecated: the HTTP source is `trio_hedge.sources.openai` now, its SSL context
+[`trio_hedge.transport.shared_ssl_context`][trio_hedge.transport.shared_ssl_context] (removed in the
+next release)."""
 
 from .._deprecated import moved_attributes, warn_moved_module
 

@@ -1,9 +1,10 @@
 """What a fake replica does with one request, and what it recorded about it.
 
-:class:`Behaviour` holds the knobs (all times in seconds). :func:`render_response` turns a
-request and a behaviour into a list of *steps* (wait, send headers, send one chunk, stall, cut);
-it is pure, so the loopback servers (:mod:`._server`) and the in-process mock (:mod:`._mock`)
-share one SSE generator and differ only in how they carry the steps out.
+[`Behaviour`][trio_hedge.testing.Behaviour] holds the knobs (all times in seconds).
+[`render_response`][trio_hedge.testing.render_response] turns a request and a behaviour into a list
+of *steps* (wait, send headers, send one chunk, stall, cut); it is pure, so the loopback servers
+(`._server`) and the in-process mock (`._mock`) share one SSE generator and differ only in how they
+carry the steps out.
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ class RequestRecord:
         json: the parsed JSON body, or ``None``.
         http_version: ``"1.1"``, ``"1.0"`` or ``"2"``.
         replica: the replica's name.
-        behaviour: the :class:`Behaviour` used (chat completions only).
+        behaviour: the [`Behaviour`][trio_hedge.testing.Behaviour] used (chat completions only).
         status: the status sent, ``None`` until the headers are sent.
         tokens_sent: content tokens sent.
         token_times: when each token-carrying chunk was sent.
@@ -368,7 +369,7 @@ class Chunk:
 @attrs.frozen
 class Stall:
     """Send nothing more, forever; if headers were sent and ``keepalive_interval`` is set,
-    send :data:`KEEPALIVE` every ``keepalive_interval`` seconds."""
+    send `KEEPALIVE` every ``keepalive_interval`` seconds."""
 
     keepalive_interval: float | None
 

@@ -96,21 +96,24 @@ class _MockBody(httpx.AsyncByteStream):
 
 
 class MockReplicas:
-    """In-process fake replicas, addressed by host name::
+    """In-process fake replicas, addressed by host name:
 
-        mock = MockReplicas({"primary": Behaviour(ttft=5), "backup": Behaviour(ttft=0.5)})
-        async with httpx.AsyncClient(transport=mock.transport) as client:
-            ... client.stream("POST", mock.url("primary") + "/chat/completions", ...)
-        mock.requests["primary"][0].disconnected_at
+    ```python
+    mock = MockReplicas({"primary": Behaviour(ttft=5), "backup": Behaviour(ttft=0.5)})
+    async with httpx.AsyncClient(transport=mock.transport) as client:
+        ... client.stream("POST", mock.url("primary") + "/chat/completions", ...)
+    mock.requests["primary"][0].disconnected_at
+    ```
 
-    Routes and answers are those of :class:`FakeReplica` (the same renderer). A replica's
-    ``disconnected_at`` is when the client closed the response (``aclose``) before its end,
-    or when the client was cancelled while waiting for the headers. A host that is not a
-    replica raises ``httpx.ConnectError``. All times are ``trio.current_time()`` seconds.
+    Routes and answers are those of [`FakeReplica`][trio_hedge.testing.FakeReplica] (the same
+    renderer). A replica's ``disconnected_at`` is when the client closed the response (``aclose``)
+    before its end, or when the client was cancelled while waiting for the headers. A host that is
+    not a replica raises ``httpx.ConnectError``. All times are ``trio.current_time()`` seconds.
 
     Args:
-        behaviours: replica name → :class:`Behaviour` or ``(RequestRecord) -> Behaviour``.
-            The URL host is ``<name>.test`` (a bare ``<name>`` works too).
+        behaviours: replica name → [`Behaviour`][trio_hedge.testing.Behaviour] or
+            ``(RequestRecord) -> Behaviour``. The URL host is ``<name>.test`` (a bare ``<name>``
+            works too).
         model: the model name listed by ``/v1/models``.
     """
 

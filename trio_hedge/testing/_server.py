@@ -53,7 +53,7 @@ class _ClientGone(Exception):
 
 
 class _Responder(Protocol):
-    """Carries steps to one protocol; methods raise :class:`_ClientGone`."""
+    """Carries steps to one protocol; methods raise `_ClientGone`."""
 
     async def head(self, status: int, headers: Sequence[tuple[str, str]]) -> None: ...
     async def chunk(self, data: bytes) -> None: ...
@@ -160,7 +160,7 @@ async def _send_whole(stream: trio.SocketStream, data: bytes) -> None:
     client's HPACK table out of step, and the client fails the whole connection at the next
     response's headers (failing case: ``tests/test_http2.py::
     test_the_fake_server_sends_a_reset_streams_headers_whole``). So it is shielded, and
-    bounded: a send still waiting after :data:`_SEND_LIMIT` closes the connection."""
+    bounded: a send still waiting after `_SEND_LIMIT` closes the connection."""
     with trio.CancelScope(shield=True, deadline=trio.current_time() + _SEND_LIMIT) as scope:
         await stream.send_all(data)
     if scope.cancelled_caught:
@@ -243,10 +243,12 @@ class _H2Responder:
 
 class FakeReplica:
     """A fake OpenAI-compatible replica on ``127.0.0.1`` (a free port), as an async context
-    manager::
+    manager:
 
-        async with FakeReplica(Behaviour(ttft=0.1), name="primary") as replica:
-            client.stream("POST", f"{replica.url}/chat/completions", json=...)
+    ```python
+    async with FakeReplica(Behaviour(ttft=0.1), name="primary") as replica:
+        client.stream("POST", f"{replica.url}/chat/completions", json=...)
+    ```
 
     It serves ``POST /v1/chat/completions`` (SSE stream, or one JSON answer when the body has
     ``"stream": false``), ``GET /health`` and ``GET /v1/models``. While it waits (``ttft``,
@@ -257,13 +259,15 @@ class FakeReplica:
     ``ExceptionGroup``; the server's own crashes come out as an ``ExceptionGroup``.
 
     Args:
-        behaviour: a :class:`Behaviour`, or a function ``(RequestRecord) -> Behaviour``
-            called for each chat request. Can be changed later via :attr:`behaviour`.
+        behaviour: a [`Behaviour`][trio_hedge.testing.Behaviour], or a function
+            ``(RequestRecord) -> Behaviour`` called for each chat request. Can be changed later via
+            `behaviour`.
         name: the replica's name (in records and completion ids).
         http2: also accept HTTP/2 with prior knowledge (h2c); needs the ``h2`` package.
         model: the model name listed by ``/v1/models`` (chat answers echo the request's).
         host: the address to listen on. Default ``"127.0.0.1"``.
-        port: the TCP port; default 0 (any free port: read :attr:`port`).
+        port: the TCP port; default 0 (any free port: read
+            [`port`][trio_hedge.testing.FakeReplica.port]).
     """
 
     def __init__(
@@ -573,10 +577,12 @@ async def fake_replicas(
     http2: bool = False,
     model: str = "fake-model",
 ) -> AsyncIterator[list[FakeReplica]]:
-    """Several :class:`FakeReplica` at once::
+    """Several [`FakeReplica`][trio_hedge.testing.FakeReplica] at once:
 
-        async with fake_replicas(Behaviour(ttft=5), Behaviour()) as [primary, backup]:
-            ...
+    ```python
+    async with fake_replicas(Behaviour(ttft=5), Behaviour()) as [primary, backup]:
+        ...
+    ```
 
     Names default to ``"replica0"``, ``"replica1"``, … The body's exception comes out
     unwrapped, as with one replica.

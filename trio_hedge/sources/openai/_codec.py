@@ -1,4 +1,4 @@
-"""OpenAI-compatible chat-completion streams: bytes in, :class:`~trio_hedge.events.Delta` s out.
+"""OpenAI-compatible chat-completion streams: bytes in, [`Delta`][trio_hedge.events.Delta]s out.
 
 What "OpenAI-compatible" means in practice (each rule stands for a kind of real-world server
 quirk; see ``/work/shared/sse-cases`` for reproductions):
@@ -14,16 +14,18 @@ quirk; see ``/work/shared/sse-cases`` for reproductions):
 * Content is ``delta.content`` (a string, or a list of parts of which only ``text`` parts are
   content and ``thinking``/``reasoning`` parts are reasoning); reasoning is
   ``reasoning_content`` (DeepSeek, vLLM) or ``reasoning`` (OpenRouter, vLLM, Ollama).
-* Tool calls stay fragments (:class:`ToolCallDelta`); :func:`merge_tool_calls` assembles them.
+* Tool calls stay fragments ([`ToolCallDelta`][trio_hedge.events.ToolCallDelta]);
+  [`merge_tool_calls`][trio_hedge.sources.openai.merge_tool_calls] assembles them.
 * Usage is taken wherever the server puts it: top level (also on a finish chunk or a
   ``choices: []`` chunk), inside the choice, or Groq's ``x_groq.usage``.
 * In-band errors -- ``{"error": {...}}``, ``{"error": "text"}``, ``{"object": "error", ...}``
   (vLLM), ``{"type": "error", ...}`` (Anthropic), a list holding one of those (Gemini), or an
-  ``event: error`` frame -- raise an :class:`AttemptError` classified like an HTTP error.
+  ``event: error`` frame -- raise an [`AttemptError`][trio_hedge.AttemptError] classified like an
+  HTTP error.
 
-JSON is parsed with orjson when importable, else :mod:`json`; orjson failures fall back to
-:mod:`json`, so both give the same results (the one value-level difference, integers beyond
-64 bits, cannot change a Delta: see :func:`_index`).
+JSON is parsed with orjson when importable, else `json`; orjson failures fall back to
+`json`, so both give the same results (the one value-level difference, integers beyond
+64 bits, cannot change a Delta: see `_index`).
 """
 
 from __future__ import annotations
@@ -177,9 +179,9 @@ def decode_json_body(
 ) -> list[Delta]:
     """Decode a whole ``application/json`` answer to a streaming request.
 
-    An error object raises its classified :class:`AttemptError`; a ``chat.completion``
-    (the server ignored ``stream: true``) becomes one Delta with its content, reasoning,
-    tool calls, finish reason and usage. Tolerated: a body that is really an event stream
+    An error object raises its classified [`AttemptError`][trio_hedge.AttemptError]; a
+    ``chat.completion`` (the server ignored ``stream: true``) becomes one Delta with its content,
+    reasoning, tool calls, finish reason and usage. Tolerated: a body that is really an event stream
     (decoded as one), and ``data: [DONE]`` appended after the JSON.
 
     Raises:
@@ -229,7 +231,8 @@ class ChunkDecoder:
     """Per-response decoder of an OpenAI-compatible chat-completion event stream.
 
     Args:
-        max_event_size: bound on one SSE event (see :class:`~trio_hedge.sources.openai.SSEDecoder`).
+        max_event_size: bound on one SSE event (see
+            [`SSEDecoder`][trio_hedge.sources.openai.SSEDecoder]).
         redact: masks secrets the server quoted back in an error event (default: none).
 
     Attributes:
@@ -237,13 +240,15 @@ class ChunkDecoder:
         data_events: data events seen so far: events whose data is non-empty after stripping
             (``[DONE]`` and error events count; comments, ``id:``/``retry:``-only blocks and
             empty ``data:`` keep-alives do not). A body that is one JSON document counts 1.
-        error: the :class:`AttemptError` this decoder raised or will raise next, or ``None``.
+        error: the [`AttemptError`][trio_hedge.AttemptError] this decoder raised or will raise next,
+            or ``None``.
         finish_reason: the last non-empty finish reason seen, or ``None``.
         usage: the last usage object seen, or ``None``.
 
     A body that starts with ``{`` or ``[`` is not an event stream (a JSON answer under an
-    event-stream content type): it is buffered and decoded by :func:`decode_json_body` at
-    :meth:`end`.
+    event-stream content type): it is buffered and decoded by
+    [`decode_json_body`][trio_hedge.sources.openai.decode_json_body] at
+    [`end`][trio_hedge.sources.openai.ChunkDecoder.end].
     """
 
     __slots__ = (
@@ -275,8 +280,9 @@ class ChunkDecoder:
         """Decode the next bytes of the body; return the Deltas of the events they complete.
 
         When an error event follows Deltas in the same read, those Deltas are returned and
-        the error is raised by the next :meth:`feed` or :meth:`end` (it is also in
-        :attr:`error` at once): the text before an in-band error is never lost.
+        the error is raised by the next [`feed`][trio_hedge.sources.openai.ChunkDecoder.feed] or
+        [`end`][trio_hedge.sources.openai.ChunkDecoder.end] (it is also in `error` at once): the
+        text before an in-band error is never lost.
 
         Raises:
             AttemptError: an in-band error event (classified), or ``PROTOCOL`` (bad SSE, an

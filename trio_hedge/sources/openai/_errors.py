@@ -1,11 +1,11 @@
 """What an OpenAI-compatible server's error means for the race: HTTP status, in-band error
-objects and ``Retry-After``, classified as an :class:`~trio_hedge.errors.AttemptError` of
-some :class:`~trio_hedge.errors.ErrorKind` (retryable or not, the replica's fault or the
+objects and ``Retry-After``, classified as an [`AttemptError`][trio_hedge.AttemptError] of
+some [`ErrorKind`][trio_hedge.errors.ErrorKind] (retryable or not, the replica's fault or the
 request's); and transport errors (httpx, httpcore, h2) classified the same way, so the race
 engine never sees an HTTP library's exception.
 
-Server messages are masked (:class:`trio_hedge._redact.Redactor`) before they are cut to
-:data:`MAX_MESSAGE_CHARS`, so no part of a key they echo survives.
+Server messages are masked (`trio_hedge._redact.Redactor`) before they are cut to
+`MAX_MESSAGE_CHARS`, so no part of a key they echo survives.
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ _JSON_MESSAGE = re.compile(r'"(?:message|detail)"\s*:\s*"((?:[^"\\]|\\.)*)')
 _JSON_LABEL = re.compile(r'"(?:type|code|status|error_type)"\s*:\s*"([A-Za-z_]+)"')
 
 
-#: Masks secrets in server text (see :class:`trio_hedge._redact.Redactor`); applied to a
-#: whole message *before* it is cut to :data:`MAX_MESSAGE_CHARS`, so no prefix of a secret
+#: Masks secrets in server text (see `trio_hedge._redact.Redactor`); applied to a
+#: whole message *before* it is cut to `MAX_MESSAGE_CHARS`, so no prefix of a secret
 #: that straddles the cut survives.
 Redact = Callable[[str], str]
 
@@ -284,7 +284,7 @@ def classify_http_error(
     now: float | None = None,
     redact: Redact = _no_redact,
 ) -> AttemptError:
-    """Turn a non-2xx HTTP answer into an :class:`AttemptError`.
+    """Turn a non-2xx HTTP answer into an [`AttemptError`][trio_hedge.AttemptError].
 
     Args:
         status: the HTTP status code.
@@ -293,7 +293,7 @@ def classify_http_error(
             credential reaches the message.
         body: the start of the response body (the caller bounds it to a few KiB).
         now: POSIX time for an HTTP-date ``Retry-After`` (default: see
-            :func:`parse_retry_after`).
+            [`parse_retry_after`][trio_hedge.sources.openai.parse_retry_after]).
         redact: masks secrets the server quoted back; applied to the whole message before
             it is cut to 300 characters.
 
@@ -405,7 +405,7 @@ def _http_date(value: str) -> float | None:
 
 
 def send_error(exc: Exception, request: httpx.Request, redact: Redact) -> AttemptError:
-    """The :class:`AttemptError` for an exception out of ``client.send``."""
+    """The [`AttemptError`][trio_hedge.AttemptError] for an exception out of ``client.send``."""
     if isinstance(exc, httpx.TimeoutException):
         return transport_error(ErrorKind.TIMEOUT, exc, redact)
     if isinstance(exc, httpx.ConnectError):

@@ -1,6 +1,6 @@
 """The JSON parser the OpenAI source's codec and error classifier share: orjson when
 importable (about twice as fast; the hot path parses one JSON object per token), else
-:mod:`json`, with the same results either way."""
+`json`, with the same results either way."""
 
 from __future__ import annotations
 

@@ -31,10 +31,10 @@ Choices this module makes where the standard leaves room or where we deviate on 
   Decoding is per complete line over the raw bytes: CR and LF never occur inside a UTF-8
   multi-byte sequence, so a read boundary inside a character changes nothing.
 * **End of stream flushes**: the standard discards an event not yet ended by a blank line. We
-  dispatch it from :meth:`SSEDecoder.end` (an unterminated last line counts as a line) because
-  real servers end with ``data: [DONE]`` and no blank line; the caller decides what an
-  incomplete last event means (the chunk codec treats one that does not parse as a
-  truncated stream).
+  dispatch it from [`SSEDecoder.end`][trio_hedge.sources.openai.SSEDecoder.end] (an unterminated
+  last line counts as a line) because real servers end with ``data: [DONE]`` and no blank line; the
+  caller decides what an incomplete last event means (the chunk codec treats one that does not parse
+  as a truncated stream).
 * **Bounded memory**: an event's data plus an unfinished line may not exceed
   ``max_event_size`` (counted in characters of complete lines plus bytes of the unfinished
   one, so never more than ~4x that many bytes of memory); beyond it the decoder raises
@@ -55,8 +55,10 @@ Why not httpx-sse (0.4.3), which the issue asked to consider first: fed through 
 * No size limit: a line without a terminator is buffered without bound.
 
 It is also slower (CPU per event, Python 3.11, 216-byte chunk events, best of 5): one event
-per read 1.36 µs vs 0.61 µs for :meth:`SSEDecoder.feed_raw` (1.21 µs for :meth:`feed`, which
-builds ``SSEEvent`` objects); 250 events per read 0.81 µs vs 0.36 µs.
+per read 1.36 µs vs 0.61 µs for
+[`SSEDecoder.feed_raw`][trio_hedge.sources.openai.SSEDecoder.feed_raw] (1.21 µs for
+[`feed`][trio_hedge.sources.openai.SSEDecoder.feed], which builds ``SSEEvent`` objects); 250 events
+per read 0.81 µs vs 0.36 µs.
 """
 
 from __future__ import annotations
@@ -108,9 +110,9 @@ class SSEDecoder:
             bytes, see the module docstring); exceeding it raises
             ``AttemptError(ErrorKind.PROTOCOL)``.
 
-    After it raised an :class:`AttemptError` the decoder is broken: later calls raise again.
-    When invalid UTF-8 follows complete events in one read, those events are returned and
-    the error is kept in :attr:`pending_error` and raised by the next call.
+    After it raised an [`AttemptError`][trio_hedge.AttemptError] the decoder is broken: later calls
+    raise again. When invalid UTF-8 follows complete events in one read, those events are returned
+    and the error is kept in `pending_error` and raised by the next call.
     """
 
     __slots__ = (
@@ -166,8 +168,9 @@ class SSEDecoder:
     # -- hot path -------------------------------------------------------------------------
 
     def feed_raw(self, data: bytes) -> list[RawEvent]:
-        """Like :meth:`feed`, returning ``(event, data, id, retry)`` tuples (no objects: this
-        is the per-token hot path of :class:`~trio_hedge.sources.openai.ChunkDecoder`)."""
+        """Like [`feed`][trio_hedge.sources.openai.SSEDecoder.feed], returning
+        ``(event, data, id, retry)`` tuples (no objects: this is the per-token hot path of
+        [`ChunkDecoder`][trio_hedge.sources.openai.ChunkDecoder])."""
         if self.pending_error is not None:
             raise self.pending_error
         if self._cr or self._start or self._buf:
@@ -220,7 +223,7 @@ class SSEDecoder:
         return self._lines(text.split("\n"))
 
     def end_raw(self) -> list[RawEvent]:
-        """Like :meth:`end`, returning raw tuples."""
+        """Like [`end`][trio_hedge.sources.openai.SSEDecoder.end], returning raw tuples."""
         if self.pending_error is not None:
             raise self.pending_error
         out: list[RawEvent] = []
