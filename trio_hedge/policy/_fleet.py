@@ -25,7 +25,7 @@ import trio
 from .._hooks import emit
 from .._source import Source
 from ..events import EventHook, EventKind, HedgeEvent
-from ..sources.openai import Replica
+from ..sources._bindable import BindableReplica
 from ._budget import BudgetState, ThrottleState
 from ._config import HedgerConfig
 from ._delay import DelayModel, LearnedDelay, empirical_quantile
@@ -83,7 +83,8 @@ class FleetState:
 
     Args:
         config: the Hedger's :class:`HedgerConfig`.
-        replicas: where attempts go (:class:`~trio_hedge.Replica` or any
+        replicas: where attempts go (replicas bound to each request --
+            :class:`~trio_hedge.Replica`, ``SDKReplica`` -- or any
             :class:`~trio_hedge.sources.Source`), names unique (checked by the caller).
         on_event: the hooks events go to; the list is shared, not copied.
     """
@@ -91,7 +92,7 @@ class FleetState:
     def __init__(
         self,
         config: HedgerConfig,
-        replicas: Sequence[Replica | Source],
+        replicas: Sequence[BindableReplica | Source],
         on_event: list[EventHook],
     ) -> None:
         self.config = config
