@@ -25,28 +25,36 @@ from .sources.iterator import IteratorSource
 from .sources.openai._http import HeaderNames, OpenAIChatSource, Replica
 from .transport import make_client
 
-__all__ = ["check_replicas", "check_request", "hedged_stream", "request_checks"]
+__all__ = ["check_replicas", "check_request", "hedged_stream"]
 
 
 _DEFAULT_POLICY = HedgePolicy()
-_KNOWN_SOURCES = frozenset({Replica, IteratorSource, OpenAIChatSource})
+_KNOWN_SOURCES = frozenset({IteratorSource, OpenAIChatSource})
 
 
-def check_replicas(replicas: object) -> None:
+def check_replicas(replicas: object) -> tuple[Callable[[object], None], ...]:
     """Raise ``TypeError``/``ValueError`` unless ``replicas`` is a non-empty sequence of
     replicas bound to each request (:class:`~trio_hedge.Replica`,
     :class:`~trio_hedge.sources.openai_sdk.SDKReplica`) or :class:`~trio_hedge.sources.Source`
-    objects (checked before any client is created, so a bad list leaks nothing)."""
+    objects (checked before any client is created, so a bad list leaks nothing).
+
+    Returns the request checks of the kinds of bound replica among them, one per kind
+    (empty: every replica is a request-independent source)."""
     if isinstance(replicas, (str, bytes)) or not isinstance(replicas, Sequence):
         raise TypeError("replicas must be a sequence of Replica, SDKReplica or Source objects")
     if not replicas:
         raise ValueError("replicas must not be empty")
     names: set[str] = set()
+    checks: dict[type, Callable[[object], None]] = {}
     for r in replicas:
+        cls = type(r)
+        if is_bindable(r):
+            if cls not in checks:
+                checks[cls] = cast(BindableReplica, r).check_request
         # The runtime Protocol check costs microseconds: known classes skip it.
-        if type(r) not in _KNOWN_SOURCES and not (is_bindable(r) or isinstance(r, Source)):
+        elif cls not in _KNOWN_SOURCES and not isinstance(r, Source):
             raise TypeError(
-                f"replicas must be Replica, SDKReplica or Source objects, not {type(r).__name__}"
+                f"replicas must be Replica, SDKReplica or Source objects, not {cls.__name__}"
             )
         if r.name in names:
             # Reports, events and the Hedger's health are per replica name: two with one name
@@ -56,26 +64,15 @@ def check_replicas(replicas: object) -> None:
                 "(give each Replica its own name=)"
             )
         names.add(r.name)
-
-
-def request_checks(replicas: Sequence[object]) -> tuple[Callable[[object], None], ...]:
-    """The request checks of the kinds of bindable replica in ``replicas``, one per kind
-    (empty: every replica is a request-independent source)."""
-    kinds: dict[type, Callable[[object], None]] = {}
-    for r in replicas:
-        if is_bindable(r) and type(r) not in kinds:
-            kinds[type(r)] = cast(BindableReplica, r).check_request
-    return tuple(kinds.values())
+    return tuple(checks.values())
 
 
 def check_request(
     request: object, checks: tuple[Callable[[object], None], ...]
-) -> Mapping[str, Any] | None:
-    """``request``, checked by every kind of bindable replica (``None`` is for sources
-    only). Mixing kinds needs a request every kind accepts: a chat-completions body whose
-    fields are also ``create()`` arguments."""
-    if not checks:
-        return request  # type: ignore[return-value]  # the sources' business, not ours
+) -> Mapping[str, Any]:
+    """``request``, checked by ``checks`` (from :func:`check_replicas`: one per kind of
+    replica bound to requests). Mixing kinds needs a request every kind accepts: a
+    chat-completions body whose fields are also ``create()`` arguments."""
     if request is None:
         raise TypeError(
             "request must be the chat-completions request (a JSON body for Replica, "
@@ -135,11 +132,14 @@ def hedged_stream(
     policy = _DEFAULT_POLICY if policy is None else policy
     if not isinstance(policy, HedgePolicy):
         raise TypeError(f"policy must be a HedgePolicy, not {type(policy).__name__}")
-    check_replicas(replicas)
+    checks = check_replicas(replicas)
     check_request_id(request_id)
     if headers is not None and not isinstance(headers, HeaderNames):
         raise TypeError(f"headers must be HeaderNames or None, not {type(headers).__name__}")
-    request = check_request(request, request_checks(replicas))
+    if not checks:  # every replica is a source already
+        sources = cast("list[Source]", list(replicas))
+        return HedgedStream(StaticPlanner(sources, policy), policy, request_id=request_id)
+    checked = check_request(request, checks)
     bindable = [cast(BindableReplica, r) if is_bindable(r) else None for r in replicas]
     needs_http = any(b is not None and b.needs_http_client for b in bindable)
     if needs_http and client is not None and not isinstance(client, httpx.AsyncClient):
@@ -147,14 +147,13 @@ def hedged_stream(
     owned = None
     if needs_http and client is None:
         owned = client = make_client()
-    sources: list[Source] = []
+    sources = []
     for r, b in zip(replicas, bindable, strict=True):
         if b is None:
             sources.append(cast(Source, r))
         else:
-            assert request is not None  # checked above
             http = client if b.needs_http_client else None
-            sources.append(b.bind(request, http, headers=headers))
+            sources.append(b.bind(checked, http, headers=headers))
     return HedgedStream(
         StaticPlanner(sources, policy), policy, request_id=request_id, owned_client=owned
     )

@@ -45,7 +45,7 @@ from typing import Any
 import httpx
 import trio
 
-from ._oneshot import check_replicas, check_request, request_checks
+from ._oneshot import check_replicas, check_request
 from ._source import Source
 from ._stream import HedgedStream
 from ._validate import (
@@ -112,7 +112,7 @@ class Hedger:
         config = HedgerConfig() if config is None else config
         if not isinstance(config, HedgerConfig):
             raise TypeError(f"config must be a HedgerConfig, not {type(config).__name__}")
-        check_replicas(replicas)  # also refuses duplicate names
+        request_checks = check_replicas(replicas)  # also refuses duplicate names
         if client is not None and not isinstance(client, httpx.AsyncClient):
             raise TypeError(f"client must be an httpx.AsyncClient, not {type(client).__name__}")
         if headers is not None and not isinstance(headers, HeaderNames):
@@ -122,7 +122,7 @@ class Hedger:
         self._fleet = FleetState(config, replicas, list(on_event))
         # The checks each request must pass (one per kind of replica bound to requests),
         # and the replicas bound to requests (by id: the planner hands the object back).
-        self._request_checks = request_checks(replicas)
+        self._request_checks = request_checks
         self._bindable = frozenset(id(r) for r in replicas if is_bindable(r))
         self._client = client
         self._owned_client: httpx.AsyncClient | None = None
