@@ -177,6 +177,7 @@ NOT_YET_CONVERTED = {
     "trio_hedge/policy/_planner.py",
     "trio_hedge/sources/openai_sdk.py",
     "trio_hedge/sources/openai/_http.py",
+    "trio_hedge/sources/_bindable.py",
 }
 
 

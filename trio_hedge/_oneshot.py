@@ -1,48 +1,61 @@
 """`hedged_stream()`: one request over a fixed plan (no state shared between requests).
 
-It checks its arguments (before any I/O), binds each :class:`~trio_hedge.Replica` to the
-request over an ``httpx.AsyncClient`` (its own, closed when the stream closes, unless one is
-given), and hands a :class:`~trio_hedge.policy.StaticPlanner` to a
+It checks its arguments (before any I/O), binds each replica that needs the request -- a
+:class:`~trio_hedge.Replica` over an ``httpx.AsyncClient`` (its own, closed when the stream
+closes, unless one is given), an :class:`~trio_hedge.sources.openai_sdk.SDKReplica` over its
+own ``AsyncOpenAI`` client -- to it, and hands a :class:`~trio_hedge.policy.StaticPlanner` to a
 :class:`~trio_hedge.HedgedStream`. The long-lived :class:`~trio_hedge.Hedger` does the same
 with a learning planner.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
 
 import httpx
 
 from ._source import Source
 from ._stream import HedgedStream
-from ._validate import check_json_body, check_request_id
+from ._validate import check_request_id
 from .policy._config import HedgePolicy
 from .policy._static import StaticPlanner
+from .sources._bindable import BindableReplica, is_bindable
 from .sources.iterator import IteratorSource
 from .sources.openai._http import HeaderNames, OpenAIChatSource, Replica
 from .transport import make_client
 
-__all__ = ["check_replicas", "hedged_stream"]
+__all__ = ["check_replicas", "check_request", "hedged_stream"]
 
 
 _DEFAULT_POLICY = HedgePolicy()
-_KNOWN_SOURCES = frozenset({Replica, IteratorSource, OpenAIChatSource})
+_KNOWN_SOURCES = frozenset({IteratorSource, OpenAIChatSource})
 
 
-def check_replicas(replicas: object) -> None:
+def check_replicas(replicas: object) -> tuple[Callable[[object], None], ...]:
     """Raise ``TypeError``/``ValueError`` unless ``replicas`` is a non-empty sequence of
-    :class:`~trio_hedge.Replica` or :class:`~trio_hedge.sources.Source` objects (checked before any
-    client is created, so a bad list leaks nothing)."""
+    replicas bound to each request (:class:`~trio_hedge.Replica`,
+    :class:`~trio_hedge.sources.openai_sdk.SDKReplica`) or :class:`~trio_hedge.sources.Source`
+    objects (checked before any client is created, so a bad list leaks nothing).
+
+    Returns the request checks of the kinds of bound replica among them, one per kind
+    (empty: every replica is a request-independent source)."""
     if isinstance(replicas, (str, bytes)) or not isinstance(replicas, Sequence):
-        raise TypeError("replicas must be a sequence of Replica or Source objects")
+        raise TypeError("replicas must be a sequence of Replica, SDKReplica or Source objects")
     if not replicas:
         raise ValueError("replicas must not be empty")
     names: set[str] = set()
+    checks: dict[type, Callable[[object], None]] = {}
     for r in replicas:
+        cls = type(r)
+        if is_bindable(r):
+            if cls not in checks:
+                checks[cls] = cast(BindableReplica, r).check_request
         # The runtime Protocol check costs microseconds: known classes skip it.
-        if type(r) not in _KNOWN_SOURCES and not isinstance(r, (Replica, Source)):
-            raise TypeError(f"replicas must be Replica or Source objects, not {type(r).__name__}")
+        elif cls not in _KNOWN_SOURCES and not isinstance(r, Source):
+            raise TypeError(
+                f"replicas must be Replica, SDKReplica or Source objects, not {cls.__name__}"
+            )
         if r.name in names:
             # Reports, events and the Hedger's health are per replica name: two with one name
             # (the same URL twice, say) could not be told apart.
@@ -51,11 +64,29 @@ def check_replicas(replicas: object) -> None:
                 "(give each Replica its own name=)"
             )
         names.add(r.name)
+    return tuple(checks.values())
+
+
+def check_request(
+    request: object, checks: tuple[Callable[[object], None], ...]
+) -> Mapping[str, Any]:
+    """``request``, checked by ``checks`` (from :func:`check_replicas`: one per kind of
+    replica bound to requests). Mixing kinds needs a request every kind accepts: a
+    chat-completions body whose fields are also ``create()`` arguments."""
+    if request is None:
+        raise TypeError(
+            "request must be the chat-completions request (a JSON body for Replica, "
+            "create() keyword arguments for SDKReplica), not None"
+        )
+    for check in checks:
+        check(request)
+    assert isinstance(request, Mapping)
+    return request
 
 
 def hedged_stream(
     request: Mapping[str, Any] | None,
-    replicas: Sequence[Replica | Source],
+    replicas: Sequence[Replica | BindableReplica | Source],
     policy: HedgePolicy | None = None,
     *,
     client: httpx.AsyncClient | None = None,
@@ -65,16 +96,22 @@ def hedged_stream(
     """Open a first-token hedged stream.
 
     Args:
-        request: the OpenAI chat-completions JSON body (``model``, ``messages``, …);
-            ``"stream": true`` is set for you. May be ``None`` when every replica is a
-            generic :class:`~trio_hedge.sources.Source`.
-        replicas: where attempts go, in order: :class:`~trio_hedge.Replica` endpoints and/or
-            any :class:`~trio_hedge.sources.Source` (e.g. :func:`~trio_hedge.iterator_source`).
+        request: the chat-completions request: the JSON body (``model``, ``messages``, …)
+            for :class:`~trio_hedge.Replica` s, ``chat.completions.create()``'s keyword
+            arguments for :class:`~trio_hedge.sources.openai_sdk.SDKReplica` s (both kinds
+            at once: a body whose fields are also ``create()`` arguments); ``stream=True`` is
+            set for you. May be ``None`` when every replica is a generic
+            :class:`~trio_hedge.sources.Source`.
+        replicas: where attempts go, in order: :class:`~trio_hedge.Replica` endpoints,
+            :class:`~trio_hedge.sources.openai_sdk.SDKReplica` s (your ``AsyncOpenAI``
+            clients) and/or any :class:`~trio_hedge.sources.Source` (e.g.
+            :func:`~trio_hedge.iterator_source`).
         policy: a :class:`~trio_hedge.HedgePolicy`; default ``HedgePolicy()`` (hedge after
             1.0 s, one attempt per replica).
-        client: an ``httpx.AsyncClient`` used as given (pool, proxies, TLS). Without one, the
-            stream creates its own and closes it on exit (share one client when you make many
-            requests).
+        client: an ``httpx.AsyncClient`` for the :class:`~trio_hedge.Replica` s, used as given
+            (pool, proxies, TLS). Without one, the stream creates its own (only if some
+            replica is a ``Replica``) and closes it on exit (share one client when you make
+            many requests).
         request_id: the id sent on every attempt; default a fresh UUID4 (servers that
             validate ``X-Request-ID`` as a UUID accept it).
         headers: which headers carry the request id and attempt number
@@ -87,33 +124,36 @@ def hedged_stream(
     Raises:
         TypeError, ValueError: bad arguments (raised here, before any I/O): among them a
             ``request`` that does not encode to strict JSON (``NaN``, ``Infinity``,
-            ``bytes``…) and a ``request_id`` an HTTP header cannot carry. Messages name the
+            ``bytes``…) for a ``Replica``, one ``create()`` cannot stream for an
+            ``SDKReplica`` (see :meth:`~trio_hedge.sources.openai_sdk.SDKReplica.check_request`),
+            and a ``request_id`` an HTTP header cannot carry. Messages name the
             field, never the value.
     """
     policy = _DEFAULT_POLICY if policy is None else policy
     if not isinstance(policy, HedgePolicy):
         raise TypeError(f"policy must be a HedgePolicy, not {type(policy).__name__}")
-    check_replicas(replicas)
+    checks = check_replicas(replicas)
     check_request_id(request_id)
     if headers is not None and not isinstance(headers, HeaderNames):
         raise TypeError(f"headers must be HeaderNames or None, not {type(headers).__name__}")
-    needs_http = any(isinstance(r, Replica) for r in replicas)
-    if needs_http:
-        if request is None or not isinstance(request, Mapping):
-            raise TypeError("request must be the chat-completions JSON body (a mapping)")
-        check_json_body(request, "request")
-        if client is not None and not isinstance(client, httpx.AsyncClient):
-            raise TypeError(f"client must be an httpx.AsyncClient, not {type(client).__name__}")
+    if not checks:  # every replica is a source already
+        sources = cast("list[Source]", list(replicas))
+        return HedgedStream(StaticPlanner(sources, policy), policy, request_id=request_id)
+    checked = check_request(request, checks)
+    bindable = [cast(BindableReplica, r) if is_bindable(r) else None for r in replicas]
+    needs_http = any(b is not None and b.needs_http_client for b in bindable)
+    if needs_http and client is not None and not isinstance(client, httpx.AsyncClient):
+        raise TypeError(f"client must be an httpx.AsyncClient, not {type(client).__name__}")
     owned = None
     if needs_http and client is None:
         owned = client = make_client()
-    sources: list[Source] = []
-    for r in replicas:
-        if isinstance(r, Replica):
-            assert client is not None and request is not None
-            sources.append(r.bind(request, client, headers=headers))
+    sources = []
+    for r, b in zip(replicas, bindable, strict=True):
+        if b is None:
+            sources.append(cast(Source, r))
         else:
-            sources.append(r)
+            http = client if b.needs_http_client else None
+            sources.append(b.bind(checked, http, headers=headers))
     return HedgedStream(
         StaticPlanner(sources, policy), policy, request_id=request_id, owned_client=owned
     )

@@ -53,6 +53,7 @@ from .hedger import Hedger
 from .policy._config import HedgePolicy, HedgerConfig
 from .policy._stats import HedgerStatistics
 from .report import Report
+from .sources._bindable import BindableReplica
 from .sources.openai._http import HeaderNames, Replica
 
 __all__ = ["AioHedgedStream", "AioHedger", "aio_hedged_stream"]
@@ -257,7 +258,7 @@ class AioHedgedStream:
 
 def aio_hedged_stream(
     request: Mapping[str, Any] | None,
-    replicas: Sequence[Replica | Source],
+    replicas: Sequence[Replica | BindableReplica | Source],
     policy: HedgePolicy | None = None,
     *,
     buffer: int = DEFAULT_BUFFER,
@@ -289,7 +290,7 @@ class AioHedger:
 
     def __init__(
         self,
-        replicas: Sequence[Replica | Source],
+        replicas: Sequence[Replica | BindableReplica | Source],
         config: HedgerConfig | None = None,
         *,
         client: httpx.AsyncClient | None = None,

@@ -45,12 +45,11 @@ from typing import Any
 import httpx
 import trio
 
-from ._oneshot import check_replicas
+from ._oneshot import check_replicas, check_request
 from ._source import Source
 from ._stream import HedgedStream
 from ._validate import (
     check_header_value,
-    check_json_body,
     check_request_headers,
     check_request_hedge_after,
     check_request_id,
@@ -61,6 +60,7 @@ from .policy._fleet import FleetState
 from .policy._planner import RequestPlanner
 from .policy._sizing import estimate_prompt_tokens
 from .policy._stats import HedgerStatistics
+from .sources._bindable import BindableReplica, is_bindable
 from .sources.openai._http import HeaderNames, Replica
 from .transport import make_client
 
@@ -79,13 +79,17 @@ class Hedger:
     yourself) and open each request with :meth:`stream`.
 
     Args:
-        replicas: where attempts go: :class:`~trio_hedge.Replica` endpoints and/or any
-            :class:`~trio_hedge.sources.Source`; names must be unique. Their order is the tie-break
-            (and the preference with ``pick="in_order"``).
+        replicas: where attempts go: :class:`~trio_hedge.Replica` endpoints,
+            :class:`~trio_hedge.sources.openai_sdk.SDKReplica` s (your ``AsyncOpenAI``
+            clients), both bound to each request, and/or any request-independent
+            :class:`~trio_hedge.sources.Source`; names must be unique. Their order is the
+            tie-break (and the preference with ``pick="in_order"``).
         config: a :class:`HedgerConfig`; default ``HedgerConfig()``.
-        client: an ``httpx.AsyncClient`` for the HTTP replicas, used as given and never
-            closed by the Hedger. Without one, the Hedger creates one on first use (one
-            pool and SSL context for all requests) and closes it in :meth:`aclose`.
+        client: an ``httpx.AsyncClient`` for the :class:`~trio_hedge.Replica` s, used as given
+            and never closed by the Hedger. Without one, the Hedger creates one when a
+            ``Replica`` is first used (never when there is none: an ``SDKReplica`` uses its
+            own client), one pool and SSL context for all requests, and closes it in
+            :meth:`aclose`.
         headers: which headers carry the request id and attempt number
             (:class:`~trio_hedge.sources.HeaderNames`).
         on_event: callbacks receiving a :class:`~trio_hedge.events.HedgeEvent` for every attempt
@@ -98,7 +102,7 @@ class Hedger:
 
     def __init__(
         self,
-        replicas: Sequence[Replica | Source],
+        replicas: Sequence[Replica | BindableReplica | Source],
         config: HedgerConfig | None = None,
         *,
         client: httpx.AsyncClient | None = None,
@@ -108,7 +112,7 @@ class Hedger:
         config = HedgerConfig() if config is None else config
         if not isinstance(config, HedgerConfig):
             raise TypeError(f"config must be a HedgerConfig, not {type(config).__name__}")
-        check_replicas(replicas)  # also refuses duplicate names
+        request_checks = check_replicas(replicas)  # also refuses duplicate names
         if client is not None and not isinstance(client, httpx.AsyncClient):
             raise TypeError(f"client must be an httpx.AsyncClient, not {type(client).__name__}")
         if headers is not None and not isinstance(headers, HeaderNames):
@@ -116,7 +120,10 @@ class Hedger:
         self._config = config
         self._policy = config.stream_policy()
         self._fleet = FleetState(config, replicas, list(on_event))
-        self._needs_http = any(isinstance(r, Replica) for r in replicas)
+        # The checks each request must pass (one per kind of replica bound to requests),
+        # and the replicas bound to requests (by id: the planner hands the object back).
+        self._request_checks = request_checks
+        self._bindable = frozenset(id(r) for r in replicas if is_bindable(r))
         self._client = client
         self._owned_client: httpx.AsyncClient | None = None
         self._headers = headers
@@ -189,8 +196,12 @@ class Hedger:
         """Open one hedged request: ``async with hedger.stream(body) as s: async for t in s``.
 
         Args:
-            request: the chat-completions JSON body (``model``, ``messages``, …); may be
-                ``None`` when every replica is a generic :class:`~trio_hedge.sources.Source`.
+            request: the chat-completions request: the JSON body (``model``, ``messages``,
+                …) for :class:`~trio_hedge.Replica` s, ``chat.completions.create()``'s keyword
+                arguments for :class:`~trio_hedge.sources.openai_sdk.SDKReplica` s (both
+                kinds in one Hedger: a body whose fields are also ``create()`` arguments);
+                may be ``None`` when every replica is a generic
+                :class:`~trio_hedge.sources.Source`.
             hedge: ``False`` never sends a backup on time for this request (a failed attempt
                 still fails over). Default ``True``.
             side_effects: the request does something besides generating text (a tool that
@@ -210,8 +221,10 @@ class Hedger:
                 throttle still apply. Default ``None`` (the Hedger's delay). A gateway
                 bounds what its clients may ask for (``X-Hedge-After``).
             headers: extra HTTP headers sent on every attempt of this request to
-                :class:`~trio_hedge.Replica` endpoints, over the replica's own ``headers``
-                (a replica's ``api_key`` still wins over an ``Authorization`` given here).
+                :class:`~trio_hedge.Replica` endpoints, over the replica's own ``headers``,
+                and to :class:`~trio_hedge.sources.openai_sdk.SDKReplica` s, over the
+                request's own ``extra_headers`` (a replica's key still wins over an
+                ``Authorization`` given here).
                 Values are never shown in reprs or reports. Default none.
 
         Returns:
@@ -225,12 +238,11 @@ class Hedger:
         """
         if self._closed:
             raise RuntimeError("this Hedger was closed")
-        if request is not None and not isinstance(request, Mapping):
-            raise TypeError("request must be the chat-completions JSON body (a mapping) or None")
-        if request is None and self._needs_http:
-            raise TypeError("request must be the chat-completions JSON body for HTTP replicas")
-        if request is not None and self._needs_http:
-            check_json_body(request, "request")  # replicas bind lazily: check the body now
+        if self._request_checks:
+            # Replicas bind lazily, inside the race: check the request for each kind now.
+            request = check_request(request, self._request_checks)
+        elif request is not None and not isinstance(request, Mapping):
+            raise TypeError("request must be a mapping or None")
         for name, flag in (("hedge", hedge), ("side_effects", side_effects)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, not {flag!r}")
@@ -262,14 +274,15 @@ class Hedger:
         )
         request_id = request_id or str(uuid.uuid4())
 
-        def bind(target: Replica | Source) -> Source:
-            """This request's source for a replica: an HTTP replica bound to the request."""
-            if not isinstance(target, Replica):
-                return target
-            assert request is not None
-            return target.bind(
-                request, self._http_client(), headers=self._headers, extra_headers=extra_headers
-            )
+        def bind(target: BindableReplica | Source) -> Source:
+            """This request's source for a replica: a replica bound to the request (over the
+            Hedger's HTTP client, if it needs one), or the request-independent source."""
+            if id(target) not in self._bindable:
+                return target  # type: ignore[return-value]
+            assert request is not None  # checked above
+            replica: BindableReplica = target  # type: ignore[assignment]
+            client = self._http_client() if replica.needs_http_client else None
+            return replica.bind(request, client, headers=self._headers, extra_headers=extra_headers)
 
         planner = RequestPlanner(
             self._fleet,

@@ -185,3 +185,36 @@ async def from_asyncio(replicas: list[Replica]) -> None:
     async with AioHedger(replicas, HedgerConfig()) as hedger:
         async with hedger.stream({"model": "m", "messages": []}) as s:
             assert_type(s.report, Report)
+
+
+# -- a Hedger over your own openai.AsyncOpenAI clients -----------------------------------------
+
+
+async def with_sdk_clients() -> None:
+    from openai import AsyncOpenAI
+    from openai.types.chat import ChatCompletionChunk
+
+    from trio_hedge.sources.openai_sdk import SDKReplica, sdk_chunks, sdk_replicas
+
+    primary = AsyncOpenAI(base_url="https://primary.example.com/v1", api_key="...")
+    backup = AsyncOpenAI(base_url="https://backup.example.com/v1", api_key="...")
+    replicas = sdk_replicas(
+        {"primary": primary, "backup": backup}, overrides={"backup": {"model": "gpt-4o-mini"}}
+    )
+    assert_type(replicas, list[SDKReplica])
+    one = SDKReplica(primary, name="primary", overrides={"temperature": 0.2})
+    assert_type(one.name, str)
+    async with Hedger(replicas, HedgerConfig(hedge_after=LearnedDelay())) as hedger:
+        request = {"model": "gpt-4o", "messages": [{"role": "user", "content": "Hello!"}]}
+        async with hedger.stream(request) as stream:
+            async for token in stream:
+                assert_type(token, str)
+        async with hedger.stream(request, headers={"X-Tenant": "t1"}) as stream:
+            async for chunk in sdk_chunks(stream):
+                assert_type(chunk, ChatCompletionChunk)
+        assert_type(stream.report.winner_replica, str | None)
+    # Mixed with HTTP replicas: the request is a body whose fields are create() arguments.
+    mixed = Hedger([one, Replica("https://other.example.com/v1", name="other")])
+    async with hedged_stream(request, [one], HedgePolicy(hedge_after=1.0)) as stream:
+        assert_type(stream, HedgedStream)
+    await mixed.aclose()

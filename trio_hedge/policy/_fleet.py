@@ -25,7 +25,7 @@ import trio
 from .._hooks import emit
 from .._source import Source
 from ..events import EventHook, EventKind, HedgeEvent
-from ..sources.openai import Replica
+from ..sources._bindable import BindableReplica
 from ._budget import BudgetState
 from ._config import HedgerConfig
 from ._delay import DelayModel, LearnedDelay
@@ -86,7 +86,9 @@ class FleetState:
 
     Args:
         config: the Hedger's [`HedgerConfig`][trio_hedge.HedgerConfig].
-        replicas: where attempts go ([`Replica`][trio_hedge.sources.Replica] or any
+        replicas: where attempts go (replicas bound to each request --
+            [`Replica`][trio_hedge.sources.Replica],
+            [`SDKReplica`][trio_hedge.sources.openai_sdk.SDKReplica] -- or any
             [`Source`][trio_hedge.sources.Source]), names unique (checked by the caller).
         on_event: the hooks events go to; the list is shared, not copied.
     """
@@ -94,7 +96,7 @@ class FleetState:
     def __init__(
         self,
         config: HedgerConfig,
-        replicas: Sequence[Replica | Source],
+        replicas: Sequence[BindableReplica | Source],
         on_event: list[EventHook],
     ) -> None:
         self.config = config

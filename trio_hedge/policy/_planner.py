@@ -25,7 +25,7 @@ from .._source import Source
 from ..errors import AttemptError, ReplicasCooling, StreamInterrupted
 from ..events import EventKind, HedgeEvent
 from ..report import AttemptOutcome, AttemptRecord, Report
-from ..sources.openai import Replica
+from ..sources._bindable import BindableReplica
 from ._backoff import backoff_delay, jitter_draw
 from ._fleet import FleetState
 from ._health import ReplicaState, counts_against_replica
@@ -45,7 +45,7 @@ class RequestPlanner:
     def __init__(
         self,
         fleet: FleetState,
-        bind: Callable[[Replica | Source], Source],
+        bind: Callable[[BindableReplica | Source], Source],
         *,
         request_id: str,
         group: str,

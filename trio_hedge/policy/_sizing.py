@@ -26,10 +26,11 @@ MESSAGE_OVERHEAD = 4
 
 def _text_chars(value: Any) -> int:
     """Characters of text in a message's content: a string, or a list of parts (only the
-    ``text`` parts count; images and audio are not estimated)."""
+    ``text`` parts count; images and audio are not estimated). Lists and tuples alike: the
+    openai SDK's ``create()`` arguments may hold either."""
     if isinstance(value, str):
         return len(value)
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         total = 0
         for part in value:
             if isinstance(part, str):
@@ -53,7 +54,8 @@ def estimate_prompt_tokens(
     `MESSAGE_OVERHEAD` tokens per message.
 
     Args:
-        request: the JSON body, or ``None`` (then 0).
+        request: the JSON body, or ``chat.completions.create()``'s keyword arguments (the
+            same fields; sequences may be tuples), or ``None`` (then 0).
         chars_per_token: characters per token; default 4.0.
 
     Returns:
@@ -69,14 +71,14 @@ def estimate_prompt_tokens(
     chars = 0
     messages = request.get("messages")
     count = 0
-    if isinstance(messages, list):
+    if isinstance(messages, (list, tuple)):
         for message in messages:
             if isinstance(message, Mapping):
                 count += 1
                 chars += _text_chars(message.get("content"))
     chars += _text_chars(request.get("prompt"))
     tools = request.get("tools")
-    if isinstance(tools, list):
+    if isinstance(tools, (list, tuple)):
         chars += len(repr(tools))
     return math.ceil(chars / chars_per_token) + MESSAGE_OVERHEAD * count
 

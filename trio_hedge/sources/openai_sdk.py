@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import httpx
 
 from .._redact import Redactor, protect_in_logs
 from .._source import AttemptInfo
+from .._validate import check_headers
 from ..errors import AttemptError, ErrorKind
 from ..events import Delta, ToolCallDelta
 from .openai._errors import _in_band_error, classify_http_error
@@ -46,7 +47,14 @@ if TYPE_CHECKING:
     from openai import AsyncOpenAI
     from openai.types.chat import ChatCompletionChunk
 
-__all__ = ["OpenAISDKSource", "SDKChunkDelta", "openai_sdk_sources", "sdk_chunks"]
+__all__ = [
+    "OpenAISDKSource",
+    "SDKChunkDelta",
+    "SDKReplica",
+    "openai_sdk_sources",
+    "sdk_chunks",
+    "sdk_replicas",
+]
 
 
 @attrs.frozen(slots=True)
@@ -223,6 +231,86 @@ def _check_client(client: object) -> None:
         raise TypeError(f"client must be an openai.AsyncOpenAI, not {type(client).__name__}{hint}")
 
 
+def _check_overrides(overrides: object) -> dict[str, Any]:
+    if overrides is None:
+        return {}
+    if not isinstance(overrides, Mapping):
+        raise TypeError(f"overrides must be a mapping, not {type(overrides).__name__}")
+    if overrides.get("stream", True) is not True:
+        raise ValueError("overrides ask for stream=False: hedging needs a stream")
+    return dict(overrides)
+
+
+def _default_name(client: AsyncOpenAI) -> str:
+    url = client.base_url
+    return f"{url.host}:{url.port}" if url.port else str(url.host)
+
+
+_CREATE_PARAMETERS: frozenset[str] | None = None
+
+
+def _create_parameters() -> frozenset[str]:
+    """The keyword arguments ``chat.completions.create`` takes (empty: it takes any)."""
+    global _CREATE_PARAMETERS
+    if _CREATE_PARAMETERS is None:
+        import inspect
+
+        from openai.resources.chat.completions import AsyncCompletions
+
+        parameters = inspect.signature(AsyncCompletions.create).parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+            _CREATE_PARAMETERS = frozenset()
+        else:
+            _CREATE_PARAMETERS = frozenset(p.name for p in parameters if p.name != "self")
+    return _CREATE_PARAMETERS
+
+
+def _check_request(request: object) -> None:
+    """Raise unless ``request`` is keyword arguments ``chat.completions.create`` can stream,
+    once per attempt: a mapping of its parameters with ``model`` and ``messages`` (a list or
+    tuple: a one-shot iterable would be empty for the backup), not ``stream=False``.
+
+    Raises:
+        TypeError: not a mapping; a key ``create()`` does not take (named); ``messages`` not
+            a list or tuple.
+        ValueError: no ``model`` or ``messages``; ``stream=False``.
+    """
+    if not isinstance(request, Mapping):
+        raise TypeError(
+            "request must be the chat.completions.create() keyword arguments (a mapping), "
+            f"not {type(request).__name__}"
+        )
+    known = _create_parameters()
+    if known:
+        unknown = [key for key in request if key not in known]
+        if unknown:
+            raise TypeError(
+                f"request has arguments chat.completions.create() does not take: {unknown!r} "
+                "(a server's own fields go in extra_body)"
+            )
+    for key in ("model", "messages"):
+        if key not in request:
+            raise ValueError(f"request must have {key!r}")
+    messages = request["messages"]
+    if not isinstance(messages, (list, tuple)):
+        raise TypeError(
+            "request['messages'] must be a list or tuple (each attempt sends it again), "
+            f"not {type(messages).__name__}"
+        )
+    if request.get("stream", True) is not True:
+        raise ValueError("request asks for stream=False: hedging needs a stream")
+
+
+def _merge_extra_headers(
+    kwargs: Mapping[str, Any], extra_headers: Mapping[str, str] | None
+) -> dict[str, str]:
+    """The request's own ``extra_headers``, then the front door's per-request ones."""
+    merged = dict(kwargs.get("extra_headers") or {})
+    if extra_headers:
+        merged.update(extra_headers)
+    return merged
+
+
 class OpenAISDKSource:
     """One request bound to one replica's ``AsyncOpenAI`` client, as a
     :class:`~trio_hedge.sources.Source`.
@@ -239,12 +327,17 @@ class OpenAISDKSource:
             ``model`` for the backup).
         headers: which headers carry the request id and attempt number
             (:class:`~trio_hedge.sources.HeaderNames`), sent with ``extra_headers``.
+        extra_headers: headers sent on every attempt, over the request's own
+            ``extra_headers`` (values masked in errors). Default none.
 
     Raises:
-        TypeError: ``client`` is not an ``AsyncOpenAI``; ``request`` is not a mapping.
+        TypeError: ``client`` is not an ``AsyncOpenAI``; ``request`` is not a mapping, has an
+            argument ``create()`` does not take, or its ``messages`` are not a list or tuple.
         ValueError: ``request`` lacks ``model`` or ``messages``, or asks for ``stream=False``.
         ImportError: the ``openai`` package is not installed.
     """
+
+    __slots__ = ("_client", "_errors", "_extra_headers", "_header_names", "_kwargs", "_name")
 
     def __init__(
         self,
@@ -254,33 +347,58 @@ class OpenAISDKSource:
         name: str | None = None,
         overrides: Mapping[str, Any] | None = None,
         headers: HeaderNames | None = None,
+        extra_headers: Mapping[str, str] | None = None,
     ) -> None:
         _check_client(client)
         if not isinstance(request, Mapping):
             raise TypeError(f"request must be a mapping, not {type(request).__name__}")
-        if overrides is not None and not isinstance(overrides, Mapping):
-            raise TypeError(f"overrides must be a mapping, not {type(overrides).__name__}")
-        kwargs = {**request, **(overrides or {})}
-        for key in ("model", "messages"):
-            if key not in kwargs:
-                raise ValueError(f"request must have {key!r}")
-        if kwargs.get("stream", True) is not True:
-            raise ValueError("request asks for stream=False: hedging needs a stream")
-        kwargs["stream"] = True
+        kwargs = {**request, **_check_overrides(overrides)}
+        _check_request(kwargs)
         if name is None:
-            url = client.base_url
-            name = f"{url.host}:{url.port}" if url.port else str(url.host)
+            name = _default_name(client)
         if not isinstance(name, str) or not name:
             raise ValueError("name must be a non-empty str")
         if headers is not None and not isinstance(headers, HeaderNames):
             raise TypeError(f"headers must be HeaderNames or None, not {type(headers).__name__}")
-        self._client = _without_retries(client)
+        if extra_headers is not None:
+            check_headers(extra_headers, "extra_headers")
+        redact = Redactor((client.api_key, *(extra_headers or {}).values()))
+        protect_in_logs(redact)
+        self._setup(
+            _without_retries(client), kwargs, name, headers, _Classifier(redact), extra_headers
+        )
+
+    def _setup(
+        self,
+        client: AsyncOpenAI,
+        kwargs: dict[str, Any],
+        name: str,
+        headers: HeaderNames | None,
+        errors: _Classifier,
+        extra_headers: Mapping[str, str] | None,
+    ) -> None:
+        kwargs["stream"] = True
+        self._client = client
         self._kwargs = kwargs
         self._name = name
-        self._header_names = headers or HeaderNames()
-        self._redact = Redactor((client.api_key,))
-        protect_in_logs(self._redact)
-        self._errors: _Classifier | None = None
+        self._header_names = headers or _DEFAULT_HEADER_NAMES
+        self._errors = errors
+        self._extra_headers = _merge_extra_headers(kwargs, extra_headers)
+
+    @classmethod
+    def _checked(
+        cls,
+        client: AsyncOpenAI,
+        kwargs: dict[str, Any],
+        name: str,
+        headers: HeaderNames | None,
+        errors: _Classifier,
+        extra_headers: Mapping[str, str] | None,
+    ) -> OpenAISDKSource:
+        """A source from arguments checked already (:meth:`SDKReplica.bind`)."""
+        self = cls.__new__(cls)
+        self._setup(client, kwargs, name, headers, errors, extra_headers)
+        return self
 
     @property
     def name(self) -> str:
@@ -291,10 +409,7 @@ class OpenAISDKSource:
 
     async def open(self, info: AttemptInfo) -> _SDKAttempt:
         errors = self._errors
-        if errors is None:
-            errors = self._errors = _Classifier(self._redact)
-        kwargs = self._kwargs
-        extra = dict(kwargs.get("extra_headers") or {})
+        extra = dict(self._extra_headers)
         names = self._header_names
         if names.request_id is not None:
             extra[names.request_id] = info.request_id
@@ -304,11 +419,171 @@ class OpenAISDKSource:
             extra["Idempotency-Key"] = info.idempotency_key
         try:
             stream = await self._client.chat.completions.create(
-                **{**kwargs, "extra_headers": extra}
+                **{**self._kwargs, "extra_headers": extra}
             )
         except Exception as exc:
             raise errors.classify(exc, after_data=False) from exc
         return _SDKAttempt(stream, errors)
+
+
+_DEFAULT_HEADER_NAMES = HeaderNames()
+
+
+class SDKReplica:
+    """Your ``AsyncOpenAI`` client as a replica that a :class:`~trio_hedge.Hedger` (or
+    :func:`~trio_hedge.hedged_stream`) binds to each request, as it binds a
+    :class:`~trio_hedge.Replica`: the request is ``chat.completions.create()``'s keyword
+    arguments (``model``, ``messages``, …), and each attempt is one ``create(**request,
+    **overrides, stream=True)`` call on this client::
+
+        hedger = trio_hedge.Hedger([SDKReplica(primary, name="primary"),
+                                    SDKReplica(backup, name="backup")])
+        async with hedger.stream({"model": "gpt-4o", "messages": messages}) as stream: ...
+
+    Args:
+        client: an ``openai.AsyncOpenAI`` (or ``AsyncAzureOpenAI``); its base URL, key,
+            timeout and HTTP client are used as configured, except retries: attempts run with
+            ``max_retries=0`` (a copy sharing its connection pool, made once), as the race is
+            the retry policy.
+        name: a short name for reports, events and statistics (never a credential). Default
+            the client's ``base_url`` host and port.
+        overrides: ``create()`` arguments merged over every request for this replica (e.g.
+            ``{"model": "gpt-4o-mini"}`` for the backup). Default none.
+
+    Raises:
+        TypeError: ``client`` is not an ``AsyncOpenAI`` (the sync client would block Trio);
+            ``overrides`` is not a mapping or has an argument ``create()`` does not take.
+        ValueError: an empty ``name``; ``overrides`` ask for ``stream=False``.
+        ImportError: the ``openai`` package is not installed.
+    """
+
+    __slots__ = ("_api_key", "_client", "_errors", "_name", "_overrides")
+
+    #: Attempts go through this client's own HTTP client, not the front door's.
+    needs_http_client: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        client: AsyncOpenAI,
+        *,
+        name: str | None = None,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> None:
+        _check_client(client)
+        overrides = _check_overrides(overrides)
+        known = _create_parameters()
+        unknown = [key for key in overrides if known and key not in known]
+        if unknown:
+            raise TypeError(
+                f"overrides have arguments chat.completions.create() does not take: {unknown!r}"
+            )
+        if name is None:
+            name = _default_name(client)
+        if not isinstance(name, str) or not name:
+            raise ValueError("name must be a non-empty str")
+        self._client = _without_retries(client)
+        self._name = name
+        self._overrides = overrides
+        self._api_key = client.api_key
+        redact = Redactor((client.api_key,))
+        protect_in_logs(redact)
+        self._errors = _Classifier(redact)
+
+    @property
+    def name(self) -> str:
+        """The replica's name."""
+        return self._name
+
+    @property
+    def overrides(self) -> Mapping[str, Any]:
+        """The arguments merged over every request for this replica (a copy)."""
+        return dict(self._overrides)
+
+    def __repr__(self) -> str:
+        return f"SDKReplica(name={self._name!r})"
+
+    def check_request(self, request: object) -> None:
+        """Raise unless ``request`` is ``create()`` keyword arguments this library can race
+        (called by the front doors before any I/O).
+
+        Raises:
+            TypeError: not a mapping; an argument ``create()`` does not take (named);
+                ``messages`` not a list or tuple (each attempt sends them again).
+            ValueError: no ``model`` or ``messages``; ``stream=False``.
+        """
+        _check_request(request)
+
+    def bind(
+        self,
+        request: Mapping[str, Any],
+        client: httpx.AsyncClient | None = None,
+        *,
+        headers: HeaderNames | None = None,
+        extra_headers: Mapping[str, str] | None = None,
+    ) -> OpenAISDKSource:
+        """This replica as a :class:`~trio_hedge.sources.Source` for one request (checked by
+        :meth:`check_request`); ``client`` (an HTTP client for :class:`~trio_hedge.Replica` s)
+        is not used. ``extra_headers`` (checked by the caller) go on every attempt, over the
+        request's own ``extra_headers``."""
+        errors = self._errors
+        if extra_headers:
+            # This client's key wins over a per-request Authorization, as a Replica's does.
+            extra_headers = {k: v for k, v in extra_headers.items() if k.lower() != "authorization"}
+        if extra_headers:
+            # The request's own header values are masked too, as the HTTP source masks them.
+            redact = Redactor((self._api_key, *extra_headers.values()))
+            protect_in_logs(redact)
+            errors = _Classifier(redact)
+        kwargs = {**request, **self._overrides}
+        return OpenAISDKSource._checked(
+            self._client, kwargs, self._name, headers, errors, extra_headers
+        )
+
+
+def sdk_replicas(
+    clients: Mapping[str, AsyncOpenAI] | Sequence[AsyncOpenAI],
+    *,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[SDKReplica]:
+    """One :class:`SDKReplica` per client, in order, for a :class:`~trio_hedge.Hedger`::
+
+        hedger = trio_hedge.Hedger(
+            sdk_replicas({"primary": primary, "backup": backup},
+                         overrides={"backup": {"model": "gpt-4o-mini"}})
+        )
+
+    Args:
+        clients: ``{name: AsyncOpenAI}`` in preference order, or a sequence of clients (named
+            after their ``base_url``).
+        overrides: per-name ``create()`` arguments merged over every request.
+
+    Raises:
+        TypeError, ValueError: as :class:`SDKReplica`, or an override for an unknown name.
+    """
+    named = _named(clients)
+    overrides = _check_named_overrides(overrides, named)
+    return [
+        SDKReplica(client, name=name, overrides=overrides.get(name) if name is not None else None)
+        for name, client in named
+    ]
+
+
+def _named(
+    clients: Mapping[str, AsyncOpenAI] | Sequence[AsyncOpenAI],
+) -> list[tuple[str | None, AsyncOpenAI]]:
+    if isinstance(clients, Mapping):
+        return list(clients.items())
+    return [(None, c) for c in clients]
+
+
+def _check_named_overrides(
+    overrides: Mapping[str, Mapping[str, Any]] | None, named: list[tuple[str | None, Any]]
+) -> dict[str, Mapping[str, Any]]:
+    found = dict(overrides or {})
+    unknown = set(found) - {n for n, _ in named}
+    if unknown:
+        raise ValueError(f"overrides for unknown replicas: {sorted(unknown)!r}")
+    return found
 
 
 def openai_sdk_sources(
@@ -338,11 +613,8 @@ def openai_sdk_sources(
         TypeError, ValueError: as :class:`OpenAISDKSource`, or an override for an unknown
             name.
     """
-    named = list(clients.items()) if isinstance(clients, Mapping) else [(None, c) for c in clients]
-    overrides = dict(overrides or {})
-    unknown = set(overrides) - {n for n, _ in named}
-    if unknown:
-        raise ValueError(f"overrides for unknown replicas: {sorted(unknown)!r}")
+    named = _named(clients)
+    overrides = _check_named_overrides(overrides, named)
     return [
         OpenAISDKSource(
             client,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 import attrs
@@ -188,16 +188,33 @@ class Replica:
             )
         protect_in_logs(self._redact)
 
+    #: ``bind`` sends through the front door's ``httpx.AsyncClient``.
+    needs_http_client: ClassVar[bool] = True
+
+    def check_request(self, request: object) -> None:
+        """Raise ``TypeError``/``ValueError`` unless ``request`` is a chat-completions JSON
+        body (a mapping that encodes to strict JSON); the message names the field, never the
+        value. The front doors call it before any I/O."""
+        if not isinstance(request, Mapping):
+            raise TypeError("request must be the chat-completions JSON body (a mapping)")
+        check_json_body(request, "request")
+
     def bind(
         self,
         request: Mapping[str, Any],
-        client: httpx.AsyncClient,
+        client: httpx.AsyncClient | None,
         *,
         headers: HeaderNames | None = None,
         extra_headers: Mapping[str, str] | None = None,
     ) -> OpenAIChatSource:
         """This replica as a :class:`~trio_hedge.sources.Source` for one request; ``extra_headers``
-        are added to every attempt of this request (over the replica's own ``headers``)."""
+        are added to every attempt of this request (over the replica's own ``headers``).
+
+        Raises:
+            TypeError: ``client`` is ``None`` (an HTTP replica needs one).
+        """
+        if client is None:
+            raise TypeError("a Replica needs an httpx.AsyncClient to bind to")
         return OpenAIChatSource(
             self, request, client, headers or HeaderNames(), extra_headers=extra_headers
         )
