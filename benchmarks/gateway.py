@@ -36,6 +36,7 @@ Run: ``python benchmarks/gateway.py`` (``--quick``: a smoke run with small count
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -409,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.passthrough is not None:
         run_passthrough(args.passthrough, args.starlette)
         return 0
+    if args.starlette and importlib.util.find_spec("starlette") is None:
+        parser.error("--starlette needs Starlette: pip install starlette")
     if args.quick:
         args.requests, args.tokens, args.concurrent, args.short = 20, 2000, 20, 100
     console = Console(width=160)
@@ -419,10 +422,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp, server_process() as upstream:
         log = Path(tmp) / "gateway.log"
         gateway = _start_gateway(upstream, log)
-        proxies = [_start_passthrough(upstream, False)]
-        if args.starlette:
-            proxies.append(_start_passthrough(upstream, True))
-        try:
+        proxies: list[Proxy] = []
+        try:  # whatever fails below, the processes started so far are stopped
+            proxies.append(_start_passthrough(upstream, False))
+            if args.starlette:
+                proxies.append(_start_passthrough(upstream, True))
             gw_port = _gateway_port(log)
             gw = Proxy("gateway", gateway, gw_port, "/v1/chat/completions")
             targets = [Target("direct", upstream, "/d0/v1/chat/completions", "plain")]
