@@ -169,16 +169,6 @@ SPHINX_ROLE = re.compile(r":(?:class|func|meth|data|mod|attr|exc|obj):`")
 # docstrings use a fenced block (```python) instead.
 REST_LITERAL = re.compile(r"::\n[ \t]*\n")
 AUTOREF = re.compile(r"\[[^\[\]]+\]\[([A-Za-z_][\w.]*)\]")  # [text][dotted.path]
-# Files another change is converting right now (Sphinx roles, "Example::"). Temporary: the lead
-# empties this set once that change is merged, and then every file is checked.
-NOT_YET_CONVERTED = {
-    "trio_hedge/hedger.py",
-    "trio_hedge/_oneshot.py",
-    "trio_hedge/policy/_planner.py",
-    "trio_hedge/sources/openai_sdk.py",
-    "trio_hedge/sources/openai/_http.py",
-    "trio_hedge/sources/_bindable.py",
-}
 
 
 def _docstrings() -> list[tuple[str, int, str]]:
@@ -204,7 +194,6 @@ def test_no_sphinx_markup_in_docstrings() -> None:
     left = [
         f"{file}:{line}: {problem}"
         for file, line, text in docstrings
-        if file not in NOT_YET_CONVERTED
         for pattern, problem in [
             (SPHINX_ROLE, "a Sphinx role (write [`Name`][trio_hedge.path] or `Name`)"),
             (REST_LITERAL, "a reST '::' literal block (write a ```python fenced block)"),
@@ -212,8 +201,6 @@ def test_no_sphinx_markup_in_docstrings() -> None:
         if pattern.search(text)
     ]
     assert not left, "\n".join(left)
-    for file in NOT_YET_CONVERTED:
-        assert (PACKAGE.parent / file).is_file(), f"{file} is gone: drop it from the allow-list"
 
 
 def _documented_paths() -> set[str]:

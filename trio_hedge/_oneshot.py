@@ -1,11 +1,11 @@
 """`hedged_stream()`: one request over a fixed plan (no state shared between requests).
 
 It checks its arguments (before any I/O), binds each replica that needs the request -- a
-:class:`~trio_hedge.Replica` over an ``httpx.AsyncClient`` (its own, closed when the stream
-closes, unless one is given), an :class:`~trio_hedge.sources.openai_sdk.SDKReplica` over its
-own ``AsyncOpenAI`` client -- to it, and hands a :class:`~trio_hedge.policy.StaticPlanner` to a
-:class:`~trio_hedge.HedgedStream`. The long-lived :class:`~trio_hedge.Hedger` does the same
-with a learning planner.
+[`Replica`][trio_hedge.sources.Replica] over an ``httpx.AsyncClient`` (its own, closed when the
+stream closes, unless one is given), an [`SDKReplica`][trio_hedge.sources.openai_sdk.SDKReplica]
+over its own ``AsyncOpenAI`` client -- to it, and hands a
+[`StaticPlanner`][trio_hedge.policy.StaticPlanner] to a [`HedgedStream`][trio_hedge.HedgedStream].
+The long-lived [`Hedger`][trio_hedge.Hedger] does the same with a learning planner.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ _KNOWN_SOURCES = frozenset({IteratorSource, OpenAIChatSource})
 
 def check_replicas(replicas: object) -> tuple[Callable[[object], None], ...]:
     """Raise ``TypeError``/``ValueError`` unless ``replicas`` is a non-empty sequence of
-    replicas bound to each request (:class:`~trio_hedge.Replica`,
-    :class:`~trio_hedge.sources.openai_sdk.SDKReplica`) or :class:`~trio_hedge.sources.Source`
-    objects (checked before any client is created, so a bad list leaks nothing).
+    replicas bound to each request ([`Replica`][trio_hedge.sources.Replica],
+    [`SDKReplica`][trio_hedge.sources.openai_sdk.SDKReplica]) or
+    [`Source`][trio_hedge.sources.Source] objects (checked before any client is created, so a bad
+    list leaks nothing).
 
     Returns the request checks of the kinds of bound replica among them, one per kind
     (empty: every replica is a request-independent source)."""
@@ -70,7 +71,7 @@ def check_replicas(replicas: object) -> tuple[Callable[[object], None], ...]:
 def check_request(
     request: object, checks: tuple[Callable[[object], None], ...]
 ) -> Mapping[str, Any]:
-    """``request``, checked by ``checks`` (from :func:`check_replicas`: one per kind of
+    """``request``, checked by ``checks`` (from ``check_replicas``: one per kind of
     replica bound to requests). Mixing kinds needs a request every kind accepts: a
     chat-completions body whose fields are also ``create()`` arguments."""
     if request is None:
@@ -97,25 +98,25 @@ def hedged_stream(
 
     Args:
         request: the chat-completions request: the JSON body (``model``, ``messages``, …)
-            for :class:`~trio_hedge.Replica` s, ``chat.completions.create()``'s keyword
-            arguments for :class:`~trio_hedge.sources.openai_sdk.SDKReplica` s (both kinds
+            for [`Replica`][trio_hedge.sources.Replica]s, ``chat.completions.create()``'s keyword
+            arguments for [`SDKReplica`][trio_hedge.sources.openai_sdk.SDKReplica]s (both kinds
             at once: a body whose fields are also ``create()`` arguments); ``stream=True`` is
             set for you. May be ``None`` when every replica is a generic
-            :class:`~trio_hedge.sources.Source`.
-        replicas: where attempts go, in order: :class:`~trio_hedge.Replica` endpoints,
-            :class:`~trio_hedge.sources.openai_sdk.SDKReplica` s (your ``AsyncOpenAI``
-            clients) and/or any :class:`~trio_hedge.sources.Source` (e.g.
-            :func:`~trio_hedge.iterator_source`).
-        policy: a :class:`~trio_hedge.HedgePolicy`; default ``HedgePolicy()`` (hedge after
+            [`Source`][trio_hedge.sources.Source].
+        replicas: where attempts go, in order: [`Replica`][trio_hedge.sources.Replica] endpoints,
+            [`SDKReplica`][trio_hedge.sources.openai_sdk.SDKReplica]s (your ``AsyncOpenAI``
+            clients) and/or any [`Source`][trio_hedge.sources.Source] (e.g.
+            [`iterator_source`][trio_hedge.sources.iterator_source]).
+        policy: a [`HedgePolicy`][trio_hedge.HedgePolicy]; default ``HedgePolicy()`` (hedge after
             1.0 s, one attempt per replica).
-        client: an ``httpx.AsyncClient`` for the :class:`~trio_hedge.Replica` s, used as given
-            (pool, proxies, TLS). Without one, the stream creates its own (only if some
+        client: an ``httpx.AsyncClient`` for the [`Replica`][trio_hedge.sources.Replica]s, used as
+            given (pool, proxies, TLS). Without one, the stream creates its own (only if some
             replica is a ``Replica``) and closes it on exit (share one client when you make
             many requests).
         request_id: the id sent on every attempt; default a fresh UUID4 (servers that
             validate ``X-Request-ID`` as a UUID accept it).
         headers: which headers carry the request id and attempt number
-            (:class:`~trio_hedge.sources.HeaderNames`); default ``X-Request-ID`` /
+            ([`HeaderNames`][trio_hedge.sources.HeaderNames]); default ``X-Request-ID`` /
             ``X-Hedge-Attempt``.
 
     Returns:
@@ -125,9 +126,9 @@ def hedged_stream(
         TypeError, ValueError: bad arguments (raised here, before any I/O): among them a
             ``request`` that does not encode to strict JSON (``NaN``, ``Infinity``,
             ``bytes``…) for a ``Replica``, one ``create()`` cannot stream for an
-            ``SDKReplica`` (see :meth:`~trio_hedge.sources.openai_sdk.SDKReplica.check_request`),
-            and a ``request_id`` an HTTP header cannot carry. Messages name the
-            field, never the value.
+            ``SDKReplica`` (see
+            [`check_request`][trio_hedge.sources.openai_sdk.SDKReplica.check_request]), and a
+            ``request_id`` an HTTP header cannot carry. Messages name the field, never the value.
     """
     policy = _DEFAULT_POLICY if policy is None else policy
     if not isinstance(policy, HedgePolicy):

@@ -1,27 +1,28 @@
 """`Hedger`: the long-lived, shared hedging policy for production.
 
-An application creates one :class:`Hedger` and opens every request through it. Unlike
-:func:`~trio_hedge.hedged_stream` (one request, a fixed plan), the Hedger keeps state across
-requests and consults it at each decision of the race (through the
-:class:`~trio_hedge.policy.Planner` protocol; the race and stream code are the same):
+An application creates one [`Hedger`][trio_hedge.Hedger] and opens every request through it.
+Unlike [`hedged_stream`][trio_hedge.hedged_stream] (one request, a fixed plan), the Hedger keeps
+state across requests and consults it at each decision of the race (through the
+[`Planner`][trio_hedge.policy.Planner] protocol; the race and stream code are the same):
 
 * **when to hedge** — a delay learned per group and prompt-size class from observed TTFTs,
-  censoring-aware (:class:`~trio_hedge.LearnedDelay`), or a fixed number;
-* **whether a hedge may be sent** — a ratio budget (:class:`~trio_hedge.policy.HedgeBudget`) and a
-  failure throttle (:class:`~trio_hedge.policy.RetryThrottle`), checked at the moment; the budget is
-  spent when the backup really starts;
+  censoring-aware ([`LearnedDelay`][trio_hedge.LearnedDelay]), or a fixed number;
+* **whether a hedge may be sent** — a ratio budget
+  ([`HedgeBudget`][trio_hedge.policy.HedgeBudget]) and a failure throttle
+  ([`RetryThrottle`][trio_hedge.policy.RetryThrottle]), checked at the moment; the budget is spent
+  when the backup really starts;
 * **whether a failover may be sent** — the same throttle (gRFC A6: no retries and no hedges
   at or below half the tokens), a replica that is not ejected, and for a replica this
-  request already tried, a back-off (:class:`~trio_hedge.policy.Backoff`);
+  request already tried, a back-off ([`Backoff`][trio_hedge.policy.Backoff]);
 * **where an attempt goes** — a replica this request has not tried yet before one it has,
   not one cooling after server pushback (``Retry-After``), not one ejected by outlier
-  detection (:class:`~trio_hedge.policy.OutlierDetection`, which never ejects the whole fleet);
-  of the rest, the one with the lowest peak-EWMA cost (Finagle's and Linkerd's balancers):
+  detection ([`OutlierDetection`][trio_hedge.policy.OutlierDetection], which never ejects the whole
+  fleet); of the rest, the one with the lowest peak-EWMA cost (Finagle's and Linkerd's balancers):
   its recent TTFT, where a lost race counts as "at least this slow" and an attempt still
   waiting there as "at least this slow now", times one plus its attempts waiting for a first
   token, counting cancelled attempts its server may still be prefilling. If every usable
   replica is cooling, the attempt waits for the earliest, at most ``max_pushback_wait``
-  seconds (beyond that the primary raises :class:`~trio_hedge.ReplicasCooling`, a later
+  seconds (beyond that the primary raises [`ReplicasCooling`][trio_hedge.ReplicasCooling], a later
   attempt is not sent);
 * **whom to blame** — an error that is the replica's own fault (401/403, quota, unknown
   model) ejects that replica at once and the request does not try it again; errors that are
@@ -31,7 +32,7 @@ requests and consults it at each decision of the race (through the
 Where each part lives: the configuration in ``policy/_config.py``, the state every request
 shares (delay learner, budget, throttle, replica health, counters) in ``policy/_fleet.py``,
 one request's decisions over it in ``policy/_planner.py``; the Hedger wires them to the race
-(:class:`~trio_hedge.HedgedStream`) and owns the HTTP client.
+([`HedgedStream`][trio_hedge.HedgedStream]) and owns the HTTP client.
 """
 
 from __future__ import annotations
@@ -75,26 +76,28 @@ _MAX_LINGERING = 1024
 class Hedger:
     """One long-lived hedging policy shared by every request of an application.
 
-    Create it once (``async with Hedger(replicas) as hedger:``, or call :meth:`aclose`
-    yourself) and open each request with :meth:`stream`.
+    Create it once (``async with Hedger(replicas) as hedger:``, or call
+    [`aclose`][trio_hedge.Hedger.aclose] yourself) and open each request with
+    [`stream`][trio_hedge.Hedger.stream].
 
     Args:
-        replicas: where attempts go: :class:`~trio_hedge.Replica` endpoints,
-            :class:`~trio_hedge.sources.openai_sdk.SDKReplica` s (your ``AsyncOpenAI``
+        replicas: where attempts go: [`Replica`][trio_hedge.sources.Replica] endpoints,
+            [`SDKReplica`][trio_hedge.sources.openai_sdk.SDKReplica]s (your ``AsyncOpenAI``
             clients), both bound to each request, and/or any request-independent
-            :class:`~trio_hedge.sources.Source`; names must be unique. Their order is the
+            [`Source`][trio_hedge.sources.Source]; names must be unique. Their order is the
             tie-break (and the preference with ``pick="in_order"``).
-        config: a :class:`HedgerConfig`; default ``HedgerConfig()``.
-        client: an ``httpx.AsyncClient`` for the :class:`~trio_hedge.Replica` s, used as given
-            and never closed by the Hedger. Without one, the Hedger creates one when a
+        config: a [`HedgerConfig`][trio_hedge.HedgerConfig]; default ``HedgerConfig()``.
+        client: an ``httpx.AsyncClient`` for the [`Replica`][trio_hedge.sources.Replica]s, used as
+            given and never closed by the Hedger. Without one, the Hedger creates one when a
             ``Replica`` is first used (never when there is none: an ``SDKReplica`` uses its
             own client), one pool and SSL context for all requests, and closes it in
-            :meth:`aclose`.
+            [`aclose`][trio_hedge.Hedger.aclose].
         headers: which headers carry the request id and attempt number
-            (:class:`~trio_hedge.sources.HeaderNames`).
-        on_event: callbacks receiving a :class:`~trio_hedge.events.HedgeEvent` for every attempt
-            started, committed, failed or cancelled, every hedge or failover refused, replica
-            cooled or ejected, and request finished. Also the mutable list :attr:`on_event`.
+            ([`HeaderNames`][trio_hedge.sources.HeaderNames]).
+        on_event: callbacks receiving a [`HedgeEvent`][trio_hedge.events.HedgeEvent] for every
+            attempt started, committed, failed or cancelled, every hedge or failover refused,
+            replica cooled or ejected, and request finished. Also the mutable list
+            [`on_event`][trio_hedge.Hedger.on_event].
 
     Raises:
         TypeError, ValueError: bad replicas (empty, wrong type, duplicate names) or config.
@@ -140,7 +143,7 @@ class Hedger:
 
     @property
     def config(self) -> HedgerConfig:
-        """The :class:`HedgerConfig`."""
+        """The [`HedgerConfig`][trio_hedge.HedgerConfig]."""
         return self._config
 
     @property
@@ -197,11 +200,11 @@ class Hedger:
 
         Args:
             request: the chat-completions request: the JSON body (``model``, ``messages``,
-                …) for :class:`~trio_hedge.Replica` s, ``chat.completions.create()``'s keyword
-                arguments for :class:`~trio_hedge.sources.openai_sdk.SDKReplica` s (both
-                kinds in one Hedger: a body whose fields are also ``create()`` arguments);
-                may be ``None`` when every replica is a generic
-                :class:`~trio_hedge.sources.Source`.
+                …) for [`Replica`][trio_hedge.sources.Replica]s, ``chat.completions.create()``'s
+                keyword arguments for [`SDKReplica`][trio_hedge.sources.openai_sdk.SDKReplica]s
+                (both kinds in one Hedger: a body whose fields are also ``create()``
+                arguments); may be ``None`` when every replica is a generic
+                [`Source`][trio_hedge.sources.Source].
             hedge: ``False`` never sends a backup on time for this request (a failed attempt
                 still fails over). Default ``True``.
             side_effects: the request does something besides generating text (a tool that
@@ -221,16 +224,16 @@ class Hedger:
                 throttle still apply. Default ``None`` (the Hedger's delay). A gateway
                 bounds what its clients may ask for (``X-Hedge-After``).
             headers: extra HTTP headers sent on every attempt of this request to
-                :class:`~trio_hedge.Replica` endpoints, over the replica's own ``headers``,
-                and to :class:`~trio_hedge.sources.openai_sdk.SDKReplica` s, over the
-                request's own ``extra_headers`` (a replica's key still wins over an
+                [`Replica`][trio_hedge.sources.Replica] endpoints, over the replica's own
+                ``headers``, and to [`SDKReplica`][trio_hedge.sources.openai_sdk.SDKReplica]s, over
+                the request's own ``extra_headers`` (a replica's key still wins over an
                 ``Authorization`` given here).
                 Values are never shown in reprs or reports. Default none.
 
         Returns:
-            The request's stream (see :class:`~trio_hedge.HedgedStream` for what it
-            raises). Entering it also raises :class:`~trio_hedge.ReplicasCooling` when every
-            replica is cooling for longer than ``max_pushback_wait`` (nothing is sent).
+            The request's stream (see [`HedgedStream`][trio_hedge.HedgedStream] for what it
+            raises). Entering it also raises [`ReplicasCooling`][trio_hedge.ReplicasCooling] when
+            every replica is cooling for longer than ``max_pushback_wait`` (nothing is sent).
 
         Raises:
             RuntimeError: the Hedger was closed.
@@ -317,7 +320,8 @@ class Hedger:
     # -- statistics --------------------------------------------------------------------------
 
     def statistics(self) -> HedgerStatistics:
-        """A frozen :class:`~trio_hedge.policy.HedgerStatistics` snapshot (call inside Trio)."""
+        """A frozen [`HedgerStatistics`][trio_hedge.policy.HedgerStatistics] snapshot (call inside
+        Trio)."""
         return self._fleet.statistics()
 
     def samples(self) -> list[dict[str, Any]]:
@@ -327,14 +331,15 @@ class Hedger:
         the observation, seconds), ``group``, ``prompt_tokens``, ``replica``, ``attempt``
         (1 for the primary) and either ``ttft`` (seconds from the attempt's start to its
         first token) or ``cancelled_at`` (seconds it ran before it was cancelled without
-        one). Empty unless ``hedge_after`` is a :class:`~trio_hedge.LearnedDelay`. Call
+        one). Empty unless ``hedge_after`` is a [`LearnedDelay`][trio_hedge.LearnedDelay]. Call
         inside Trio.
 
-        Example::
-
+        Example:
+            ```python
             with open("ttft.jsonl", "w") as f:
                 for record in hedger.samples():
                     f.write(json.dumps(record) + "\\n")
+            ```
         """
         if self._fleet.model is None:
             return []

@@ -1,6 +1,6 @@
-"""One request's decisions for a :class:`~trio_hedge.Hedger`: the
-:class:`~trio_hedge.policy.Planner` the race consults, over the
-:class:`~trio_hedge.policy._fleet.FleetState` every request shares.
+"""One request's decisions for a [`Hedger`][trio_hedge.Hedger]: the
+[`Planner`][trio_hedge.policy.Planner] the race consults, over the
+``FleetState`` every request shares.
 
 * **where an attempt goes** -- a replica this request has not tried yet before one it has,
   none cooling, ejected or in this request's back-off (waiting, within
@@ -37,7 +37,7 @@ _MAX_LINGERING = 1024
 
 
 class RequestPlanner:
-    """The :class:`~trio_hedge.policy.Planner` of one request of a Hedger, over the fleet
+    """The [`Planner`][trio_hedge.policy.Planner] of one request of a Hedger, over the fleet
     state every request shares. ``bind`` makes this request's source for a replica (the
     Hedger binds an HTTP replica to the request and its client); the planner decides where
     and when, never how."""

@@ -1,10 +1,10 @@
 """The seam between the front doors and the replicas they bind to each request.
 
-A *bindable replica* is a replica that becomes a :class:`~trio_hedge.sources.Source` only
-once it knows the request: :class:`~trio_hedge.sources.Replica` (an HTTP endpoint: the request
-is the JSON body) and :class:`~trio_hedge.sources.openai_sdk.SDKReplica` (your
+A *bindable replica* is a replica that becomes a [`Source`][trio_hedge.sources.Source] only
+once it knows the request: [`Replica`][trio_hedge.sources.Replica] (an HTTP endpoint: the request
+is the JSON body) and [`SDKReplica`][trio_hedge.sources.openai_sdk.SDKReplica] (your
 ``AsyncOpenAI`` client: the request is ``create()``'s keyword arguments). The front doors
-(:func:`~trio_hedge.hedged_stream`, :class:`~trio_hedge.Hedger`) check each request with
+([`hedged_stream`][trio_hedge.hedged_stream], [`Hedger`][trio_hedge.Hedger]) check each request with
 every kind's ``check_request`` before any I/O, and ``bind`` a replica when the planner first
 sends an attempt to it; anything else is a request-independent ``Source``, used as given.
 The protocol is private: the two implementations are the library's own.
@@ -56,7 +56,7 @@ _KINDS: dict[type, bool] = {}
 
 
 def is_bindable(replica: object) -> bool:
-    """Whether ``replica`` is a :class:`BindableReplica` (its class has the members; the
+    """Whether ``replica`` is a ``BindableReplica`` (its class has the members; the
     answer is cached per class: the front doors ask for every request)."""
     cls = type(replica)
     known = _KINDS.get(cls)

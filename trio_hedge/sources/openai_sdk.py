@@ -1,4 +1,4 @@
-"""The official ``openai`` SDK as a :class:`~trio_hedge.sources.Source`: race
+"""The official ``openai`` SDK as a [`Source`][trio_hedge.sources.Source]: race
 ``client.chat.completions.create(..., stream=True)`` over your own ``AsyncOpenAI`` clients.
 
 ``openai.AsyncOpenAI`` runs under Trio (it is built on httpx and anyio, both of which detect
@@ -8,16 +8,17 @@ Leaving its stream early *without* cancelling leaves the response open until
 ``AsyncStream.close()``: an attempt here always closes it.
 
 Each attempt is one ``create(**request, stream=True)`` call on the replica's client, whose
-``ChatCompletionChunk`` s become :class:`SDKChunkDelta` events (a
-:class:`~trio_hedge.events.Delta` that keeps the ``chunk``): iterate the stream for ``str`` tokens,
-or :func:`sdk_chunks` for the SDK's own chunk objects.
+``ChatCompletionChunk``s become [`SDKChunkDelta`][trio_hedge.sources.openai_sdk.SDKChunkDelta]
+events (a [`Delta`][trio_hedge.events.Delta] that keeps the ``chunk``): iterate the stream for
+``str`` tokens, or [`sdk_chunks`][trio_hedge.sources.openai_sdk.sdk_chunks] for the SDK's own
+chunk objects.
 
 Errors are classified as the HTTP source classifies them (one set of rules,
-:func:`~trio_hedge.sources.openai.classify_http_error`): ``openai.APIStatusError`` by its
-status code,
-headers (``Retry-After``) and body; ``APITimeoutError`` is a timeout; ``APIConnectionError`` and
-transport errors a connection error (a truncated stream once data arrived); an ``APIError``
-raised inside a 200 stream (an in-band error event) by its error object.
+[`classify_http_error`][trio_hedge.sources.openai.classify_http_error]):
+``openai.APIStatusError`` by its status code, headers (``Retry-After``) and body;
+``APITimeoutError`` is a timeout; ``APIConnectionError`` and transport errors a connection error
+(a truncated stream once data arrived); an ``APIError`` raised inside a 200 stream (an in-band
+error event) by its error object.
 
 Retries: the SDK retries 408/409/429/5xx and connection errors itself (``max_retries``, default
 2, with backoff of 0.5–8 s) *inside* one call, which would hide a failing replica from the race
@@ -59,12 +60,12 @@ __all__ = [
 
 @attrs.frozen(slots=True)
 class SDKChunkDelta(Delta):
-    """A :class:`~trio_hedge.events.Delta` that carries the SDK's ``ChatCompletionChunk`` it was
+    """A [`Delta`][trio_hedge.events.Delta] that carries the SDK's ``ChatCompletionChunk`` it was
     made from, for code that wants the SDK's own objects.
 
     Attributes:
         chunk: the SDK's chunk (not part of equality or the repr); the other fields are
-            :class:`~trio_hedge.events.Delta`'s.
+            [`Delta`][trio_hedge.events.Delta]'s.
     """
 
     chunk: ChatCompletionChunk | None = attrs.field(default=None, eq=False, repr=False)
@@ -173,7 +174,8 @@ class _SDKAttempt:
 
 
 class _Classifier:
-    """SDK exceptions -> :class:`AttemptError`, by the HTTP source's rules, keys masked."""
+    """SDK exceptions -> [`AttemptError`][trio_hedge.AttemptError], by the HTTP source's rules, keys
+    masked."""
 
     def __init__(self, redact: Redactor) -> None:
         import openai
@@ -313,7 +315,7 @@ def _merge_extra_headers(
 
 class OpenAISDKSource:
     """One request bound to one replica's ``AsyncOpenAI`` client, as a
-    :class:`~trio_hedge.sources.Source`.
+    [`Source`][trio_hedge.sources.Source].
 
     Args:
         client: an ``openai.AsyncOpenAI`` (or ``AsyncAzureOpenAI``) for this replica; its
@@ -326,7 +328,7 @@ class OpenAISDKSource:
         overrides: arguments merged over ``request`` for this replica (e.g. a smaller
             ``model`` for the backup).
         headers: which headers carry the request id and attempt number
-            (:class:`~trio_hedge.sources.HeaderNames`), sent with ``extra_headers``.
+            ([`HeaderNames`][trio_hedge.sources.HeaderNames]), sent with ``extra_headers``.
         extra_headers: headers sent on every attempt, over the request's own
             ``extra_headers`` (values masked in errors). Default none.
 
@@ -395,7 +397,8 @@ class OpenAISDKSource:
         errors: _Classifier,
         extra_headers: Mapping[str, str] | None,
     ) -> OpenAISDKSource:
-        """A source from arguments checked already (:meth:`SDKReplica.bind`)."""
+        """A source from arguments checked already
+        ([`SDKReplica.bind`][trio_hedge.sources.openai_sdk.SDKReplica.bind])."""
         self = cls.__new__(cls)
         self._setup(client, kwargs, name, headers, errors, extra_headers)
         return self
@@ -430,15 +433,17 @@ _DEFAULT_HEADER_NAMES = HeaderNames()
 
 
 class SDKReplica:
-    """Your ``AsyncOpenAI`` client as a replica that a :class:`~trio_hedge.Hedger` (or
-    :func:`~trio_hedge.hedged_stream`) binds to each request, as it binds a
-    :class:`~trio_hedge.Replica`: the request is ``chat.completions.create()``'s keyword
+    """Your ``AsyncOpenAI`` client as a replica that a [`Hedger`][trio_hedge.Hedger] (or
+    [`hedged_stream`][trio_hedge.hedged_stream]) binds to each request, as it binds a
+    [`Replica`][trio_hedge.sources.Replica]: the request is ``chat.completions.create()``'s keyword
     arguments (``model``, ``messages``, …), and each attempt is one ``create(**request,
-    **overrides, stream=True)`` call on this client::
+    **overrides, stream=True)`` call on this client:
 
-        hedger = trio_hedge.Hedger([SDKReplica(primary, name="primary"),
-                                    SDKReplica(backup, name="backup")])
-        async with hedger.stream({"model": "gpt-4o", "messages": messages}) as stream: ...
+    ```python
+    hedger = trio_hedge.Hedger([SDKReplica(primary, name="primary"),
+                                SDKReplica(backup, name="backup")])
+    async with hedger.stream({"model": "gpt-4o", "messages": messages}) as stream: ...
+    ```
 
     Args:
         client: an ``openai.AsyncOpenAI`` (or ``AsyncAzureOpenAI``); its base URL, key,
@@ -521,10 +526,10 @@ class SDKReplica:
         headers: HeaderNames | None = None,
         extra_headers: Mapping[str, str] | None = None,
     ) -> OpenAISDKSource:
-        """This replica as a :class:`~trio_hedge.sources.Source` for one request (checked by
-        :meth:`check_request`); ``client`` (an HTTP client for :class:`~trio_hedge.Replica` s)
-        is not used. ``extra_headers`` (checked by the caller) go on every attempt, over the
-        request's own ``extra_headers``."""
+        """This replica as a [`Source`][trio_hedge.sources.Source] for one request (checked by
+        [`check_request`][trio_hedge.sources.openai_sdk.SDKReplica.check_request]); ``client`` (an
+        HTTP client for [`Replica`][trio_hedge.sources.Replica]s) is not used. ``extra_headers``
+        (checked by the caller) go on every attempt, over the request's own ``extra_headers``."""
         errors = self._errors
         if extra_headers:
             # This client's key wins over a per-request Authorization, as a Replica's does.
@@ -545,12 +550,15 @@ def sdk_replicas(
     *,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[SDKReplica]:
-    """One :class:`SDKReplica` per client, in order, for a :class:`~trio_hedge.Hedger`::
+    """One [`SDKReplica`][trio_hedge.sources.openai_sdk.SDKReplica] per client, in order, for a
+    [`Hedger`][trio_hedge.Hedger]:
 
-        hedger = trio_hedge.Hedger(
-            sdk_replicas({"primary": primary, "backup": backup},
-                         overrides={"backup": {"model": "gpt-4o-mini"}})
-        )
+    ```python
+    hedger = trio_hedge.Hedger(
+        sdk_replicas({"primary": primary, "backup": backup},
+                     overrides={"backup": {"model": "gpt-4o-mini"}})
+    )
+    ```
 
     Args:
         clients: ``{name: AsyncOpenAI}`` in preference order, or a sequence of clients (named
@@ -558,7 +566,8 @@ def sdk_replicas(
         overrides: per-name ``create()`` arguments merged over every request.
 
     Raises:
-        TypeError, ValueError: as :class:`SDKReplica`, or an override for an unknown name.
+        TypeError, ValueError: as [`SDKReplica`][trio_hedge.sources.openai_sdk.SDKReplica], or an
+            override for an unknown name.
     """
     named = _named(clients)
     overrides = _check_named_overrides(overrides, named)
@@ -593,25 +602,28 @@ def openai_sdk_sources(
     headers: HeaderNames | None = None,
     **request: Any,
 ) -> list[OpenAISDKSource]:
-    """One :class:`OpenAISDKSource` per client, for one request: your ``create`` call's
-    keyword arguments, raced over your clients (primary first)::
+    """One [`OpenAISDKSource`][trio_hedge.sources.openai_sdk.OpenAISDKSource] per client, for one
+    request: your ``create`` call's keyword arguments, raced over your clients (primary first):
 
-        sources = openai_sdk_sources(
-            {"primary": primary, "backup": backup}, model="gpt-4o-mini", messages=messages
-        )
-        async with trio_hedge.hedged_stream(None, sources) as stream: ...
+    ```python
+    sources = openai_sdk_sources(
+        {"primary": primary, "backup": backup}, model="gpt-4o-mini", messages=messages
+    )
+    async with trio_hedge.hedged_stream(None, sources) as stream: ...
+    ```
 
     Args:
         clients: ``{name: AsyncOpenAI}`` in attempt order, or a sequence of clients (named
             after their ``base_url``).
         overrides: per-name arguments merged over ``request`` (e.g. ``{"backup": {"model":
             "small"}}``).
-        headers: see :class:`OpenAISDKSource`.
+        headers: see [`OpenAISDKSource`][trio_hedge.sources.openai_sdk.OpenAISDKSource].
         **request: the ``chat.completions.create`` arguments.
 
     Raises:
-        TypeError, ValueError: as :class:`OpenAISDKSource`, or an override for an unknown
-            name.
+        TypeError, ValueError: as
+            [`OpenAISDKSource`][trio_hedge.sources.openai_sdk.OpenAISDKSource], or an override for
+            an unknown name.
     """
     named = _named(clients)
     overrides = _check_named_overrides(overrides, named)
@@ -628,16 +640,16 @@ def openai_sdk_sources(
 
 
 def sdk_chunks(stream: Any) -> SDKChunks:
-    """The winner's ``ChatCompletionChunk`` s, from a hedged stream (Trio's
-    :class:`~trio_hedge.HedgedStream` or the asyncio one) whose replicas are
-    :class:`OpenAISDKSource` s: ``async for chunk in sdk_chunks(stream)``. It reads the
-    stream's :meth:`~trio_hedge.HedgedStream.events` queue, as ``async for`` does, and holds
-    nothing between items (leaving it early is safe)."""
+    """The winner's ``ChatCompletionChunk``s, from a hedged stream (Trio's
+    [`HedgedStream`][trio_hedge.HedgedStream] or the asyncio one) whose replicas are
+    [`OpenAISDKSource`][trio_hedge.sources.openai_sdk.OpenAISDKSource]s: ``async for chunk in
+    sdk_chunks(stream)``. It reads the stream's [`events`][trio_hedge.HedgedStream.events] queue, as
+    ``async for`` does, and holds nothing between items (leaving it early is safe)."""
     return SDKChunks(stream.events())
 
 
 class SDKChunks:
-    """The iterator :func:`sdk_chunks` returns."""
+    """The iterator [`sdk_chunks`][trio_hedge.sources.openai_sdk.sdk_chunks] returns."""
 
     __slots__ = ("_events",)
 

@@ -1,8 +1,9 @@
-"""OpenAI-compatible chat completions over httpx: one implementation of :class:`Source`.
+"""OpenAI-compatible chat completions over httpx: one implementation of
+[`Source`][trio_hedge.sources.Source].
 
 An attempt is ``POST {base_url}/chat/completions`` with ``"stream": true``; it is *open* when
 a 2xx arrives with its headers, which is not a first token (servers answer 200 while the
-request is still queued). Bytes go through :class:`~trio_hedge.sources.openai.ChunkDecoder`.
+request is still queued). Bytes go through [`ChunkDecoder`][trio_hedge.sources.openai.ChunkDecoder].
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ ERROR_BODY_LIMIT = 4096
 JSON_BODY_LIMIT = 8 * 1024 * 1024
 #: After ``[DONE]``, how long (seconds) and how many bytes closing an attempt may read to reach
 #: the end of the HTTP body, so an HTTP/1.1 connection goes back to the pool (see
-#: :meth:`HTTPAttempt.aclose`).
+#: ``HTTPAttempt.aclose``).
 DRAIN_TIMEOUT = 0.05
 DRAIN_LIMIT = 65536
 
@@ -207,8 +208,9 @@ class Replica:
         headers: HeaderNames | None = None,
         extra_headers: Mapping[str, str] | None = None,
     ) -> OpenAIChatSource:
-        """This replica as a :class:`~trio_hedge.sources.Source` for one request; ``extra_headers``
-        are added to every attempt of this request (over the replica's own ``headers``).
+        """This replica as a [`Source`][trio_hedge.sources.Source] for one request;
+        ``extra_headers`` are added to every attempt of this request (over the replica's own
+        ``headers``).
 
         Raises:
             TypeError: ``client`` is ``None`` (an HTTP replica needs one).
@@ -221,7 +223,8 @@ class Replica:
 
 
 class OpenAIChatSource:
-    """One request bound to one :class:`Replica` over one ``httpx.AsyncClient``."""
+    """One request bound to one [`Replica`][trio_hedge.sources.Replica] over one
+    ``httpx.AsyncClient``."""
 
     def __init__(
         self,
@@ -365,7 +368,8 @@ async def _attempt_for(response: httpx.Response, redact: Redactor) -> HTTPAttemp
 
 
 class HTTPAttempt:
-    """One open HTTP attempt: reads SSE bytes, yields batches of :class:`Delta`."""
+    """One open HTTP attempt: reads SSE bytes, yields batches of
+    [`Delta`][trio_hedge.events.Delta]."""
 
     __slots__ = (
         "_chunks",
@@ -441,7 +445,7 @@ class HTTPAttempt:
 
     async def _drain(self) -> bool:
         """Read what follows ``[DONE]`` (normally just the body's last chunk, often already
-        received) to the end of the body, within :data:`DRAIN_TIMEOUT` / :data:`DRAIN_LIMIT`.
+        received) to the end of the body, within ``DRAIN_TIMEOUT`` / ``DRAIN_LIMIT``.
 
         Why: closing a response before its end makes httpcore close the connection (no
         keep-alive: a new TCP and TLS handshake for the next request) and leaves httpx's
@@ -541,8 +545,9 @@ async def _reset_orphan_http2_streams(client: httpx.AsyncClient) -> None:
     test_a_cancel_during_connection_setup_leaves_no_stream_running``) cannot be mended from
     outside: it is closed, which ends every stream on it for its server (requests running
     there fail as connection errors, which fail over), and the pool opens a sound one for the
-    next request. Transports from :func:`~trio_hedge.transport.cancel_safe_transport`
-    (``make_client`` with HTTP/2) close it earlier, as the cancelled request leaves it.
+    next request. Transports from
+    [`cancel_safe_transport`][trio_hedge.transport.cancel_safe_transport] (``make_client`` with
+    HTTP/2) close it earlier, as the cancelled request leaves it.
     """
     connections = http2_connections(client)
     if not connections:
