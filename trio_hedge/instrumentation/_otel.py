@@ -135,7 +135,7 @@ class OpenTelemetryHook:
     Args:
         tracer_provider: default the global one.
         meter_provider: default the global one.
-        replicas: the Hedger's replicas: their ``base_url`` s give ``server.address`` and
+        replicas: the Hedger's replicas: their ``base_url``s give ``server.address`` and
             ``server.port`` per replica name (a ``host:port`` name gives them too).
         provider_name: ``gen_ai.provider.name`` (e.g. ``"openai"``), or ``None`` to leave it
             out.
