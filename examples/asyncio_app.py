@@ -13,7 +13,9 @@ Run:
     python examples/asyncio_app.py --replica http://10.0.0.1:8000/v1 \\
         --replica http://10.0.0.2:8000/v1 --model my-model
 
-Needs the ``asyncio`` extra: ``pip install "trio-hedge[asyncio]"``.
+Needs the ``asyncio`` extra; from a clone of the repository:
+``pip install -c constraints.txt -e ".[asyncio]"`` (once released:
+``pip install "trio-hedge[asyncio]"``).
 """
 
 from __future__ import annotations

@@ -2,14 +2,17 @@
 which replica won, the hedge delay and the time to first token (TTFT).
 
 Run (two built-in fake replicas; the primary is slow on every other request, as if another
-tenant's long prompt were ahead of it in its queue):
+tenant's long prompt were ahead of it in its queue: the first answer comes from the primary,
+the second from the backup the hedge sent):
 
     python examples/chat.py            # type a message; an empty line or Ctrl-D quits
     python examples/chat.py --smoke    # two scripted messages, then exit (what CI runs)
     python examples/chat.py --replica http://10.0.0.1:8000/v1 --replica http://10.0.0.2:8000/v1 \\
         --model my-model               # real OpenAI-compatible servers
 
-Needs the ``examples`` extra: ``pip install "trio-hedge[examples]"``.
+Needs the ``examples`` extra; from a clone of the repository:
+``pip install -c constraints.txt -e ".[examples]"`` (once released:
+``pip install "trio-hedge[examples]"``).
 """
 
 from __future__ import annotations
@@ -92,8 +95,13 @@ async def _answer(
 
 async def main(args: argparse.Namespace) -> int:
     console = Console(force_terminal=None if not args.smoke else False, highlight=False)
-    config = th.HedgerConfig(hedge_after=args.hedge_after)
+    # "in_order": the first replica is the preferred primary, the backup is only for when it
+    # is slow (your own GPUs first, a fallback provider second). The default pick, "peak_ewma",
+    # would learn that the primary is sometimes slow and send the next request to the backup
+    # first: here, no answer would show a hedge.
+    config = th.HedgerConfig(hedge_after=args.hedge_after, pick="in_order")
     failures = 0
+    reports: list[th.Report] = []
     async with _replicas(args) as replicas, th.Hedger(replicas, config) as hedger:
         names = ", ".join(r.name for r in replicas)
         console.print(f"[dim]replicas: {names}; hedge_after = {args.hedge_after} s[/dim]")
@@ -113,8 +121,21 @@ async def main(args: argparse.Namespace) -> int:
                 break
             history.append({"role": "user", "content": message})
             report = await _answer(hedger, console, history, args.model)
+            reports.append(report)
             failures += report.error is not None
+    if args.smoke and not args.replica and not _shows_hedging(reports):
+        console.print("[bold red]smoke: expected the primary, then a hedge won by the backup")
+        return 1
     return 1 if failures else 0
+
+
+def _shows_hedging(reports: list[th.Report]) -> bool:
+    """What the smoke run promises with the fake replicas: the first answer from the primary,
+    unhedged; the second (the primary slow) from the backup the hedge sent."""
+    return [(r.winner_replica, r.hedged) for r in reports] == [
+        ("primary", False),
+        ("backup", True),
+    ]
 
 
 def _parser() -> argparse.ArgumentParser:

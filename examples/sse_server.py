@@ -13,7 +13,9 @@ Run:
     python examples/sse_server.py --replica http://10.0.0.1:8000/v1 \\
         --replica http://10.0.0.2:8000/v1 --model my-model
 
-Needs the ``examples`` extra: ``pip install "trio-hedge[examples]"``.
+Needs the ``examples`` extra; from a clone of the repository:
+``pip install -c constraints.txt -e ".[examples]"`` (once released:
+``pip install "trio-hedge[examples]"``).
 """
 
 from __future__ import annotations
@@ -147,8 +149,10 @@ async def _replicas(urls: list[str] | None) -> AsyncIterator[list[th.Replica]]:
         yield [th.Replica(f.url, name=f.name) for f in fakes]
 
 
-async def _smoke(url: str) -> int:
-    """Fetch two answers as a browser would; check tokens, the report and the end."""
+async def _smoke(url: str, *, fakes: bool) -> int:
+    """Fetch two answers as a browser would; check tokens, the report and the end (and, from
+    the fake replicas, that the second answer came from the backup the hedge sent)."""
+    seen: list[tuple[str, bool]] = []
     async with httpx.AsyncClient(timeout=10) as client:
         page = await client.get(url + "/")
         assert page.status_code == 200 and b"EventSource" in page.content
@@ -169,6 +173,8 @@ async def _smoke(url: str) -> int:
                         event = None
             print(f"{text!r}\n  report: {report}")
             assert text == ANSWER and report is not None and report["ttft"] is not None
+            seen.append((report["winner_replica"], report["hedged"]))
+    assert not fakes or seen == [("primary", False), ("backup", True)], seen
     return 0
 
 
@@ -178,7 +184,10 @@ async def main(args: argparse.Namespace) -> int:
     config.accesslog = None
     async with (
         _replicas(args.replica) as replicas,
-        th.Hedger(replicas, th.HedgerConfig(hedge_after=0.3)) as hedger,
+        # "in_order": the first replica is the preferred primary, hedged to the backup when it
+        # is slow. The default pick ("peak_ewma") would learn to go to the backup first, and
+        # the fake primary's slow answers would never show a hedge.
+        th.Hedger(replicas, th.HedgerConfig(hedge_after=0.3, pick="in_order")) as hedger,
         trio.open_nursery() as nursery,
     ):
         app = App(hedger, args.model)
@@ -191,7 +200,7 @@ async def main(args: argparse.Namespace) -> int:
         print(f"serving on {binds[0]}/ (Ctrl-C quits)")
         if args.smoke:
             try:
-                return await _smoke(binds[0])
+                return await _smoke(binds[0], fakes=not args.replica)
             finally:
                 shutdown.set()
         await trio.sleep_forever()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -65,6 +66,65 @@ def test_version_and_help() -> None:
     assert "(default: 120; 0: wait forever)" in help_text  # --first-token-timeout
     assert "Exit status" in help_text
     assert "fake replicas on loopback" in _run("demo", "--help").stdout
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    (sub,) = (a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+@pytest.mark.parametrize("command", ["demo", "stream", "serve", "fake", "tune"])
+def test_every_option_of_every_subcommand_says_what_it_is(command: str) -> None:
+    parser = _subcommands()[command]
+    assert "``" not in (parser.description or "")  # plain text, not reStructuredText
+    for action in parser._actions:
+        name = action.option_strings[-1] if action.option_strings else action.dest
+        assert action.help, f"{command} {name} has no help"
+        shown = parser._get_formatter()._expand_help(action)
+        # A flag (bool) or a repeatable option (empty list) has nothing to show.
+        if action.default not in (None, [], argparse.SUPPRESS) and not isinstance(
+            action.default, bool
+        ):
+            assert "default: " in shown, f"{command} {name}: {shown!r} hides its default"
+
+
+@pytest.mark.parametrize(
+    ("command", "option", "says"),
+    [
+        ("tune", "--window", "seconds of observations it keeps (LearnedDelay.window; default: 300"),
+        ("tune", "--min-samples", "(LearnedDelay.min_samples; default: 20)"),
+        ("tune", "--seed", "(default: 0)"),
+        ("tune", "--chars-per-token", "(default: 4.0)"),
+        # Unset, the gateway leaves both off (DEFAULT_HEDGER): only the request deadline.
+        ("serve", "--first-token-timeout", "(default: none: only --request-timeout bounds it)"),
+        ("serve", "--stall-timeout", "(default: none: only --request-timeout bounds it)"),
+        ("serve", "--log-level", "(default: info)"),
+        ("stream", "prompt", "the user message"),
+    ],
+)
+def test_help_gives_defaults_and_units(command: str, option: str, says: str) -> None:
+    parser = _subcommands()[command]
+    (action,) = (a for a in parser._actions if option in (*a.option_strings, a.dest))
+    assert says in parser._get_formatter()._expand_help(action)
+
+
+def test_serves_help_states_the_gateways_real_defaults() -> None:
+    from trio_hedge.gateway._config import DEFAULT_HEDGER, Limits
+
+    assert DEFAULT_HEDGER.first_token_timeout is None
+    assert DEFAULT_HEDGER.stall_timeout is None
+    help_text = " ".join(_run("serve", "--help").stdout.split())
+    assert f"(default: {Limits().request_timeout:g})" in help_text
+    assert f"(default: {Limits().drain_timeout:g})" in help_text
+    assert f"(default: {Limits().max_concurrent})" in help_text
+
+
+def test_tunes_help_is_plain_text_and_names_the_log_formats() -> None:
+    help_text = " ".join(_run("tune", "--help").stdout.split())
+    assert "``" not in help_text
+    assert "Hedger.samples()" in help_text
+    assert "LoggingHook" in help_text
+    assert "docs/tuning.md" in help_text
 
 
 def test_a_failed_request_leads_with_its_error() -> None:

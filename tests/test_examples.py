@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -74,3 +75,20 @@ async def test_sse_endpoint_relays_tokens_and_a_gone_browser_closes_every_upstre
             assert backup.disconnected_at - left_at < 0.1
             assert backup.tokens_sent < 200
             shutdown.set()
+
+
+def test_the_chat_example_shows_the_hedge_its_docstring_promises() -> None:
+    """The primary is slow on the second request: the backup the hedge sent answers it (with
+    the default pick, peak EWMA, the Hedger learned to avoid the primary: no hedge shown)."""
+    pytest.importorskip("rich")
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "chat.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = " ".join(done.stdout.split())  # rich wraps lines
+    assert "winner primary (attempt 1) · not hedged" in out
+    assert "winner backup (attempt 2) · hedged after 0.30 s" in out

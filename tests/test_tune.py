@@ -151,6 +151,13 @@ def test_a_cancelled_primary_is_a_lower_bound() -> None:
     assert p90.p99 == pytest.approx(1.9872, abs=1e-4)
 
 
+@pytest.mark.parametrize("budget", [0.1, None])
+def test_a_candidates_code_is_the_config_it_describes(budget: float | None) -> None:
+    config = eval(Candidate(0.95, budget).code(), {"th": th})
+    assert config.hedge_after == th.LearnedDelay(percentile=0.95)
+    assert config.budget == (None if budget is None else th.policy.HedgeBudget(ratio=budget))
+
+
 def test_a_log_without_ttfts_is_an_error() -> None:
     with pytest.raises(ValueError, match="no primary attempt with a TTFT"):
         replay([TTFTRecord(0.0, "g", None, None, 1, 1.0, False)], Candidate(0.9, None))
@@ -194,7 +201,13 @@ async def test_tune_reads_the_logging_hooks_log(
     out = capsys.readouterr().out
     assert f"{stats.attempts} attempts ({stats.hedges_sent} cancelled" in out
     assert "recommended: P" in out
-    assert "th.HedgerConfig(hedge_after=th.LearnedDelay(percentile=" in out
+    # The recommendation pastes as printed: it says what `th` is.
+    code = [line.removeprefix("    ") for line in out.splitlines() if line.startswith("    ")]
+    assert code[0] == "import trio_hedge as th"
+    assert code[1].startswith("th.HedgerConfig(hedge_after=th.LearnedDelay(percentile=")
+    namespace: dict[str, object] = {}
+    exec(code[0], namespace)
+    assert isinstance(eval(code[1], namespace), th.HedgerConfig)
 
 
 async def test_tune_reads_what_a_hedger_exports(

@@ -29,8 +29,9 @@ Leaving the ``async with`` by any path (the end, ``break``, an exception, ``task
 ``asyncio.timeout``) cancels the pump and waits until it has closed every upstream response
 (each close is bounded by the policy's ``close_timeout``): no Trio task outlives the block.
 
-Needs the ``asyncio`` extra (``pip install "trio-hedge[asyncio]"``) and a running trio-asyncio
-loop (``trio_asyncio.run(...)``, or ``async with trio_asyncio.open_loop():`` inside Trio).
+Needs the ``asyncio`` extra (``pip install "trio-hedge[asyncio]"``, or from a clone
+``pip install -e ".[asyncio]"``) and a running trio-asyncio loop (``trio_asyncio.run(...)``, or
+``async with trio_asyncio.open_loop():`` inside Trio).
 """
 
 from __future__ import annotations

@@ -259,7 +259,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="sampling temperature (default: the server's)",
     )
-    stream.add_argument("--system", default=None, help="a system message")
+    stream.add_argument("--system", default=None, help="a system message (default: none)")
     stream.add_argument(
         "--api-key-env",
         default=None,
@@ -267,7 +267,7 @@ def _parser() -> argparse.ArgumentParser:
         help="name of the environment variable holding the API key (never printed)",
     )
     stream.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    stream.add_argument("prompt")
+    stream.add_argument("prompt", help="the user message to send (quote it in the shell)")
     from .gateway._cli import add_commands  # serve, fake: the gateway's own glue
 
     add_commands(sub)

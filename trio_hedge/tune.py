@@ -113,6 +113,8 @@ class Candidate:
         return f"P{self.percentile * 100:g}, {budget}"
 
     def code(self) -> str:
+        """This candidate as a [`HedgerConfig`][trio_hedge.HedgerConfig] expression, with
+        ``th`` standing for ``import trio_hedge as th``."""
         budget = "None" if self.budget is None else f"th.policy.HedgeBudget(ratio={self.budget:g})"
         return (
             f"th.HedgerConfig(hedge_after=th.LearnedDelay(percentile={self.percentile:g}), "
@@ -518,23 +520,41 @@ def _floats(text: str, what: str) -> list[float]:
         raise ValueError(f"--{what} must be comma-separated numbers") from None
 
 
+#: `trio-hedge tune --help`'s description: plain text (argparse prints it as it is).
+_DESCRIPTION = (
+    "Choose the hedging policy from your own TTFT logs: replay them through the Hedger's delay "
+    "learner (LearnedDelay) and hedge budget (HedgeBudget) for a few candidate percentiles and "
+    "budgets, print what each would have cost and bought, and recommend one. "
+    "LOG: JSON lines, one attempt each, as Hedger.samples() writes them or your own (ts, "
+    "prompt_tokens or prompt_chars, and ttft or cancelled_at, in seconds); or LoggingHook's "
+    "log lines, as text or from a JSON formatter (keep its DEBUG lines). "
+    "Every field and how to read the output: docs/tuning.md."
+)
+
+
 def add_parser(sub: Any) -> None:
     """Add the ``tune`` subcommand to the ``trio-hedge`` parser."""
     tune = sub.add_parser(
         "tune",
         help="replay a TTFT log through the learned delay and budget; recommend a policy",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        description=_DESCRIPTION,
     )
-    tune.add_argument("log", nargs="+", help="JSON-lines log file(s); - reads stdin")
+    tune.add_argument(
+        "log",
+        nargs="+",
+        metavar="LOG",
+        help="log file(s) in one of the formats above; - reads stdin",
+    )
     tune.add_argument(
         "--percentiles",
         default=",".join(f"{p:g}" for p in PERCENTILES),
-        help="candidate hedge percentiles (default: %(default)s)",
+        help="candidate hedge percentiles, comma-separated (default: %(default)s)",
     )
     tune.add_argument(
         "--budgets",
         default=",".join(f"{b:g}" for b in BUDGETS),
-        help="candidate budget ratios, backups per request; 0: no budget (default: %(default)s)",
+        help="candidate budget ratios, backups per request, comma-separated; 0: no budget "
+        "(default: %(default)s)",
     )
     tune.add_argument(
         "--max-extra",
@@ -549,14 +569,49 @@ def add_parser(sub: Any) -> None:
         help="a P99 this close to the best is good enough: take the cheapest such "
         "(default: %(default)s)",
     )
-    tune.add_argument("--window", type=float, default=300.0, help="LearnedDelay.window, s")
-    tune.add_argument("--min-samples", type=int, default=20, help="LearnedDelay.min_samples")
     tune.add_argument(
-        "--replicas", type=int, default=None, help="replicas (default: as many as the log names)"
+        "--window",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="the learner's sliding window: seconds of observations it keeps "
+        "(LearnedDelay.window; default: %(default)s)",
     )
-    tune.add_argument("--chars-per-token", type=float, default=4.0)
-    tune.add_argument("--seed", type=int, default=0)
-    tune.add_argument("--plot", metavar="PNG", default=None, help="write a TTFT CDF (matplotlib)")
+    tune.add_argument(
+        "--min-samples",
+        type=int,
+        default=20,
+        metavar="N",
+        help="observations a size class needs before its own percentile is used "
+        "(LearnedDelay.min_samples; default: %(default)s)",
+    )
+    tune.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the fleet size (default: as many as the log names, at least 2)",
+    )
+    tune.add_argument(
+        "--chars-per-token",
+        type=float,
+        default=4.0,
+        metavar="CHARS",
+        help="characters per token, to size records that give prompt_chars (default: %(default)s)",
+    )
+    tune.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the random draws of backup TTFTs: the same seed, the same table "
+        "(default: %(default)s)",
+    )
+    tune.add_argument(
+        "--plot",
+        metavar="PNG",
+        default=None,
+        help="write the CDF of the callers' TTFT to PNG (needs matplotlib; default: no plot)",
+    )
     tune.add_argument("--json", action="store_true", help="print the predictions as JSON")
 
 
@@ -655,6 +710,7 @@ def _print(out: IO[str], records: Sequence[TTFTRecord], plain: Prediction,
     out.write(
         f"recommended: {best.candidate.describe()} (P99 <= {best.p99:.3f} s against "
         f"{plain.p99:.3f} s without hedging, {gain:.1f}x, for {best.extra:.1%} extra requests)\n"
+        "    import trio_hedge as th\n"
         f"    {best.candidate.code()}\n"
         "(the replay assumes independent replicas; watch statistics() once it runs)\n"
     )

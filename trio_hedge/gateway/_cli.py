@@ -58,7 +58,9 @@ def add_commands(sub: Any) -> None:
             "--replica replaces its replicas and groups. Durations are in seconds."
         ),
     )
-    serve.add_argument("--config", metavar="FILE", help="a TOML file (see docs/gateway.md)")
+    serve.add_argument(
+        "--config", metavar="FILE", help="a TOML file (see docs/gateway.md; default: none)"
+    )
     serve.add_argument(
         "--replica",
         action="append",
@@ -71,28 +73,63 @@ def add_commands(sub: Any) -> None:
         metavar="VAR",
         help="environment variable holding the key for the --replica URLs (never printed)",
     )
-    serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port to listen on (default 8080; 0: any)")
+    serve.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument(
+        "--port", type=int, help="port to listen on; 0: any free port (default: 8080)"
+    )
     serve.add_argument(
         "--hedge-after",
         type=_hedge_after,
         metavar="SECONDS|learned|off",
-        help="hedge delay (default: learned from observed TTFTs)",
+        help="hedge delay: seconds, 'learned' from observed TTFTs or 'off' (default: learned)",
     )
-    serve.add_argument("--first-token-timeout", type=_seconds, metavar="SECONDS")
-    serve.add_argument("--stall-timeout", type=_seconds, metavar="SECONDS")
-    serve.add_argument("--max-concurrent", type=int, metavar="N", help="default 1000")
-    serve.add_argument("--request-timeout", type=_seconds, metavar="SECONDS", help="default 600")
-    serve.add_argument("--drain-timeout", type=_seconds, metavar="SECONDS", help="default 30")
-    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    serve.add_argument(
+        "--first-token-timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        help="fail a request with no first token within SECONDS, over all its attempts "
+        "(default: none: only --request-timeout bounds it)",
+    )
+    serve.add_argument(
+        "--stall-timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        help="after the first token, fail a stream that goes quiet for SECONDS "
+        "(default: none: only --request-timeout bounds it)",
+    )
+    serve.add_argument(
+        "--max-concurrent",
+        type=int,
+        metavar="N",
+        help="chat requests handled at once; beyond it the answer is 503 (default: 1000)",
+    )
+    serve.add_argument(
+        "--request-timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        help="the deadline of one chat request: 504 before its first token, an in-band error "
+        "after (default: 600)",
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        help="on SIGTERM, how long requests in flight may go on (default: 30)",
+    )
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="what the gateway logs to stderr (default: %(default)s)",
+    )
     serve.add_argument(
         "--gc-threshold",
         type=int,
         default=GC_THRESHOLD,
         metavar="N",
-        help=f"CPython's gen-0 garbage-collection threshold (default {GC_THRESHOLD:,}; 0 keeps "
-        "Python's): with thousands of streams alive, the default collector's cost per stream "
-        "grows with their number (benchmarks/scale.py)",
+        help="CPython's gen-0 garbage-collection threshold; 0 keeps Python's: with thousands "
+        "of streams alive, the default collector's cost per stream grows with their number "
+        f"(benchmarks/scale.py; default: {GC_THRESHOLD:,})",
     )
 
     fake = sub.add_parser(
@@ -103,15 +140,39 @@ def add_commands(sub: Any) -> None:
             "(or --text) and prints one line per request it answered. Durations in seconds."
         ),
     )
-    fake.add_argument("--port", type=int, default=0, help="default 0: any free port")
-    fake.add_argument("--host", default="127.0.0.1")
-    fake.add_argument("--name", default="fake")
-    fake.add_argument("--model", default="fake-model", help="the model /v1/models lists")
-    fake.add_argument("--ttft", type=_seconds, default=0.0, help="time to first token")
-    fake.add_argument("--tpot", type=_seconds, default=0.02, help="time per output token")
-    fake.add_argument("--tokens", type=int, default=8, help="tokens to send (tok0 tok1 …)")
+    fake.add_argument(
+        "--port", type=int, default=0, help="port to listen on; 0: any free port (default: 0)"
+    )
+    fake.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+    )
+    fake.add_argument(
+        "--name", default="fake", help="the name its lines are printed with (default: %(default)s)"
+    )
+    fake.add_argument(
+        "--model", default="fake-model", help="the model /v1/models lists (default: %(default)s)"
+    )
+    fake.add_argument(
+        "--ttft",
+        type=_seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="time to first token (default: %(default)s)",
+    )
+    fake.add_argument(
+        "--tpot",
+        type=_seconds,
+        default=0.02,
+        metavar="SECONDS",
+        help="time per output token (default: %(default)s)",
+    )
+    fake.add_argument(
+        "--tokens", type=int, default=8, help="tokens to send, tok0 tok1 … (default: %(default)s)"
+    )
     fake.add_argument("--text", help="send these words instead of tok0 tok1 …")
-    fake.add_argument("--reasoning", type=int, default=0, help="reasoning tokens first")
+    fake.add_argument(
+        "--reasoning", type=int, default=0, help="reasoning tokens first (default: %(default)s)"
+    )
     fake.add_argument(
         "--tool-call",
         type=_tool_call,
@@ -121,8 +182,16 @@ def add_commands(sub: Any) -> None:
         help="stream a tool call after the content (repeat; finish_reason tool_calls)",
     )
     fake.add_argument("--fail-status", type=int, metavar="CODE", help="answer this error status")
-    fake.add_argument("--retry-after", type=_seconds, help="Retry-After on the error")
-    fake.add_argument("--error-delay", type=_seconds, default=0.0, help="seconds before it")
+    fake.add_argument(
+        "--retry-after", type=_seconds, metavar="SECONDS", help="Retry-After on the error"
+    )
+    fake.add_argument(
+        "--error-delay",
+        type=_seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="seconds before the error (default: %(default)s)",
+    )
     fake.add_argument("--stall-after", type=int, metavar="N", help="stall after N tokens")
     fake.add_argument("--cut-after", type=int, metavar="N", help="cut the connection after N")
     fake.add_argument("--http2", action="store_true", help="also accept h2c")
@@ -142,7 +211,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         sys.stderr.write(
             f"trio-hedge serve needs the gateway extra ({exc.name} is missing): "
-            "pip install 'trio-hedge[gateway]'\n"
+            "pip install 'trio-hedge[gateway]', or from a clone pip install -e '.[gateway]'\n"
         )
         return 2
     from ._config import ConfigError, load_config, with_flags

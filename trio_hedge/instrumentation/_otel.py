@@ -142,7 +142,8 @@ class OpenTelemetryHook:
 
     Raises:
         ImportError: ``opentelemetry-api`` or ``opentelemetry-semantic-conventions`` is
-            missing (``pip install "trio-hedge[otel]"``).
+            missing (``pip install "trio-hedge[otel]"``, or from a clone
+            ``pip install -e ".[otel]"``).
     """
 
     def __init__(
@@ -159,7 +160,8 @@ class OpenTelemetryHook:
             gen_ai, gen_ai_metrics, error_attrs, server_attrs = _semconv()
         except ImportError as exc:  # pragma: no cover - exercised without the package
             raise ImportError(
-                'OpenTelemetryHook needs the otel extra: pip install "trio-hedge[otel]"'
+                'OpenTelemetryHook needs the otel extra: pip install "trio-hedge[otel]", '
+                'or from a clone pip install -e ".[otel]"'
             ) from exc
         if provider_name is not None and (not isinstance(provider_name, str) or not provider_name):
             raise ValueError(f"provider_name must be a non-empty str or None: {provider_name!r}")
