@@ -136,3 +136,33 @@ async def test_serve_without_replicas_is_a_usage_error() -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert b"give --replica URL" in done.stderr
+
+
+@pytest.mark.parametrize("pick", [None, "in_order"])
+async def test_the_readme_gateway_hedges_every_request_with_pick_in_order(
+    pick: str | None,
+) -> None:
+    """The README's gateway block: a slow replica given first, a fast one second. With
+    ``--pick in_order`` the slow one stays the primary and every request is hedged; the
+    default pick (peak EWMA) learns from the first lost race to ask the fast one first."""
+    slow = Behaviour(ttft=2.0, tokens=2)
+    fast = Behaviour(ttft=0.0, tokens=2)
+    async with (
+        FakeReplica(slow, name="slow") as a,
+        FakeReplica(fast, name="fast") as b,
+        trio.open_nursery() as nursery,
+    ):
+        args = ["serve", "--replica", a.url, "--replica", b.url, "--hedge-after", "0.05"]
+        gw = await _start(nursery, *args, "--port", "0", *(["--pick", pick] if pick else []))
+        with trio.fail_after(30):
+            line = await gw.line_with("listening on ")
+            url = line.split("listening on ")[1].split()[0] + "/v1"
+            hedged = []
+            async with httpx.AsyncClient() as http:
+                for _ in range(3):
+                    response = await http.post(f"{url}/chat/completions", json=CHAT)
+                    assert response.status_code == 200
+                    hedged.append(response.headers["x-hedge-hedged"])
+            gw.process.send_signal(signal.SIGTERM)
+            assert await gw.process.wait() == 0
+    assert hedged == (["true"] * 3 if pick == "in_order" else ["true", "false", "false"])

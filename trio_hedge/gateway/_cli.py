@@ -84,6 +84,14 @@ def add_commands(sub: Any) -> None:
         help="hedge delay: seconds, 'learned' from observed TTFTs or 'off' (default: learned)",
     )
     serve.add_argument(
+        "--pick",
+        choices=("peak_ewma", "least_loaded", "in_order"),
+        help="how each request's primary is chosen: 'peak_ewma', the replica with the lowest "
+        "recent TTFT (it learns to avoid a slow one); 'least_loaded', the fewest attempts in "
+        "flight; 'in_order', the first eligible --replica, a preferred primary "
+        "(default: peak_ewma)",
+    )
+    serve.add_argument(
         "--first-token-timeout",
         type=_seconds,
         metavar="SECONDS",
@@ -229,7 +237,7 @@ def _serve(args: argparse.Namespace) -> int:
             sys.stderr.write(f"trio-hedge: environment variable {args.api_key_env} is not set\n")
             return 2
     hedger: dict[str, Any] = {}
-    for flag in ("hedge_after", "first_token_timeout", "stall_timeout"):
+    for flag in ("hedge_after", "pick", "first_token_timeout", "stall_timeout"):
         if getattr(args, flag) is not None:
             hedger[flag] = getattr(args, flag)
     limits: dict[str, Any] = {}

@@ -226,7 +226,8 @@ def _check_client(client: object) -> None:
         import openai
     except ImportError as exc:  # pragma: no cover - exercised without the package
         raise ImportError(
-            'the openai SDK source needs the openai package: pip install "trio-hedge[openai]"'
+            'the openai SDK source needs the openai package: pip install "trio-hedge[openai]", '
+            'or from a clone pip install -e ".[openai]"'
         ) from exc
     if not isinstance(client, openai.AsyncOpenAI):
         hint = " (the sync client would block Trio)" if isinstance(client, openai.OpenAI) else ""
