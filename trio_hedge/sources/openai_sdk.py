@@ -42,7 +42,7 @@ from .._validate import check_headers
 from ..errors import AttemptError, ErrorKind
 from ..events import Delta, ToolCallDelta
 from .openai._errors import _in_band_error, classify_http_error
-from .openai._http import ERROR_BODY_LIMIT, HeaderNames
+from .openai._http import ERROR_BODY_LIMIT, HeaderNames, attempt_headers
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -413,14 +413,7 @@ class OpenAISDKSource:
 
     async def open(self, info: AttemptInfo) -> _SDKAttempt:
         errors = self._errors
-        extra = dict(self._extra_headers)
-        names = self._header_names
-        if names.request_id is not None:
-            extra[names.request_id] = info.request_id
-        if names.attempt is not None:
-            extra[names.attempt] = str(info.number)
-        if info.idempotency_key is not None:
-            extra["Idempotency-Key"] = info.idempotency_key
+        extra = attempt_headers(self._extra_headers, self._header_names, info)
         try:
             stream = await self._client.chat.completions.create(
                 **{**self._kwargs, "extra_headers": extra}

@@ -79,6 +79,22 @@ class HeaderNames:
     attempt: str | None = attrs.field(default="X-Hedge-Attempt", validator=_check_header_name)
 
 
+def attempt_headers(
+    base: Mapping[str, str], names: HeaderNames, info: AttemptInfo
+) -> dict[str, str]:
+    """``base`` plus what says which request and attempt this is: the request id and attempt
+    number under ``names``, and the request's ``Idempotency-Key`` when it has one (the HTTP
+    source's headers and the openai-SDK source's ``extra_headers``)."""
+    headers = dict(base)
+    if names.request_id is not None:
+        headers[names.request_id] = info.request_id
+    if names.attempt is not None:
+        headers[names.attempt] = str(info.number)
+    if info.idempotency_key is not None:
+        headers["Idempotency-Key"] = info.idempotency_key
+    return headers
+
+
 def _strip_slash(url: object) -> str:
     if not isinstance(url, str):
         raise TypeError(f"base_url must be a str, not {type(url).__name__}")
@@ -275,14 +291,7 @@ class OpenAIChatSource:
         return f"OpenAIChatSource(replica={self._replica!r})"
 
     async def open(self, info: AttemptInfo) -> HTTPAttempt:
-        headers = dict(self._headers)
-        names = self._header_names
-        if names.request_id is not None:
-            headers[names.request_id] = info.request_id
-        if names.attempt is not None:
-            headers[names.attempt] = str(info.number)
-        if info.idempotency_key is not None:
-            headers["Idempotency-Key"] = info.idempotency_key
+        headers = attempt_headers(self._headers, self._header_names, info)
         request = self._client.build_request(
             "POST", self._url, content=self._content, headers=headers
         )
