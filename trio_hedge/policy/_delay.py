@@ -72,10 +72,11 @@ class LearnedDelay:
 
     Attributes:
         percentile: the TTFT quantile to hedge at, in ``(0, 1)``. Default 0.95 (P95, as
-            "The Tail at Scale" defers its hedges): on the tail simulation and on two
-            llama.cpp replicas it gave the P90's tail or better for about half the hedges
-            (``benchmarks/tail.py``, ``benchmarks/real_engine.py``); the P90's extra hedges
-            were mostly an idle replica's own noise.
+            "The Tail at Scale" defers its hedges): on two llama.cpp replicas it gave a lower
+            P99 TTFT than the P90 for about half the hedges (``benchmarks/real_engine.py``);
+            in the tail simulation the same P99 with a lone client and 6% higher with other
+            tenants' load (``benchmarks/tail.py``). 0.9 hedges sooner, for about twice the
+            hedges.
         window: seconds of observations kept (a sliding window on Trio's clock). Default 300:
             LLM traffic per group is often about one request a second, and a size class
             needs tens of samples for a P90 (with 60 s, ``benchmarks/tail.py`` measured P99
