@@ -1084,9 +1084,10 @@ async def test_an_untried_replica_goes_before_a_tried_one(
     assert [a.replica for a in report.attempts] == ["a", "b", "c", "a", "b", "c"]
 
 
-async def test_a_replica_at_fault_is_not_tried_again_in_the_request(
+async def test_a_replica_at_fault_is_not_tried_again_even_without_ejection(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    # Ejection off (PLAIN): only the plan keeps a's 401 from a second try in this request.
     fleet = Fleet(["a", "b"], table(Fail(at=0.1), a=Fail(at=0.1, kind=ErrorKind.AUTH)))
     hedger = th.Hedger(
         fleet.sources(), _config(attempts_per_replica=2, backoff=None, pick="in_order")

@@ -608,12 +608,12 @@ async def test_a_failover_never_waits_for_a_close(autojump_clock: trio.testing.M
 async def test_role_only_deltas_do_not_reset_the_stall_clock(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    # After one token, the winner sends only role-only deltas every 0.4 s: no progress, so
-    # the stall timeout (1 s) fires 1 s after the token, not never.
+    # After one token, the winner sends only role-only deltas every 0.4 s for 4 s: no
+    # progress, so the stall timeout (1 s) fires 1 s after the token.
     async def chatty(info: AttemptInfo) -> AsyncIterator[str | Delta]:
         await trio.sleep(0.1)
         yield "tok "
-        while True:
+        for _ in range(10):
             await trio.sleep(0.4)
             yield Delta(role="assistant")
 
