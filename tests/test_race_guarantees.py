@@ -24,7 +24,6 @@ from trio_hedge.events import Delta, FirstToken
 from trio_hedge.report import AttemptOutcome as O
 from trio_hedge.sources import AttemptInfo
 
-from .fleet import Fail, Fleet, run
 from .scripted import Ledger, Script, scripted, sources
 
 if sys.version_info < (3, 11):
@@ -656,31 +655,3 @@ async def test_the_report_dict_lists_every_failure_kind(
     assert report is not None
     error = report.to_dict()["error"]
     assert (error["kinds"], error["kind"]) == (["server_error", "overloaded"], "overloaded")
-
-
-@pytest.mark.parametrize("seed", SEEDS)
-def test_no_attempt_starts_after_a_commit_that_lands_while_the_planner_waits(seed: int) -> None:
-    # r0 leaves c cooling until the very instant r1's primary commits; r1's failover waits
-    # for c in the planner. Whichever runs first in that tick, no attempt runs on after the
-    # commit (one that starts in the commit's tick is cancelled in it).
-    def behave(name: str, info: AttemptInfo) -> Script | Fail:
-        if info.request_id == "r0":
-            retry_after = 2.0 if name == "c" else None
-            kind = ErrorKind.RATE_LIMIT if name == "c" else ErrorKind.SERVER_ERROR
-            return Fail(at=0.1, kind=kind, retry_after=retry_after)
-        return {"a": Script(ttft=2.0), "b": Fail(at=0.1)}.get(name, Script(ttft=0.5))
-
-    async def main() -> th.Report:
-        fleet = Fleet(["a", "b", "c"], behave)
-        config = th.HedgerConfig(
-            hedge_after=1.0, budget=None, throttle=None, outlier_detection=None, pick="in_order"
-        )
-        hedger = th.Hedger(fleet.sources(), config)
-        await run(hedger.stream(None, request_id="r0"))
-        return await run(hedger.stream(None, request_id="r1"))
-
-    report = run_seeded(main, seed)
-    assert report.winner_replica == "a" and report.ttft == pytest.approx(2.0)
-    assert [a.replica for a in report.attempts][:2] == ["a", "b"]
-    losers = [a for a in report.attempts if a.number != report.winner]
-    assert [a.ended_at for a in losers] == [pytest.approx(1.1), *[report.ttft] * (len(losers) - 1)]
