@@ -303,3 +303,34 @@ async def test_budget_spent_when_the_backup_starts(autojump_clock: trio.testing.
     assert (len(report.attempts), report.hedges_refused) == (1, 1)
     stats = hedger.statistics()
     assert (stats.budget_window, stats.budget_refusals, stats.hedges_sent) == ((2, 1), 1, 1)
+
+
+async def test_failovers_do_not_spend_the_budget(autojump_clock: trio.testing.MockClock) -> None:
+    fleet = Fleet(["a", "b"], table(Script(ttft=0.5, tokens=1), a=Fail(at=0.25)))
+    budget = HedgeBudget(ratio=0.1, min_per_second=0.1, window=10.0)  # a floor of 1 backup
+    config = th.HedgerConfig(
+        hedge_after=1.0, budget=budget, throttle=None, outlier_detection=None, pick="in_order"
+    )
+    hedger = th.Hedger(fleet.sources(), config)
+    report = await run(hedger.stream(None))
+    assert [(a.replica, a.trigger) for a in report.attempts] == [
+        ("a", "primary"),
+        ("b", "failover"),
+    ]
+    assert hedger.statistics().budget_window == (1, 0)
+
+
+async def test_only_retryable_failures_take_throttle_tokens(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The request's own fault (a 400) says nothing about the fleet: it takes no token.
+    fleet = Fleet(["a", "b"], table(Fail(at=0.1, kind=th.errors.ErrorKind.INVALID_REQUEST)))
+    throttle = RetryThrottle(max_tokens=10.0, token_ratio=0.1)
+    config = th.HedgerConfig(
+        hedge_after=1.0, budget=None, throttle=throttle, outlier_detection=None, pick="in_order"
+    )
+    hedger = th.Hedger(fleet.sources(), config)
+    for _ in range(3):
+        report = await run(hedger.stream(None))
+        assert isinstance(report.error, th.FatalAttemptError)
+    assert hedger.statistics().throttle_tokens == 10.0

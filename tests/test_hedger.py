@@ -1025,3 +1025,72 @@ async def test_per_request_headers_on_every_http_attempt(
     # A replica's own key wins over a per-request Authorization; the rest is added.
     assert (b0.headers["authorization"], b0.headers["x-tenant"]) == ("Bearer sk-replica-own", "t1")
     assert "authorization" not in a1.headers and "x-tenant" not in a1.headers
+
+
+# -- brakes the mutation check found unguarded (docs/guarantees.md, "No request storm") -----------
+
+
+async def test_a_failover_never_waits_for_an_ejected_replica(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The ejection (5 s) ends within max_pushback_wait (10 s): were an ejected replica only a
+    # cooling one, the failover would wait for it. It is refused at once instead.
+    fleet = Fleet(["a", "b"], table(Fail(at=0.25)))
+    outlier = OutlierDetection(consecutive_failures=1, base_ejection=5.0, max_ejection=5.0)
+    hedger = th.Hedger(fleet.sources(), _config(outlier_detection=outlier, pick="in_order"))
+    first = await run(hedger.stream(None))
+    assert [a.replica for a in first.attempts] == ["a", "b"]
+    assert hedger.statistics().ejected == ("a",)
+    t0 = trio.current_time()
+    second = await run(hedger.stream(None))
+    assert [a.replica for a in second.attempts] == ["b"]
+    assert trio.current_time() - t0 == 0.25
+    assert hedger.statistics().failover_no_replica_refusals == 1
+
+
+async def test_a_rate_limit_cools_but_never_counts_against_the_replica(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fleet = _by_request(FAST, a_r0=Fail(at=0.1, kind=ErrorKind.RATE_LIMIT, retry_after=1.0))
+    outlier = OutlierDetection(consecutive_failures=1)
+    hedger = th.Hedger(fleet.sources(), _config(outlier_detection=outlier, pick="in_order"))
+    report = await run(hedger.stream(None, request_id="r0"))
+    assert [(a.replica, a.outcome) for a in report.attempts] == [("a", O.FAILED), ("b", O.WON)]
+    stats = hedger.statistics()
+    assert (stats.ejected, stats.cooling, stats.replicas[0].failures) == ((), ("a",), 0)
+
+
+async def test_a_success_resets_the_run_of_failures(autojump_clock: trio.testing.MockClock) -> None:
+    # Two failures in a row eject; a's failures are not in a row (a success in between).
+    fleet = _by_request(FAST, a_r0=Fail(at=0.1), a_r2=Fail(at=0.1))
+    outlier = OutlierDetection(consecutive_failures=2)
+    hedger = th.Hedger(fleet.sources(), _config(outlier_detection=outlier, pick="in_order"))
+    winners = [
+        (await run(hedger.stream(None, request_id=f"r{i}"))).winner_replica for i in range(3)
+    ]
+    assert winners == ["b", "a", "b"]
+    stats = hedger.statistics()
+    assert (stats.ejected, stats.replicas[0].failures) == ((), 2)
+
+
+async def test_an_untried_replica_goes_before_a_tried_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fleet = Fleet(["a", "b", "c"], table(Fail(at=0.1)))
+    hedger = th.Hedger(
+        fleet.sources(), _config(attempts_per_replica=2, backoff=None, pick="in_order")
+    )
+    report = await run(hedger.stream(None))
+    assert [a.replica for a in report.attempts] == ["a", "b", "c", "a", "b", "c"]
+
+
+async def test_a_replica_at_fault_is_not_tried_again_even_without_ejection(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Ejection off (PLAIN): only the plan keeps a's 401 from a second try in this request.
+    fleet = Fleet(["a", "b"], table(Fail(at=0.1), a=Fail(at=0.1, kind=ErrorKind.AUTH)))
+    hedger = th.Hedger(
+        fleet.sources(), _config(attempts_per_replica=2, backoff=None, pick="in_order")
+    )
+    report = await run(hedger.stream(None))
+    assert [a.replica for a in report.attempts] == ["a", "b", "b"]

@@ -578,3 +578,80 @@ def test_an_empty_answer_in_the_tick_the_caller_leaves_is_not_half_committed(see
     won = [a.number for a in report.attempts if a.outcome is O.WON]
     assert won == ([report.winner] if report.winner is not None else [])
     assert all(a.ended_at is not None for a in report.attempts)
+
+
+async def test_a_failover_is_not_a_hedge(autojump_clock: trio.testing.MockClock) -> None:
+    ledger = Ledger()
+    replicas = sources(ledger, Script(fail_at=0.1), Script(ttft=0.2))
+    stream = th.hedged_stream(None, replicas, HedgePolicy(hedge_after=0.5))
+    await read_all(stream)
+    report = stream.report
+    assert [a.trigger for a in report.attempts] == ["primary", "failover"]
+    assert (report.hedged, report.backups_sent) == (False, 1)
+
+
+async def test_a_failover_never_waits_for_a_close(autojump_clock: trio.testing.MockClock) -> None:
+    # The failed primary's close takes 0.9 s: the failover starts at the failure, not after.
+    ledger = Ledger()
+    replicas = sources(ledger, Script(fail_at=0.1, close_delay=0.9), Script(ttft=0.2))
+    stream = th.hedged_stream(None, replicas, HedgePolicy(hedge_after=0.5))
+    await read_all(stream)
+    report = stream.report
+    assert [(a.trigger, a.started_at) for a in report.attempts] == [
+        ("primary", 0.0),
+        ("failover", 0.1),
+    ]
+    assert report.ttft == pytest.approx(0.3)
+    assert ledger.open_now == 0
+
+
+async def test_role_only_deltas_do_not_reset_the_stall_clock(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # After one token, the winner sends only role-only deltas every 0.4 s for 4 s: no
+    # progress, so the stall timeout (1 s) fires 1 s after the token.
+    async def chatty(info: AttemptInfo) -> AsyncIterator[str | Delta]:
+        await trio.sleep(0.1)
+        yield "tok "
+        for _ in range(10):
+            await trio.sleep(0.4)
+            yield Delta(role="assistant")
+
+    replicas = [th.iterator_source(chatty, name="chatty")]
+    policy = HedgePolicy(hedge_after=None, stall_timeout=1.0)
+    with pytest.raises(th.StreamInterrupted) as info:
+        await read_all(th.hedged_stream(None, replicas, policy))
+    assert info.value.error.kind is ErrorKind.STALL
+    assert info.value.text == "tok "
+    report = info.value.report
+    assert report is not None and report.total == pytest.approx(1.1)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_first_token_at_the_first_token_timeout_wins(seed: int) -> None:
+    # The first token lands in the very tick first_token_timeout expires: under every order
+    # of Trio's scheduler, the token wins (as a token at the hedge delay wins without a hedge).
+    async def main() -> tuple[list[str], Ledger]:
+        ledger = Ledger()
+        policy = HedgePolicy(hedge_after=None, first_token_timeout=0.7)
+        stream = th.hedged_stream(None, sources(ledger, Script(ttft=0.7, tokens=2)), policy)
+        return await read_all(stream), ledger
+
+    tokens, ledger = run_seeded(main, seed)
+    assert tokens == ["primary:0 ", "primary:1 "]
+    assert ledger.open_now == 0
+
+
+async def test_the_report_dict_lists_every_failure_kind(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    replicas = [
+        th.iterator_source(_failing(0.1, ErrorKind.SERVER_ERROR), name="a"),
+        th.iterator_source(_failing(0.1, ErrorKind.OVERLOADED), name="b"),
+    ]
+    with pytest.raises(th.AllAttemptsFailed) as info:
+        await read_all(th.hedged_stream(None, replicas, HedgePolicy(hedge_after=1.0)))
+    report = info.value.report
+    assert report is not None
+    error = report.to_dict()["error"]
+    assert (error["kinds"], error["kind"]) == (["server_error", "overloaded"], "overloaded")

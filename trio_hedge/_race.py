@@ -186,8 +186,13 @@ class _Race:
             with self._stagger_scope:
                 await self._stagger()
             if self._stagger_scope.cancelled_caught and not self._decided:
-                self._timed_out = True  # the deadline passed with no first token
-                self._decide()
+                # A first token due at the deadline's very instant wins, as one due at the
+                # hedge delay's does: let the tasks woken in this tick run first (an
+                # attempt's commit decides the race right here).
+                await trio.lowlevel.checkpoint()
+                if not self._decided:
+                    self._timed_out = True  # the deadline passed with no first token
+                    self._decide()
         except BaseException:
             # Cancelled from outside (or a KeyboardInterrupt). Nothing may commit into the
             # abandoned race now (an attempt woken in this very tick closes its own stream),
