@@ -1094,3 +1094,38 @@ async def test_a_replica_at_fault_is_not_tried_again_even_without_ejection(
     )
     report = await run(hedger.stream(None))
     assert [a.replica for a in report.attempts] == ["a", "b", "b"]
+
+
+async def test_failures_while_ejected_are_not_in_the_run(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Three requests in flight on a at once; a fails each, 0.1 s apart. The first two eject
+    # it (at 0.2 s, for 10 s); the third lands while a is ejected: counted in its failures,
+    # not in its run. So when a returns, one more failure does not eject it again.
+    fleet = _by_request(
+        FAST, a_r0=Fail(at=0.1), a_r1=Fail(at=0.2), a_r2=Fail(at=0.3), a_r3=Fail(at=0.1)
+    )
+    outlier = OutlierDetection(consecutive_failures=2, base_ejection=10.0)
+    hedger = th.Hedger(fleet.sources(), _config(outlier_detection=outlier, pick="in_order"))
+    t0 = trio.current_time()
+    reports: list[th.Report] = []
+
+    async def request(request_id: str) -> None:
+        reports.append(await run(hedger.stream(None, request_id=request_id)))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(3):
+            nursery.start_soon(request, f"r{i}")
+    assert sorted((r.request_id, [a.replica for a in r.attempts]) for r in reports) == [
+        (f"r{i}", ["a", "b"]) for i in range(3)
+    ]
+    a = hedger.statistics().replicas[0]
+    assert (a.state, a.failures, a.consecutive_failures, a.times_ejected) == ("ejected", 3, 0, 1)
+    assert a.ejected_for == pytest.approx(t0 + 0.2 + 10.0 - trio.current_time(), abs=1e-9)
+    # Back after 10 s: its run starts from zero, so one failure leaves it in.
+    await trio.sleep(a.ejected_for)
+    report = await run(hedger.stream(None, request_id="r3"))
+    assert [(x.replica, x.outcome) for x in report.attempts] == [("a", O.FAILED), ("b", O.WON)]
+    a = hedger.statistics().replicas[0]
+    assert (a.state, a.failures, a.consecutive_failures, a.times_ejected) == ("healthy", 4, 1, 1)
+    assert hedger.statistics().ejected == ()

@@ -8,6 +8,7 @@ is tried, deterministically.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -655,3 +656,76 @@ async def test_the_report_dict_lists_every_failure_kind(
     assert report is not None
     error = report.to_dict()["error"]
     assert (error["kinds"], error["kind"]) == (["server_error", "overloaded"], "overloaded")
+
+
+class _ShieldedPlanner:
+    """A custom planner that hedges after 0.2 s, then decides the backup's source in a
+    shielded wait until ``returns_at``: the race's cancel (a commit, a fatal error) does not
+    reach it, so it hands back a source after the race was decided."""
+
+    def __init__(self, primary: th.sources.Source, late: th.sources.Source) -> None:
+        self._primary, self._late = primary, late
+        self.returns_at = 1.0
+        self.asked: list[tuple[int, str]] = []
+        self.records: list[tuple[str, int, O]] = []  # (replica, attempt, outcome) per change
+        self.finished: list[th.Report] = []
+
+    async def next_source(self, number: int, trigger: str) -> th.sources.Source | None:
+        self.asked.append((number, trigger))
+        if number == 1:
+            return self._primary
+        with trio.CancelScope(shield=True):
+            await trio.sleep_until(self.returns_at)
+        return self._late
+
+    def hedge_delay(self, number: int) -> float | None:
+        return 0.2
+
+    def may_hedge(self) -> bool:
+        return True
+
+    def attempt_changed(self, source: th.sources.Source, record: th.AttemptRecord) -> None:
+        self.records.append((source.name, record.number, record.outcome))
+
+    def request_finished(self, report: th.Report) -> None:
+        self.finished.append(report)
+
+
+@pytest.mark.parametrize(
+    ("primary", "outcome"),
+    [
+        (Script(ttft=0.5, tokens=2), O.WON),
+        (Script(fail_at=0.5, fail_kind=ErrorKind.INVALID_REQUEST), O.FAILED),
+    ],
+    ids=["commit", "fatal error"],
+)
+async def test_no_attempt_starts_after_the_commit_for_a_custom_planner(
+    autojump_clock: trio.testing.MockClock, primary: Script, outcome: O
+) -> None:
+    # The hedge is due at 0.2 s; the primary commits (or fails fatally) at 0.5 s while the
+    # planner waits, shielded, for the backup's source; it returns one at 1.0 s. The race
+    # is decided: that source is never opened and no attempt is added.
+    ledger = Ledger()
+    planner = _ShieldedPlanner(
+        scripted("primary", primary, ledger), scripted("late", Script(ttft=0.1), ledger)
+    )
+    stream = th.HedgedStream(planner, HedgePolicy(hedge_after=0.2))
+    t0 = trio.current_time()
+    tokens: list[str] = []
+    with contextlib.suppress(th.FatalAttemptError):
+        async with stream:
+            tokens = [token async for token in stream]
+    assert [name for name, *_ in ledger.opened] == ["primary"]  # the late source never opened
+    assert planner.asked == [(1, "primary"), (2, "hedge")]
+    assert planner.records == [("primary", 1, O.RUNNING), ("primary", 1, outcome)]
+    (report,) = planner.finished
+    assert [(a.number, a.replica, a.trigger, a.outcome) for a in report.attempts] == [
+        (1, "primary", "primary", outcome)
+    ]
+    assert (report.attempts_sent, report.backups_sent, report.hedged) == (1, 0, False)
+    assert report.winner == (1 if outcome is O.WON else None)
+    assert stream.report == report
+    assert tokens == (["primary:0 ", "primary:1 "] if outcome is O.WON else [])
+    assert ledger.open_now == 0
+    # (the race waits for its planner: the primary's last token, due at 0.6 s, was read by then)
+    assert trio.current_time() - t0 == 1.0
