@@ -26,7 +26,10 @@ class Planner(Protocol):
 
     async def next_source(self, number: int, trigger: str) -> Source | None:
         """The source for attempt ``number`` (``trigger`` says why it starts), or ``None``
-        when no further attempt may start. May wait (for a replica's cooldown)."""
+        when no further attempt may start. May wait (for a replica's cooldown), unshielded: a
+        commit or a fatal error during the wait arrives as ``Cancelled``. A source returned
+        after the race was decided is never opened, but a shielded wait still holds up the
+        winner's hand-over until it ends."""
         ...
 
     def hedge_delay(self, number: int) -> float | None:
