@@ -467,7 +467,7 @@ def check_targets(console: Console, rows: Sequence[Row]) -> bool:
     if DOUBLE not in by or ROUTING not in by:
         return True
     double, routing = by[DOUBLE], by[ROUTING]
-    verdicts = []
+    met: dict[str, bool] = {}
     for name in (HEDGER, HEDGER_P90):
         if name not in by:
             continue
@@ -501,8 +501,8 @@ def check_targets(console: Console, rows: Sequence[Row]) -> bool:
             )
         for text, ok in checks:
             console.print(f"[{'green' if ok else 'red'}]{'PASS' if ok else 'FAIL'}[/] {text}")
-        verdicts.append((name, all(ok for _, ok in checks)))
-    return dict(verdicts).get(HEDGER, True)
+        met[name] = all(ok for _, ok in checks)
+    return met.get(HEDGER, True)
 
 
 # -- main ---------------------------------------------------------------------------------------
