@@ -184,7 +184,10 @@ async def test_throttle_stops_hedging_under_failures_and_lets_it_resume(
     assert stats.throttle_refusals == 1
     assert stats.hedges_sent == 7
     refused = [(e.kind, e.reason) for e in events if e.reason == "throttle"]
-    assert refused == [(EventKind.FAILOVER_REFUSED, "throttle"), (EventKind.HEDGE_REFUSED, "throttle")]
+    assert refused == [
+        (EventKind.FAILOVER_REFUSED, "throttle"),
+        (EventKind.HEDGE_REFUSED, "throttle"),
+    ]
 
 
 # -- failovers are extra requests too (gRFC A6: no retries at or below half the tokens) ----------

@@ -77,7 +77,9 @@ def _kinds(value: object) -> frozenset[ErrorKind]:
     return frozenset(kinds)
 
 
-def _check_caller(_inst: object, attribute: attrs.Attribute[Any], value: frozenset[ErrorKind]) -> None:
+def _check_caller(
+    _inst: object, attribute: attrs.Attribute[Any], value: frozenset[ErrorKind]
+) -> None:
     if not value <= RETRYABLE_KINDS:
         raise ValueError(
             f"{attribute.name} holds only kinds another attempt may fix (the rest are the "
@@ -95,14 +97,19 @@ def _check_replica(
         )
 
 
-def _converted(field: str) -> Any:
-    def convert(value: object) -> frozenset[ErrorKind]:
-        try:
-            return _kinds(value)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"{field} {exc}") from None
+def _caller_kinds(value: object) -> frozenset[ErrorKind]:
+    return _named(value, "caller")
 
-    return convert
+
+def _replica_kinds(value: object) -> frozenset[ErrorKind]:
+    return _named(value, "replica")
+
+
+def _named(value: object, field: str) -> frozenset[ErrorKind]:
+    try:
+        return _kinds(value)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{field} {exc}") from None
 
 
 @attrs.frozen
@@ -133,10 +140,10 @@ class Attribution:
     """
 
     caller: frozenset[ErrorKind] = attrs.field(
-        default=frozenset(), converter=_converted("caller"), validator=_check_caller
+        default=frozenset(), converter=_caller_kinds, validator=_check_caller
     )
     replica: frozenset[ErrorKind] = attrs.field(
-        default=frozenset(), converter=_converted("replica"), validator=_check_replica
+        default=frozenset(), converter=_replica_kinds, validator=_check_replica
     )
 
     def __attrs_post_init__(self) -> None:

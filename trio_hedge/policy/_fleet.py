@@ -25,7 +25,7 @@ import trio
 
 from .._hooks import Scopes, emit
 from .._source import Source
-from ..events import EventHook, EventKind, HedgeEvent
+from ..events import EventHook, HedgeEvent
 from ..sources._bindable import BindableReplica
 from ._blame import Attribution
 from ._budget import BudgetState
@@ -207,15 +207,17 @@ class FleetState:
         cooling_until = ejected_until = -math.inf
         cooling_models: list[str] = []
         ejected_models: list[str] = []
-        for model, state in self.models.of(r.index):
-            if state.cooling_until > now:
+        for model, entry in self.models.of(r.index):
+            if entry.cooling_until > now:
                 cooling_models.append(model)
-                cooling_until = max(cooling_until, state.cooling_until)
-            if state.ejected_until > now:
+                cooling_until = max(cooling_until, entry.cooling_until)
+            if entry.ejected_until > now:
                 ejected_models.append(model)
-                ejected_until = max(ejected_until, state.ejected_until)
+                ejected_until = max(ejected_until, entry.ejected_until)
         ejected_until = max(ejected_until, r.ejected_until)
-        state = "ejected" if ejected_until > now else "cooling" if cooling_until > now else "healthy"
+        state = (
+            "ejected" if ejected_until > now else "cooling" if cooling_until > now else "healthy"
+        )
         return ReplicaStatistics(
             name=r.name,
             state=state,

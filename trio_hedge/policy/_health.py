@@ -11,8 +11,9 @@ Whose fault an error is (and so what reaches this state) is decided in ``_blame.
   row eject the replica for ``base_ejection × 2^(n−1)`` seconds, ``n`` counting ejections
   since its last success, capped at ``max_ejection``; an error that is the replica's own
   fault for a model (401/403, quota, unknown model, once the request's evidence shows it)
-  ejects it for that model at once. A success resets both counts. Never more than ``max_ejection_percent``
-  of the replicas are out at once (at least one may be, the last one never is).
+  ejects it for that model at once. A success resets both counts. Never more than
+  ``max_ejection_percent`` of the replicas are out at once (at least one may be, the last
+  one never is).
 """
 
 from __future__ import annotations
@@ -137,9 +138,9 @@ class ReplicaState:
             self.latency_at = now
 
     def observe_latency(self, now: float, seconds: float, decay: float) -> None:
-        """One TTFT sample: a sample above the decayed estimate replaces it at once (the *peak*); a lower one pulls
-        it down as an EWMA weighted by the time since the last sample (tower's
-        ``PeakEwma``)."""
+        """One TTFT sample: a sample above the decayed estimate replaces it at once (the
+        *peak*); a lower one pulls it down as an EWMA weighted by the time since the last
+        sample (tower's ``PeakEwma``)."""
         current = self.latency_now(now, decay)
         if seconds < current:
             recency = 1.0 - math.exp((self.latency_at - now) / decay)

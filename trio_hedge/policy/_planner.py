@@ -264,7 +264,6 @@ class RequestPlanner:
     # -- what happened -----------------------------------------------------------------------
 
     def attempt_changed(self, source: Source, record: AttemptRecord) -> None:
-        fleet = self._fleet
         replica = self._by_source[id(source)]
         now = trio.current_time()
         outcome = record.outcome
@@ -410,9 +409,10 @@ class RequestPlanner:
         fleet = self._fleet
         fault = fleet.attribution.fault(error)
         retry_after = error.retry_after
-        if retry_after is not None and retry_after > 0 and fault is not Fault.REQUEST:
-            if fault is not Fault.UNDECIDED:
-                self._cool(replica, retry_after, error, now)
+        # Pushback cools the replica for this model, unless the error is the request's (or
+        # waits for the evidence: a quota error's pushback is as much the caller's as it).
+        if retry_after and retry_after > 0 and fault not in (Fault.REQUEST, Fault.UNDECIDED):
+            self._cool(replica, retry_after, error, now)
         if fault is Fault.REPLICA:
             replica.failures += 1
             self._ejected(replica, fleet.health_failure(replica, now), error.kind.value, now)
@@ -437,9 +437,8 @@ class RequestPlanner:
             if self._retry_at is None:
                 self._retry_at = {}
             self._retry_at[index] = now + backoff_delay(repeat, backoff, draw)
-        if fault is Fault.REPLICA or fault is Fault.PUSHBACK:
-            if fleet.throttle is not None:
-                self._taken += fleet.throttle.failure()
+        if (fault is Fault.REPLICA or fault is Fault.PUSHBACK) and fleet.throttle is not None:
+            self._taken += fleet.throttle.failure()
 
     def _cool(self, replica: ReplicaState, seconds: float, error: AttemptError, now: float) -> None:
         """Server pushback: no attempt for this model goes to ``replica`` for ``seconds``."""
