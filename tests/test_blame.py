@@ -183,9 +183,9 @@ def test_attribution_is_validated() -> None:
         Attribution(caller={"nope"})
     with pytest.raises(TypeError, match="caller must be a collection"):
         Attribution(caller="auth")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="^caller holds only kinds another attempt may fix"):
+    with pytest.raises(ValueError, match=r"^caller holds only kinds another attempt may fix"):
         Attribution(caller={ErrorKind.INVALID_REQUEST})
-    with pytest.raises(ValueError, match="^replica holds only"):
+    with pytest.raises(ValueError, match=r"^replica holds only"):
         Attribution(replica={ErrorKind.SERVER_ERROR})
     with pytest.raises(ValueError, match="must not share"):
         Attribution(caller={"auth"}, replica={"auth"})
@@ -426,7 +426,7 @@ async def test_two_requests_with_one_id_keep_their_own_hook_scopes(
     hedger = th.Hedger(fleet.sources(), config, on_event=[hook])
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run, hedger.stream(None, request_id="same", group="slow"))
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
         nursery.start_soon(run, hedger.stream(None, request_id="same", group="quick"))
     # Each attempt's scope is exited at its own request's end (its stream: 2 tokens, 0.1 s
     # apart), wherever the other is.
@@ -451,3 +451,25 @@ async def test_two_requests_with_one_id_keep_their_own_back_off(
         starts.append([_round(x.started_at) for x in report.attempts])
     assert starts[0][0] == starts[1][0] == 0.0
     assert starts[0][1] != starts[1][1] and starts[0][2] != starts[1][2]
+
+
+def test_the_gateway_says_whose_fault_errors_are() -> None:
+    # A [hedger.attribution] table, like every HedgerConfig field; forwarded client keys
+    # make a 401, a quota and a rate limit the client's by default.
+    from trio_hedge.gateway._config import ConfigError, parse_config
+
+    replicas = [{"base_url": "http://127.0.0.1:1/v1"}]
+    config = parse_config({"replicas": replicas}, environ={})
+    assert config.groups[0].hedger.attribution == Attribution()
+    document = {"replicas": replicas, "auth": {"forward_client_key": True}}
+    config = parse_config(document, environ={})
+    caller = {ErrorKind.AUTH, ErrorKind.QUOTA_EXCEEDED, ErrorKind.RATE_LIMIT}
+    assert config.groups[0].hedger.attribution.caller == caller
+    document["hedger"] = {"attribution": {"caller": ["auth"], "replica": ["not_found"]}}
+    config = parse_config(document, environ={})
+    assert config.groups[0].hedger.attribution == Attribution(
+        caller={ErrorKind.AUTH}, replica={ErrorKind.NOT_FOUND}
+    )
+    document["hedger"] = {"attribution": {"caller": ["nope"]}}
+    with pytest.raises(ConfigError, match=r"^hedger.attribution: caller unknown error kind"):
+        parse_config(document, environ={})
