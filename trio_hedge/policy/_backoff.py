@@ -38,8 +38,9 @@ class Backoff:
         maximum: the longest wait, in seconds. Default 5 (an LLM replica that failed fast
             five times in a row is not coming back within the request).
         jitter: ``True`` (default) scales each wait by a draw in ``[0, 1)`` derived from the
-            request id (``jitter_draw``): reproducible for one request, spread across
-            requests, exact in virtual time; ``False`` waits the full ceiling.
+            request (its id and its number in the Hedger, ``jitter_draw``): reproducible for
+            one request, spread across requests (also two with the same id), exact in
+            virtual time; ``False`` waits the full ceiling.
 
     Raises:
         TypeError, ValueError: on a bad field or ``initial > maximum``.

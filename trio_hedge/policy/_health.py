@@ -45,8 +45,9 @@ class OutlierDetection:
         base_ejection: the first ejection's length. Default 10.
         max_ejection: the longest ejection. Default 300 (Envoy).
         count_slow: whether an attempt that was hedged for lack of a first token within the
-            hedge delay, and then lost to a later attempt of the same request, counts as a
-            failure of its replica. Default ``True``.
+            hedge delay, and then lost to a later attempt of the same request after waiting
+            the fleet's own delay (not a caller's shorter ``hedge_after``), counts as a
+            failure in its replica's run. Default ``True``.
         max_ejection_percent: at most this percentage of the replicas is ejected at any
             moment, rounded down (Envoy's ``max_ejection_percent``: a replica is ejected
             only if ``ejected + 1 <= percent × replicas / 100``). At least one replica may
@@ -58,12 +59,15 @@ class OutlierDetection:
             to. A replica that reaches its threshold while the cap is full stays in, at
             the threshold, and goes at its next failure once there is room.
 
-    What counts (see ``docs/policy.md``): a retryable error of the replica's making (5xx,
-    overload, connection, timeout, truncated or broken stream: one failure; a plain 429
-    only cools it), an error that is the replica's own fault (ejects it at once), the winner
-    stalling or breaking after commit (one failure), and with ``count_slow`` a hedged
-    attempt that lost (one failure). Errors that are the request's fault (400, 413, 422,
-    context length) never count.
+    What counts (``docs/guarantees.md``, "Who is blamed for what"; decided in one place,
+    [`Attribution`][trio_hedge.policy.Attribution]): a transient error of the replica's
+    making (5xx, overload, connection, timeout, truncated or broken stream: one failure; a
+    plain 429 only cools it for that model), a key, quota or "not found" error while another
+    replica served the same request (ejects it for that model at once), the winner stalling
+    or breaking after commit (one failure), and with ``count_slow`` a hedged attempt that
+    lost after waiting the fleet's own delay (one failure). Errors that are the request's
+    fault (400, 413, 422, context length; a key, quota or "not found" error every replica
+    tried gave) never count.
 
     Raises:
         TypeError, ValueError: on a bad field or ``base_ejection > max_ejection``.
