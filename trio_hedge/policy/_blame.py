@@ -77,24 +77,14 @@ def _kinds(value: object) -> frozenset[ErrorKind]:
     return frozenset(kinds)
 
 
-def _check_caller(
-    _inst: object, attribute: attrs.Attribute[Any], value: frozenset[ErrorKind]
-) -> None:
-    if not value <= RETRYABLE_KINDS:
-        raise ValueError(
-            f"{attribute.name} holds only kinds another attempt may fix (the rest are the "
-            "request's already)"
-        )
+def _within(allowed: frozenset[ErrorKind], which: str) -> Any:
+    """A validator: the field holds only kinds of ``allowed`` (``which`` names them)."""
 
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: frozenset[ErrorKind]) -> None:
+        if not value <= allowed:
+            raise ValueError(f"{attribute.name} holds only {which}")
 
-def _check_replica(
-    _inst: object, attribute: attrs.Attribute[Any], value: frozenset[ErrorKind]
-) -> None:
-    if not value <= REPLICA_KINDS:
-        raise ValueError(
-            f"{attribute.name} holds only auth, quota_exceeded and not_found (transient "
-            "errors are the replica's already)"
-        )
+    return check
 
 
 def _caller_kinds(value: object) -> frozenset[ErrorKind]:
@@ -140,10 +130,20 @@ class Attribution:
     """
 
     caller: frozenset[ErrorKind] = attrs.field(
-        default=frozenset(), converter=_caller_kinds, validator=_check_caller
+        default=frozenset(),
+        converter=_caller_kinds,
+        validator=_within(
+            RETRYABLE_KINDS,
+            "kinds another attempt may fix (the rest are the request's already)",
+        ),
     )
     replica: frozenset[ErrorKind] = attrs.field(
-        default=frozenset(), converter=_replica_kinds, validator=_check_replica
+        default=frozenset(),
+        converter=_replica_kinds,
+        validator=_within(
+            REPLICA_KINDS,
+            "auth, quota_exceeded and not_found (transient errors are the replica's already)",
+        ),
     )
 
     def __attrs_post_init__(self) -> None:
