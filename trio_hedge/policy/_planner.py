@@ -82,6 +82,7 @@ class RequestPlanner:
         # Attempts a hedge was sent for, (number, started, the fleet's delay): slow if
         # another attempt wins after it waited the fleet's delay (_blame.is_slow).
         self._hedged_over: list[tuple[int, float, float | None]] | None = None
+        self._fleet_delays: dict[int, float | None] | None = None  # attempt -> fleet's delay
         # Errors whose fault the request's end decides (_blame.Fault.UNDECIDED).
         self._undecided: list[tuple[ReplicaState, AttemptError]] | None = None
         self._taken = 0  # throttle thousandths this request's failures took (refunded if served)
@@ -188,11 +189,29 @@ class RequestPlanner:
     def hedge_delay(self, number: int) -> float | None:
         if not self._hedgeable:
             return None
+        delay = self._fleet_delay(number, trio.current_time())
+        # What the fleet would have waited: an attempt hedged sooner (the caller's own
+        # shorter delay) is not slow for losing (_blame.is_slow).
+        if self._fleet_delays is None:
+            self._fleet_delays = {}
+        self._fleet_delays[number] = delay
         if self._hedge_after is not None:
             return self._hedge_after  # the caller's own delay for this request, as given
-        now = trio.current_time()
-        delay = self._fleet_delay(now)
         assert delay is not None  # hedgeable without a delay of its own
+        return delay
+
+    def _fleet_delay(self, number: int, now: float) -> float | None:
+        """The delay the fleet would hedge attempt ``number`` at (learned or fixed; ``None``:
+        never on time), whatever delay the caller chose for this request."""
+        model = self._fleet.model
+        if model is None:
+            fixed = self._fleet.config.hedge_after
+            assert fixed is None or isinstance(fixed, (int, float))
+            if fixed is None:
+                return None
+            delay = float(fixed)
+        else:
+            delay = model.delay(self._group, self._class, now, self._tokens)
         # The evidence the delay waits for may be in already: another attempt on this
         # attempt's replica has waited twice the delay for its first token (at the delay it
         # was hedged itself, and for another delay nothing answered): the replica is stuck
@@ -208,16 +227,6 @@ class RequestPlanner:
                     return 0.0
                 break  # the first is the oldest
         return delay
-
-    def _fleet_delay(self, now: float) -> float | None:
-        """The delay the fleet would hedge this request at (learned or fixed; ``None``:
-        never on time), whatever delay the caller chose for it."""
-        model = self._fleet.model
-        if model is None:
-            fixed = self._fleet.config.hedge_after
-            assert fixed is None or isinstance(fixed, (int, float))
-            return None if fixed is None else float(fixed)
-        return model.delay(self._group, self._class, now, self._tokens)
 
     def _emit(self, kind: EventKind, now: float, replica: str | None = None, **fields: Any) -> None:
         fleet = self._fleet
@@ -352,7 +361,13 @@ class RequestPlanner:
             if started is not None:
                 if self._hedged_over is None:
                     self._hedged_over = []
-                self._hedged_over.append((record.number - 1, started, self._fleet_delay(now)))
+                number = record.number - 1
+                asked = self._fleet_delays
+                if asked is not None and number in asked:
+                    fleet_delay = asked[number]
+                else:  # a planner driven without hedge_delay (tests): the fleet's now
+                    fleet_delay = self._fleet_delay(number, now)
+                self._hedged_over.append((number, started, fleet_delay))
         elif record.trigger == "failover":
             counts.failovers += 1
 
