@@ -167,7 +167,7 @@ class FleetState:
         cap (``max_ejection_percent``, never the last replica) has room. Returns when the
         ejection ends, or ``None`` (not ejected)."""
         config = self.config.outlier_detection
-        if not replica.failure(now, config, at_once=False):
+        if not replica.failure(now, config):
             return None
         assert config is not None
         ejected = 0

@@ -184,17 +184,14 @@ class ReplicaState:
         self.ejections = 0
         self.wins += 1
 
-    def failure(self, now: float, config: OutlierDetection | None, *, at_once: bool) -> bool:
-        """Count one failure; returns whether the replica is due for ejection (the caller
-        checks the fleet-wide cap, then calls `eject`). ``at_once``: the replica's own
-        fault, due now whatever its count."""
+    def failure(self, now: float, config: OutlierDetection | None) -> bool:
+        """Count one failure in its run; returns whether the replica is due for ejection
+        (the caller checks the fleet-wide cap, then calls `eject`). A replica held at the
+        threshold while the cap keeps it in goes at its next failure once there is room."""
         if config is None or self.ejected(now):
             return False
-        threshold = config.consecutive_failures
-        # Held at the threshold while the cap keeps it in: it goes at its next failure once
-        # there is room.
-        self.consecutive = max(self.consecutive + 1, threshold if at_once else 0)
-        return self.consecutive >= threshold
+        self.consecutive += 1
+        return self.consecutive >= config.consecutive_failures
 
     def eject(self, now: float, config: OutlierDetection) -> None:
         self.consecutive = 0
