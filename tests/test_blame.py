@@ -473,3 +473,22 @@ def test_the_gateway_says_whose_fault_errors_are() -> None:
     document["hedger"] = {"attribution": {"caller": ["nope"]}}
     with pytest.raises(ConfigError, match=r"^hedger.attribution: caller unknown error kind"):
         parse_config(document, environ={})
+
+
+def test_a_flood_of_new_models_does_not_forget_what_was_learned() -> None:
+    # The delay learner's groups are the request's model, a client-chosen string: at the
+    # cap, a group that has learned nothing goes first (on bcbad18 the least recently used,
+    # so 300 one-off names pushed out the models the fleet serves).
+    from trio_hedge.policy._delay import DelayModel
+
+    model = DelayModel(th.LearnedDelay(), max_groups=8)
+    for i in range(20):
+        for served in ("m1", "m2"):
+            model.observe(served, 0, float(i), 0.5 + i / 100, True)
+    learned = {g: model.delay(g, 0, 20.0) for g in ("m1", "m2")}
+    for i in range(300):
+        model.observe(f"junk-{i}", 0, 20.0 + i / 100, 0.1, True)
+    assert len(model._groups) == 8
+    now = 23.0
+    assert {g: model.delay(g, 0, now) for g in ("m1", "m2")} == learned
+    assert learned["m1"] != th.LearnedDelay().fallback
