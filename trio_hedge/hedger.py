@@ -24,10 +24,13 @@ state across requests and consults it at each decision of the race (through the
   replica is cooling, the attempt waits for the earliest, at most ``max_pushback_wait``
   seconds (beyond that the primary raises [`ReplicasCooling`][trio_hedge.ReplicasCooling], a later
   attempt is not sent);
-* **whom to blame** — an error that is the replica's own fault (401/403, quota, unknown
-  model) ejects that replica at once and the request does not try it again; errors that are
-  the request's fault never count; an attempt counts as slow only when a later attempt of
-  the same request wins.
+* **whom to blame** — the evidence of the request decides, in one place
+  (``policy/_blame.py``, [`Attribution`][trio_hedge.policy.Attribution]): errors that are the
+  request's fault never count; a key, quota or "not found" error (401/403, quota, unknown
+  model) is its replica's only when another replica served the same request (then that
+  replica is ejected for that model), and the request does not try it again either way; an
+  attempt counts as slow only when a later attempt of the same request wins after it waited
+  the fleet's own delay; pushback and ejections for one model are kept per (replica, model).
 
 Where each part lives: the configuration in ``policy/_config.py``, the state every request
 shares (delay learner, budget, throttle, replica health, counters) in ``policy/_fleet.py``,
@@ -258,9 +261,11 @@ class Hedger:
                 raise TypeError(f"prompt_tokens must be an int or None, not {prompt_tokens!r}")
             if prompt_tokens < 0:
                 raise ValueError(f"prompt_tokens must be >= 0, not {prompt_tokens!r}")
+        model = request.get("model") if request is not None else None
+        if not isinstance(model, str) or not model:
+            model = None
         if group is None:
-            model = request.get("model") if request is not None else None
-            group = model if isinstance(model, str) and model else "default"
+            group = model or "default"
         elif not isinstance(group, str) or not group:
             raise TypeError(f"group must be a non-empty str or None, not {group!r}")
         check_request_id(request_id)
@@ -296,6 +301,7 @@ class Hedger:
             tokens=tokens,
             hedgeable=hedgeable,
             hedge_after=request_delay,
+            model=model,
         )
         return HedgedStream(
             planner,

@@ -22,6 +22,7 @@ from .._validate import (
 )
 from ..events import FirstToken
 from ._backoff import Backoff
+from ._blame import Attribution
 from ._budget import HedgeBudget
 from ._delay import LearnedDelay
 from ._health import OutlierDetection
@@ -152,6 +153,11 @@ class HedgerConfig:
         outlier_detection: an [`OutlierDetection`][trio_hedge.policy.OutlierDetection] (default 5
             failures in a row, 10 s doubling up to 300 s, at most a third of the replicas) or
             ``None`` to never eject.
+        attribution: an [`Attribution`][trio_hedge.policy.Attribution]: whose fault each kind
+            of attempt error is. Default ``Attribution()``: the request's evidence decides (a
+            key, quota or "not found" error is a replica's only when another replica served
+            the same request); a gateway that forwards its clients' keys says
+            ``Attribution(caller={"auth"})``.
         backoff: a [`Backoff`][trio_hedge.policy.Backoff] for a request's repeated attempts on one
             replica (only with ``attempts_per_replica > 1``; default 0.1 s doubling up to
             5 s, full jitter) or ``None`` to repeat at once (the throttle still applies).
@@ -204,6 +210,9 @@ class HedgerConfig:
     )
     outlier_detection: OutlierDetection | None = attrs.field(
         factory=OutlierDetection, validator=optional_instance_of(OutlierDetection)
+    )
+    attribution: Attribution = attrs.field(
+        factory=Attribution, validator=attrs.validators.instance_of(Attribution)
     )
     backoff: Backoff | None = attrs.field(factory=Backoff, validator=optional_instance_of(Backoff))
     max_pushback_wait: float | None = attrs.field(default=10.0, validator=seconds_or_none)

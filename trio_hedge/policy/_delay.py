@@ -203,6 +203,11 @@ class TTFTWindow:
             samples.popleft()
             self._dirty = True
 
+    def size(self, now: float) -> int:
+        """Observations in the window (without counting the censored ones: cheap)."""
+        self._expire(now)
+        return len(self._samples)
+
     def count(self, now: float) -> tuple[int, int]:
         """``(observations, censored)`` in the window."""
         self._expire(now)
@@ -276,22 +281,36 @@ class DelayModel:
     (internal to the Hedger), and each group's prefill model
     ([`PrefillFit`][trio_hedge.policy.PrefillFit]).
 
-    Groups are kept in least-recently-used order and capped at ``max_groups``."""
+    Groups are kept in least-recently-used order and capped at ``max_groups``; at the cap a
+    group that has learned nothing goes first (``_evict``)."""
 
     def __init__(self, config: LearnedDelay, *, max_groups: int = 256) -> None:
         self.config = config
         self._max_groups = max_groups
         self._groups: OrderedDict[str, _Group] = OrderedDict()
 
-    def _group(self, group: str) -> _Group:
+    def _group(self, group: str, now: float) -> _Group:
         entry = self._groups.get(group)
         if entry is None:
             entry = self._groups[group] = _Group(self.config.classes.count)
             if len(self._groups) > self._max_groups:
-                self._groups.popitem(last=False)
+                self._evict(now)
         else:
             self._groups.move_to_end(group)
         return entry
+
+    def _evict(self, now: float) -> None:
+        """Forget the least recently used group that has learned nothing (no class with
+        ``min_samples`` observations in the window), else the least recently used: the group
+        is a client-chosen string (the model), and a flood of new names must not push out
+        what the fleet learned for the models it serves (then the newest, with one
+        observation, is the one forgotten)."""
+        need = self.config.min_samples
+        for name, entry in self._groups.items():  # least recently used first
+            if not any(w is not None and w.size(now) >= need for w in entry.windows):
+                del self._groups[name]
+                return
+        self._groups.popitem(last=False)  # pragma: no cover - the newest has learned nothing
 
     def tokens_of(self, size_class: int) -> int:
         """The prompt size assumed for an observation or request of unknown size: the
@@ -312,7 +331,7 @@ class DelayModel:
         replica: str | None = None,
         attempt: int = 1,
     ) -> None:
-        windows = self._group(group).windows
+        windows = self._group(group, now).windows
         window = windows[size_class]
         if window is None:
             window = windows[size_class] = TTFTWindow(self.config)
