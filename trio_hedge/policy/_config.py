@@ -1,8 +1,10 @@
 """The configuration classes: [`HedgePolicy`][trio_hedge.HedgePolicy] (one request's fixed plan, for
 [`hedged_stream`][trio_hedge.hedged_stream]) and [`HedgerConfig`][trio_hedge.HedgerConfig] (how a
 [`Hedger`][trio_hedge.Hedger] hedges). Both are frozen attrs values validated at construction;
-the six fields they share (attempt limits, the first-token rule, the three timeouts) are
-declared once, in `_SharedFields`, so one default and one rule hold for both.
+the seven fields they share (attempt limits, the first-token rule, the three timeouts, the
+recoveries) are
+declared once, in `_SharedFields`, so one default and one rule hold for both (but for
+``max_recoveries``' default: a Hedger recovers, a one-off request does not).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any, Literal
 import attrs
 
 from .._validate import (
+    integer,
     number,
     optional_instance_of,
     positive_int,
@@ -64,6 +67,10 @@ class _SharedFields:
     def close_timeout() -> Any:
         return attrs.field(default=1.0, validator=positive_seconds)
 
+    @staticmethod
+    def max_recoveries(default: int) -> Any:
+        return attrs.field(default=default, validator=integer(0))
+
 
 _shared = _SharedFields
 
@@ -102,6 +109,14 @@ class HedgePolicy:
             it (Envoy's ``per_try_idle_timeout``). ``None`` disables it. Default ``None``.
         close_timeout: seconds a loser's close may take before it is abandoned (its socket is
             closed regardless). Default 1.0.
+        max_recoveries: recovery attempts after the commit: when the winner breaks (a cut, a
+            stall, a malformed event, an in-band error), the answer goes on on another replica
+            by continuation or by replay and verify, with no gap and no repeated text
+            (``docs/recovery.md``). Each is an attempt (``trigger="recovery"``) within
+            ``max_attempts``. Default 0 here: a one-off request has no throttle or ejection
+            to bound what recoveries re-send, so it ends with
+            [`StreamInterrupted`][trio_hedge.StreamInterrupted] unless you ask
+            (a [`Hedger`][trio_hedge.Hedger] recovers by default).
 
     Raises:
         TypeError, ValueError: on a badly typed or out-of-range field.
@@ -115,6 +130,7 @@ class HedgePolicy:
     first_token_timeout: float | None = _shared.first_token_timeout()
     stall_timeout: float | None = _shared.stall_timeout()
     close_timeout: float = _shared.close_timeout()
+    max_recoveries: int = _shared.max_recoveries(0)
 
 
 def _check_hedge_after(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -146,6 +162,14 @@ class HedgerConfig:
             [`StreamInterrupted`][trio_hedge.StreamInterrupted] (``kind="stall"``); it counts
             against the replica's health. Default ``None``.
         close_timeout: seconds a loser's close may take. Default 1.0.
+        max_recoveries: recovery attempts a request may make after its commit, when the
+            winner breaks (a cut, a stall, a malformed event, an in-band error): the answer
+            goes on on another replica, by continuation where the replica declares its
+            engine's contract (``Replica.continuation``), else by replay and verify, with no
+            gap and no repeated text; a recovery that fails ends the answer with the original
+            failure's [`StreamInterrupted`][trio_hedge.StreamInterrupted]. Each is an attempt
+            (``trigger="recovery"``) under a failover's rules: the throttle, ejection and
+            ``max_attempts``. ``0`` turns recovery off. Default 2 (``docs/recovery.md``).
         budget: a [`HedgeBudget`][trio_hedge.policy.HedgeBudget] (default 10% + 0.5/s over 60 s) or
             ``None`` for no budget.
         throttle: a [`RetryThrottle`][trio_hedge.policy.RetryThrottle] (default 10 tokens, ratio
@@ -202,6 +226,7 @@ class HedgerConfig:
     first_token_timeout: float | None = _shared.first_token_timeout()
     stall_timeout: float | None = _shared.stall_timeout()
     close_timeout: float = _shared.close_timeout()
+    max_recoveries: int = _shared.max_recoveries(2)
     budget: HedgeBudget | None = attrs.field(
         factory=HedgeBudget, validator=optional_instance_of(HedgeBudget)
     )
@@ -233,4 +258,5 @@ class HedgerConfig:
             first_token_timeout=self.first_token_timeout,
             stall_timeout=self.stall_timeout,
             close_timeout=self.close_timeout,
+            max_recoveries=self.max_recoveries,
         )

@@ -56,6 +56,7 @@ class FleetCounts:
     attempts: int = 0
     hedges_sent: int = 0
     failovers: int = 0
+    recoveries: int = 0
     backup_wins: int = 0
     #: Hedges not sent, by reason.
     budget: int = 0
@@ -271,6 +272,7 @@ class FleetState:
             attempts=c.attempts,
             hedges_sent=c.hedges_sent,
             failovers=c.failovers,
+            recoveries=c.recoveries,
             backup_wins=c.backup_wins,
             hedges_refused=c.budget + c.throttle + c.no_replica,
             budget_refusals=c.budget,

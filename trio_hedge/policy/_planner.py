@@ -26,7 +26,7 @@ import trio
 
 from .._hooks import Scopes
 from .._source import Source
-from ..errors import AttemptError, ReplicasCooling, StreamInterrupted
+from ..errors import AttemptError, ReplicasCooling
 from ..events import EventKind, HedgeEvent
 from ..report import AttemptOutcome, AttemptRecord, Report
 from ..sources._bindable import BindableReplica
@@ -158,7 +158,13 @@ class RequestPlanner:
         fleet = self._fleet
         primary = number == 1
         throttle = fleet.throttle
-        if trigger == "failover" and throttle is not None and not throttle.allows:
+        # A recovery after the commit goes as a failover does (throttle, ejection, the plan).
+        if (
+            trigger != "primary"
+            and trigger != "hedge"
+            and throttle is not None
+            and not throttle.allows
+        ):
             # gRFC A6: at or below half the tokens, no retries either (a primary always goes).
             if self._candidates():
                 self._refuse("throttle", trio.current_time(), failover=True)
@@ -370,6 +376,8 @@ class RequestPlanner:
                 self._hedged_over.append((number, started, fleet_delay))
         elif record.trigger == "failover":
             counts.failovers += 1
+        elif record.trigger == "recovery":
+            counts.recoveries += 1
 
     def _won(self, replica: ReplicaState, record: AttemptRecord, now: float) -> None:
         fleet = self._fleet
@@ -382,6 +390,8 @@ class RequestPlanner:
                 fleet.throttle.refund(self._taken)
                 self._taken = 0
         replica.waiting.pop((self, record.number), None)
+        if record.trigger == "recovery":
+            return  # its time to new text is no TTFT (it may have reproduced a long prefix)
         if record.ttft is not None:  # None: an empty answer won, with no token to time
             model = fleet.model
             if model is not None:
@@ -502,15 +512,17 @@ class RequestPlanner:
                 served = winner is not None and winner is not replica
                 if settle(served_elsewhere=served) is Fault.MISCONFIGURED:
                     self._misconfigured(replica, failure, now)
-        error = report.error
-        if (
-            isinstance(error, StreamInterrupted)
-            and winner is not None
-            and fleet.attribution.after_commit(error.error) is Fault.REPLICA
-        ):
-            # The winner failed after commit (a stall, a cut): its replica's health suffers.
-            winner.failures += 1
-            self._ejected(winner, fleet.health_failure(winner, now), error.error.kind.value, now)
+        broke = [a for a in report.attempts if a.outcome is AttemptOutcome.WON and a.error]
+        if broke:
+            # A winner that failed after the commit (a stall, a cut), recovered elsewhere or
+            # not: its replica's health suffers.
+            by_name = {r.name: r for r in fleet.replicas}
+            for record in broke:
+                assert record.error is not None
+                at = by_name.get(record.replica)
+                if at is not None and fleet.attribution.after_commit(record.error) is Fault.REPLICA:
+                    at.failures += 1
+                    self._ejected(at, fleet.health_failure(at, now), record.error.kind.value, now)
         counts.wasted += report.wasted_tokens
         counts.prompt_resent += report.prompt_tokens_resent or 0
         self._emit(EventKind.REQUEST_FINISHED, now, report=report)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
 import attrs
@@ -139,6 +139,16 @@ def _check_path(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> N
         raise ValueError(f"{attribute.name} must be a URL path starting with '/', not {value!r}")
 
 
+#: What each declared engine does with an assistant-last request (``Source.continues``) and
+#: the fields that ask for it: vLLM continues the final message when told to (and answers only
+#: what follows); llama.cpp's server continues an assistant-last message by itself, and its
+#: answer repeats the prefix.
+_CONTINUATIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "vllm": ("appends", {"continue_final_message": True, "add_generation_prompt": False}),
+    "llama.cpp": ("repeats", {}),
+}
+
+
 def _redacted_headers(headers: Mapping[str, str]) -> str:
     return "{" + ", ".join(f"{k!r}: '***'" for k in headers) + "}"
 
@@ -157,6 +167,15 @@ class Replica:
             ``model`` for the backup). Default none.
         headers: extra request headers (values hidden in reprs, as they may be secrets).
         path: the path under ``base_url``. Default ``"/chat/completions"``.
+        continuation: how this replica's engine continues an answer begun elsewhere, for a
+            recovery after the commit (``docs/recovery.md``): ``"vllm"`` (the text so far
+            as a final assistant message with ``continue_final_message: true,
+            add_generation_prompt: false``; it answers only what follows), ``"llama.cpp"``
+            (the same message, which its server continues by default; its answer repeats the
+            prefix, which is verified and stripped), or ``None`` (default: never asked to;
+            hosted APIs that reject assistant prefill, such as newer Claude models, answer
+            400). Without one, a recovery on this replica replays the request and verifies
+            it. Declare it; it is never guessed.
 
     Raises:
         TypeError, ValueError: a bad URL, name or path, a URL with embedded credentials, an
@@ -187,6 +206,11 @@ class Replica:
         kw_only=True,
     )
     path: str = attrs.field(default="/chat/completions", validator=_check_path, kw_only=True)
+    continuation: Literal["vllm", "llama.cpp"] | None = attrs.field(
+        default=None,
+        validator=attrs.validators.optional(attrs.validators.in_(tuple(_CONTINUATIONS))),
+        kw_only=True,
+    )
     # Masks the key and header values wherever a server might quote them back.
     _redact: Redactor = attrs.field(
         init=False,
@@ -256,13 +280,16 @@ class OpenAIChatSource:
         self._replica = replica
         self._client = client
         self._header_names = header_names
-        body = {**request, **replica.overrides, "stream": True}
+        body = self._body = {**request, **replica.overrides, "stream": True}
         try:
             # Strict JSON: json.dumps would write NaN/Infinity, which servers refuse or misread.
             self._content = json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
         except (TypeError, ValueError):
             check_json_body(body, "request")  # raises, naming the path
             raise
+        declared = _CONTINUATIONS.get(replica.continuation or "")
+        #: How this source continues an answer (`Source.continues`), as its replica declares.
+        self.continues = None if declared is None else declared[0]
         self._url = replica.base_url + replica.path
         # Names lower-cased: HTTP names are case-insensitive, and httpx would send "Accept"
         # and "accept" (or two authorizations) as two headers.
@@ -290,11 +317,20 @@ class OpenAIChatSource:
     def __repr__(self) -> str:
         return f"OpenAIChatSource(replica={self._replica!r})"
 
+    def _continuation(self, text: str) -> bytes:
+        """The body that asks this replica's engine to continue ``text`` (a recovery)."""
+        assert self._replica.continuation is not None  # the race asks only sources that say
+        fields = _CONTINUATIONS[self._replica.continuation][1]
+        messages = [*self._body.get("messages", ()), {"role": "assistant", "content": text}]
+        body = {**self._body, "messages": messages, **fields}
+        return json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
+
     async def open(self, info: AttemptInfo) -> HTTPAttempt:
         headers = attempt_headers(self._headers, self._header_names, info)
-        request = self._client.build_request(
-            "POST", self._url, content=self._content, headers=headers
-        )
+        content = self._content
+        if info.continue_from is not None and self.continues is not None:
+            content = self._continuation(info.continue_from)
+        request = self._client.build_request("POST", self._url, content=content, headers=headers)
         try:
             response = await self._client.send(request, stream=True)
         except BaseException as exc:
