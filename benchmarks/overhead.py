@@ -9,6 +9,8 @@ client's CPU is counted. Every client path streams the same answer (``--tokens``
   ``data:`` line, the common baseline (target reference);
 * ``httpx aiter_raw + split + orjson``: a hand-tuned loop, for scale;
 * ``trio_hedge (1 replica)``: ``hedged_stream`` with one replica;
+* ``trio_hedge (1 replica, recovery armed)``: the same with ``max_recoveries=2`` (the
+  Hedger's default): what being ready to recover costs a stream that needs none;
 * ``trio_hedge (hedged)``: primary slow to first token (``--slow-ms``), backup fast,
   ``hedge_after`` 5 ms: the winner is the backup, the loser is cancelled;
 * ``asyncio bridge (1 replica)`` / ``(hedged, backup wins)``: the same two requests made by
@@ -285,6 +287,11 @@ def _paths(port: int, tokens: int, slow_ms: int) -> list[Path_]:
         Path_(
             "trio_hedge (1 replica)",
             in_trio(_hedged, one, th.HedgePolicy(hedge_after=None), 1),
+            hedged=True,
+        ),
+        Path_(
+            "trio_hedge (1 replica, recovery armed)",
+            in_trio(_hedged, one, th.HedgePolicy(hedge_after=None, max_recoveries=2), 1),
             hedged=True,
         ),
         Path_(

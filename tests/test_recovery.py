@@ -40,7 +40,9 @@ def prefix(n: int) -> str:
 
 
 #: Failover only (no hedges), no ejection: each case is about one request's recovery.
-CONFIG = HedgerConfig(hedge_after=None, outlier_detection=None, stall_timeout=0.5)
+CONFIG = HedgerConfig(hedge_after=None, outlier_detection=None)
+#: For the stalls (real time, over loopback: a bound, never waited out by a normal stream).
+STALLING = attrs.evolve(CONFIG, stall_timeout=0.5)
 
 
 @attrs.frozen
@@ -107,6 +109,7 @@ CASES = [
         verified=(len(prefix(5)),),
         outcomes=(O.WON,),
         sent=("original",),
+        config=STALLING,
     ),
     Case(
         "malformed event after 5 tokens",
@@ -187,6 +190,17 @@ CASES = [
         verified=(0, len(prefix(5))),
         outcomes=(O.FAILED, O.WON),
         sent=("original", "original"),
+    ),
+    Case(
+        "a recovery that stalls while it reproduces the prefix, then another that serves",
+        cut(5),
+        [(Behaviour(tokens=N, stall_after=2), None), (GOOD, None)],
+        FULL,
+        methods=("replay", "replay"),
+        verified=(0, len(prefix(5))),
+        outcomes=(O.FAILED, O.WON),
+        sent=("original", "original"),
+        config=STALLING,
     ),
     Case(
         "a recovery that breaks too, recovered again",
@@ -276,6 +290,8 @@ async def test_recovery(case: Case) -> None:
                 except th.StreamInterrupted as exc:
                     error = exc
             report = stream.report
+            broken = [a.replica for a in report.attempts if a.outcome is O.WON and a.error]
+            stats = {r.name: r.failures for r in hedger.statistics().replicas}
         for server in servers:  # every stream closed, none left running on its server
             assert all(r.finished for r in server.requests)
     assert "".join(got) == case.text
@@ -298,6 +314,10 @@ async def test_recovery(case: Case) -> None:
         won_before = [a.number for a in report.attempts[: record.number - 1] if a.outcome is O.WON]
         assert record.recovery.replaces == won_before[-1]
     assert report.recoveries == len(case.outcomes)
+    # Every winner that broke counts one failure against its replica, recovered or not.
+    for name in broken:
+        assert stats[name] >= 1
+    assert stats["r0"] == 1
     assert report.attempts[0].outcome is O.WON and report.attempts[0].error is not None
 
 
@@ -421,7 +441,7 @@ async def test_a_stalled_winner_recovers_after_exactly_the_stall_timeout(
         }
     )
     replicas = [th.Replica(mock.url(n), name=n) for n in "ab"]
-    config = attrs.evolve(CONFIG, stall_timeout=2.0)
+    config = HedgerConfig(outlier_detection=None, stall_timeout=2.0)  # a learned delay
     async with httpx.AsyncClient(transport=mock.transport) as client:
         async with th.Hedger(replicas, config, client=client) as hedger:
             t0 = trio.current_time()
@@ -429,6 +449,9 @@ async def test_a_stalled_winner_recovers_after_exactly_the_stall_timeout(
             async with hedger.stream(REQUEST) as stream:
                 async for _ in stream:
                     times.append(trio.current_time() - t0)
+            # The recovery's time to new text (it reproduced 5 tokens first) is no TTFT.
+            samples = hedger.samples()
+    assert [(s["replica"], s.get("ttft")) for s in samples] == [("a", pytest.approx(0.5))]
     assert stream.report.text == FULL
     # a's last token at 0.9 s, its stall noticed at 2.9 s; b reproduces 5 tokens (0.5 s +
     # 4 × 0.1 s) and its 6th comes 0.1 s later: the caller's gap is the stall plus that.
@@ -447,9 +470,8 @@ async def test_a_cancel_during_a_recovery_closes_it(
     # runs in the stream's nursery, out of that scope's reach, and must still stop.
     mock = MockReplicas({"a": cut(5), "b": Behaviour(ttft=30.0, tokens=N)})
     replicas = [th.Replica(mock.url(n), name=n) for n in "ab"]
-    config = attrs.evolve(CONFIG, stall_timeout=None)
     async with httpx.AsyncClient(transport=mock.transport) as client:
-        async with th.Hedger(replicas, config, client=client) as hedger:
+        async with th.Hedger(replicas, CONFIG, client=client) as hedger:
             t0 = trio.current_time()
             async with hedger.stream(REQUEST) as stream:
                 with trio.move_on_after(3.0):
