@@ -535,7 +535,8 @@ class _Race:
         self._changed(state)
         if self._decided:
             return
-        if not error.retryable:
+        fails_over = getattr(self._planner, "fails_over", None)
+        if not error.retryable and (fails_over is None or not fails_over(error)):
             self._fatal = error
             self._decide()
         else:

@@ -108,7 +108,10 @@ class FleetState:
         self.config = config
         self.on_event = on_event
         self.replicas = [
-            ReplicaState(index=i, name=r.name, source=r) for i, r in enumerate(replicas)
+            ReplicaState(
+                index=i, name=r.name, source=r, context_window=getattr(r, "context_window", None)
+            )
+            for i, r in enumerate(replicas)
         ]
         delay = config.hedge_after
         self.model = DelayModel(delay) if isinstance(delay, LearnedDelay) else None

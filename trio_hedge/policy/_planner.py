@@ -31,7 +31,7 @@ from ..events import EventKind, HedgeEvent
 from ..report import AttemptOutcome, AttemptRecord, Report
 from ..sources._bindable import BindableReplica
 from ._backoff import backoff_delay, jitter_draw
-from ._blame import Fault, is_slow
+from ._blame import Fault, is_slow, outgrew
 from ._fleet import FleetState
 from ._health import ReplicaState
 
@@ -59,6 +59,7 @@ class RequestPlanner:
         hedgeable: bool,
         hedge_after: float | None = None,
         model: str | None = None,
+        context_tokens: int | None = None,
     ) -> None:
         self._fleet = fleet
         self._make_source = bind
@@ -91,6 +92,10 @@ class RequestPlanner:
         self._winner: ReplicaState | None = None
         self._started = 0
         self._finished = False
+        # The context window the request needs (estimated prompt plus max_tokens), and whether
+        # a replica answered it a context-length error (then only a declared larger window).
+        self._need = context_tokens
+        self._outgrown = False
 
     # -- where -------------------------------------------------------------------------------
 
@@ -98,7 +103,30 @@ class RequestPlanner:
         if self._max_attempts is not None and self._started >= self._max_attempts:
             return []
         used, limit = self._used, self._per_replica
-        return [r for r in self._fleet.replicas if used[r.index] < limit]
+        out = [r for r in self._fleet.replicas if used[r.index] < limit]
+        if (self._need is None and not self._outgrown) or not out:
+            return out
+        fitting = [r for r in out if self._fits(r, self._need or 0)]
+        # Before any context-length error, an estimate never empties the plan (the servers
+        # decide); after one, only a replica that says it has room is tried (_blame.outgrew).
+        return fitting if fitting or self._outgrown else out
+
+    def _fits(self, replica: ReplicaState, need: int) -> bool:
+        """Whether ``replica``'s window, declared or learned for this model, takes ``need``
+        tokens (after a context-length error in this request: only a declared one)."""
+        window = replica.context_window
+        if window is None and self._outgrown:
+            return False
+        if window is not None and need > window:
+            return False
+        models = self._fleet.models
+        state = models.get(replica.index, self._model) if len(models) else None
+        return state is None or need < state.too_long_at
+
+    def fails_over(self, error: AttemptError) -> bool:
+        """Whether a request-fault ``error`` may still fail over: a context-length error,
+        while a replica that declares a larger window is left (the race asks)."""
+        return outgrew(error) and bool(self._candidates())
 
     def _choose(
         self, candidates: list[ReplicaState], now: float, deadline: float, *, primary: bool
@@ -433,6 +461,8 @@ class RequestPlanner:
     def _failed(self, replica: ReplicaState, error: AttemptError, now: float) -> None:
         fleet = self._fleet
         fault = fleet.attribution.fault(error)
+        if outgrew(error):
+            self._outgrew(replica)
         retry_after = error.retry_after
         # Pushback cools the replica for this model, unless the error is the request's (or
         # waits for the evidence: a quota error's pushback is as much the caller's as it).
@@ -464,6 +494,16 @@ class RequestPlanner:
             self._retry_at[index] = now + backoff_delay(repeat, backoff, draw)
         if (fault is Fault.REPLICA or fault is Fault.PUSHBACK) and fleet.throttle is not None:
             self._taken += fleet.throttle.failure()
+
+    def _outgrew(self, replica: ReplicaState) -> None:
+        """``replica`` answered that the request does not fit its window: learn it (for this
+        model, from this request's own size), and need more than its window from now on."""
+        need = self._need
+        if need is not None:
+            state = self._fleet.models.make(replica.index, self._model)
+            state.too_long_at = min(state.too_long_at, need)
+        self._outgrown = True
+        self._need = max(need or 0, (replica.context_window or 0) + 1)
 
     def _cool(self, replica: ReplicaState, seconds: float, error: AttemptError, now: float) -> None:
         """Server pushback: no attempt for this model goes to ``replica`` for ``seconds``."""

@@ -139,6 +139,9 @@ class Behaviour:
             that message's text in its own answer (the tokens after as many characters, the
             first one cut if the text ends inside it); ``"llama.cpp"`` or ``None`` (default):
             it answers its whole answer, repeating the prefix, as llama.cpp's server does.
+        context_window: answer 400 ``context_length_exceeded`` (vLLM's wording) to a request
+            whose prompt (its words) plus ``max_tokens`` exceeds this many tokens. ``None``
+            (default): any size fits.
         rejects_prefill: answer 400 (``invalid_request_error``, Anthropic's message) to a
             request whose last message is the assistant's, as hosted APIs that refuse
             assistant prefill do. Default ``False``.
@@ -171,6 +174,7 @@ class Behaviour:
         validator=attrs.validators.optional(attrs.validators.in_(("vllm", "llama.cpp"))),
     )
     rejects_prefill: bool = False
+    context_window: int | None = attrs.field(default=None, validator=_non_negative_count)
 
     @tokens.validator
     def _check_tokens(self, _attribute: attrs.Attribute[Any], value: object) -> None:
@@ -426,8 +430,15 @@ def _json_answer(status: int, payload: object, extra: Sequence[tuple[str, str]] 
     return [Head(status, headers), Chunk(body)]
 
 
-def _error_payload(status: int, message: str) -> dict[str, Any]:
-    kind, code = {
+def _max_tokens(body: Any) -> int:
+    limit = (
+        body.get("max_completion_tokens", body.get("max_tokens")) if isinstance(body, dict) else 0
+    )
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else 0
+
+
+def _error_payload(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+    kind, default_code = {
         401: ("invalid_request_error", "invalid_api_key"),
         403: ("permission_error", None),
         404: ("invalid_request_error", "not_found"),
@@ -443,7 +454,7 @@ def _error_payload(status: int, message: str) -> dict[str, Any]:
             "message": message or f"{phrase} (fake replica)",
             "type": kind,
             "param": None,
-            "code": code,
+            "code": code if code is not None else default_code,
         }
     }
 
@@ -539,6 +550,13 @@ def _after(texts: tuple[str, ...], chars: int) -> tuple[str, ...]:
 
 def _render_chat(b: Behaviour, record: RequestRecord, *, model: str, created: int) -> list[Step]:
     prefill = _prefill(record.json)
+    size = _prompt_tokens(record.json) + _max_tokens(record.json)
+    if b.context_window is not None and size > b.context_window:
+        message = (
+            f"This model's maximum context length is {b.context_window} tokens. However, you "
+            f"requested {size} tokens. Please reduce the length of the messages or completion."
+        )
+        return _json_answer(400, _error_payload(400, message, code="context_length_exceeded"))
     if prefill is not None and b.rejects_prefill:
         b = attrs.evolve(b, status=400, error_message=PREFILL_REJECTED)
     elif (

@@ -26,6 +26,7 @@ from ..._validate import (
     check_header_name,
     check_headers,
     check_json_body,
+    positive_int_or_none,
 )
 from ...errors import AttemptError, ErrorKind
 from ...events import Delta
@@ -167,6 +168,13 @@ class Replica:
             ``model`` for the backup). Default none.
         headers: extra request headers (values hidden in reprs, as they may be secrets).
         path: the path under ``base_url``. Default ``"/chat/completions"``.
+        context_window: the model's context window in tokens (prompt and answer), or
+            ``None`` (default: unknown). A [`Hedger`][trio_hedge.Hedger] skips a replica whose
+            window is smaller than a request (its estimated prompt tokens plus
+            ``max_tokens``) when another replica can take it, and after a context-length
+            error fails over to a replica that declares a larger window (a larger model as
+            backup) instead of failing the request; an undeclared window is learned from the
+            context-length errors it answers (``docs/recovery.md``).
         continuation: how this replica's engine continues an answer begun elsewhere, for a
             recovery after the commit (``docs/recovery.md``): ``"vllm"`` (the text so far
             as a final assistant message with ``continue_final_message: true,
@@ -206,6 +214,9 @@ class Replica:
         kw_only=True,
     )
     path: str = attrs.field(default="/chat/completions", validator=_check_path, kw_only=True)
+    context_window: int | None = attrs.field(
+        default=None, validator=positive_int_or_none, kw_only=True
+    )
     continuation: Literal["vllm", "llama.cpp"] | None = attrs.field(
         default=None,
         validator=attrs.validators.optional(attrs.validators.in_(tuple(_CONTINUATIONS))),
