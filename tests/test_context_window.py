@@ -114,14 +114,14 @@ async def test_a_huge_max_tokens_changes_nothing_for_another_caller() -> None:
     # The first caller asks a for 10**6 tokens of answer: a refuses, b serves it. What a
     # learns is that a request that large does not fit: the second caller's small requests
     # still go to a, exactly as without the first caller.
-    async with _two(None, None, backup_window=10**7) as (hedger, a, b):
+    async with _two(None, None, backup_window=10**7) as (hedger, _, _):
         with pytest.raises(th.FatalAttemptError):  # b declares no window: not tried
             await _run(hedger, body(10, max_tokens=10**6))
         for _ in range(3):
             report = await _run(hedger, SMALL)
             assert (report.winner_replica, report.attempts_sent) == ("a", 1)
             assert (await _run(hedger, body(400))).winner_replica == "a"  # ~200 tokens
-    async with _two(None, 10**7, backup_window=10**7) as (hedger, a, b):
+    async with _two(None, 10**7, backup_window=10**7) as (hedger, _, _):
         served = await _run(hedger, body(10, max_tokens=10**6))
         assert served.winner_replica == "b"
         for _ in range(3):
