@@ -64,6 +64,14 @@ class _SharedFields:
     def close_timeout() -> Any:
         return attrs.field(default=1.0, validator=positive_seconds)
 
+    @staticmethod
+    def backoff() -> Any:
+        return attrs.field(factory=Backoff, validator=optional_instance_of(Backoff))
+
+    @staticmethod
+    def max_pushback_wait() -> Any:
+        return attrs.field(default=10.0, validator=seconds_or_none)
+
 
 _shared = _SharedFields
 
@@ -102,6 +110,16 @@ class HedgePolicy:
             it (Envoy's ``per_try_idle_timeout``). ``None`` disables it. Default ``None``.
         close_timeout: seconds a loser's close may take before it is abandoned (its socket is
             closed regardless). Default 1.0.
+        backoff: a [`Backoff`][trio_hedge.policy.Backoff] for repeated attempts on one replica
+            (only with ``attempts_per_replica > 1``): the ``n``-th repeat waits up to
+            ``min(0.1 × 2^(n−1), 5)`` seconds after that replica's last failure (full jitter,
+            drawn from the request id), as the Hedger's do (gRFC A6). ``None`` repeats at
+            once. Default ``Backoff()``: bounded by default, as stamina's retries are
+            (before, 1,000 attempts on two dead replicas went out in 0 s).
+        max_pushback_wait: seconds a repeat on a replica that answered ``Retry-After`` (or
+            ``retry-after-ms``) may wait for it to pass; a replica that asked for longer is
+            not tried again by this request. ``None`` waits as long as the caller's cancel
+            scope allows. Default 10, as the Hedger's.
 
     Raises:
         TypeError, ValueError: on a badly typed or out-of-range field.
@@ -115,6 +133,8 @@ class HedgePolicy:
     first_token_timeout: float | None = _shared.first_token_timeout()
     stall_timeout: float | None = _shared.stall_timeout()
     close_timeout: float = _shared.close_timeout()
+    backoff: Backoff | None = _shared.backoff()  # noqa: RUF009 (an attrs field)
+    max_pushback_wait: float | None = _shared.max_pushback_wait()
 
 
 def _check_hedge_after(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -214,8 +234,8 @@ class HedgerConfig:
     attribution: Attribution = attrs.field(
         factory=Attribution, validator=attrs.validators.instance_of(Attribution)
     )
-    backoff: Backoff | None = attrs.field(factory=Backoff, validator=optional_instance_of(Backoff))
-    max_pushback_wait: float | None = attrs.field(default=10.0, validator=seconds_or_none)
+    backoff: Backoff | None = _shared.backoff()  # noqa: RUF009 (an attrs field)
+    max_pushback_wait: float | None = _shared.max_pushback_wait()
     pick: Literal["peak_ewma", "least_loaded", "in_order"] = attrs.field(
         default="peak_ewma",
         validator=attrs.validators.in_(("peak_ewma", "least_loaded", "in_order")),
