@@ -41,6 +41,7 @@ from .._source import AttemptInfo
 from .._validate import check_headers
 from ..errors import AttemptError, ErrorKind
 from ..events import Delta, ToolCallDelta
+from ._aclose import aclose_nested
 from .openai._errors import _in_band_error, classify_http_error
 from .openai._http import ERROR_BODY_LIMIT, HeaderNames, attempt_headers
 
@@ -170,7 +171,12 @@ class _SDKAttempt:
         return (delta,)
 
     async def aclose(self) -> None:
-        await self._stream.close()
+        try:
+            await self._stream.close()
+        finally:
+            # AsyncStream.close() closes the response, never the generators it reads it with
+            # (its own, over httpx's): closed here, not by the garbage collector.
+            await aclose_nested(getattr(self._stream, "_iterator", None))
 
 
 class _Classifier:
