@@ -1,5 +1,6 @@
 """A stream left early leaves nothing for the garbage collector (issue 16), over real loopback
-sockets: a ``break`` mid-stream, a cancel, a lost race, an error body cut at its limit.
+sockets: a ``break`` mid-stream, a cancel, a lost race, an error body cut at its limit, and
+an openai-SDK stream however it ends.
 
 httpx and httpcore read a response body through six nested async generators, and the openai
 SDK's ``AsyncStream`` adds its own: on bcbad18 each way of leaving early dropped them
@@ -118,15 +119,19 @@ async def test_an_error_body_cut_at_its_limit_leaves_no_generator() -> None:
             await _no_generator_left(run)
 
 
-async def test_an_openai_sdk_stream_left_early_leaves_no_generator() -> None:
+@pytest.mark.parametrize("read", ["break", "to the end"])
+async def test_an_openai_sdk_stream_leaves_no_generator(read: str) -> None:
+    # Read to its end too: the SDK's own loop leaves its generators at [DONE] (a `break`) and
+    # drops them; the source holds them from the first chunk and closes them.
     openai = pytest.importorskip("openai")
     from trio_hedge.sources.openai_sdk import openai_sdk_sources
 
     async with FakeReplica(STREAMING) as replica:
         async with openai.AsyncOpenAI(base_url=replica.url, api_key="sk-test") as sdk:
             sources = openai_sdk_sources({"sdk": sdk}, **REQUEST)
+            leave = _break_mid_stream if read == "break" else _read_to_the_end
 
             async def run() -> None:
-                await _break_mid_stream(th.hedged_stream(None, sources))
+                await leave(th.hedged_stream(None, sources))
 
             await _no_generator_left(run)

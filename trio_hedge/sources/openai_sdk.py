@@ -41,7 +41,7 @@ from .._source import AttemptInfo
 from .._validate import check_headers
 from ..errors import AttemptError, ErrorKind
 from ..events import Delta, ToolCallDelta
-from ._aclose import aclose_nested
+from ._aclose import aclose_chain, nested_chain
 from .openai._errors import _in_band_error, classify_http_error
 from .openai._http import ERROR_BODY_LIMIT, HeaderNames, attempt_headers
 
@@ -139,7 +139,7 @@ def _delta(chunk: ChatCompletionChunk) -> SDKChunkDelta:
 class _SDKAttempt:
     """One open ``AsyncStream``: one delta per chunk."""
 
-    __slots__ = ("_data", "_errors", "_finished", "_stream")
+    __slots__ = ("_data", "_errors", "_finished", "_generators", "_stream")
 
     task_bound = False  # an AsyncStream holds no cancel scope between chunks
 
@@ -148,6 +148,9 @@ class _SDKAttempt:
         self._errors = errors
         self._data = False  # a chunk arrived (a cut after it is a truncated stream)
         self._finished = False  # a finish reason arrived
+        # The SDK's generators, held from the first chunk on: its own `async for` leaves them
+        # unfinished (a `break` at [DONE]) and drops them; they are closed in aclose().
+        self._generators: list[Any] | None = None
 
     async def receive(self) -> Sequence[Delta] | None:
         try:
@@ -164,6 +167,8 @@ class _SDKAttempt:
             return None
         except Exception as exc:
             raise self._errors.classify(exc, after_data=self._data) from exc
+        if self._generators is None:
+            self._generators = nested_chain(getattr(self._stream, "_iterator", None))
         self._data = True
         delta = _delta(chunk)
         if delta.finish_reason:
@@ -176,7 +181,10 @@ class _SDKAttempt:
         finally:
             # AsyncStream.close() closes the response, never the generators it reads it with
             # (its own, over httpx's): closed here, not by the garbage collector.
-            await aclose_nested(getattr(self._stream, "_iterator", None))
+            generators, self._generators = self._generators, []
+            if generators is None:  # no chunk yet
+                generators = nested_chain(getattr(self._stream, "_iterator", None))
+            await aclose_chain(generators)
 
 
 class _Classifier:
