@@ -30,6 +30,7 @@ from ..._validate import (
 from ...errors import AttemptError, ErrorKind
 from ...events import Delta
 from ...transport import http2_connections
+from .._aclose import aclose_nested
 from ._codec import ChunkDecoder, decode_json_body
 from ._errors import (
     classify_http_error,
@@ -295,6 +296,7 @@ class OpenAIChatSource:
         request = self._client.build_request(
             "POST", self._url, content=self._content, headers=headers
         )
+        request.stream = _Body(self._content)
         try:
             response = await self._client.send(request, stream=True)
         except BaseException as exc:
@@ -332,14 +334,43 @@ class TransportErrors:
 HTTPX_ERRORS = TransportErrors(
     (httpx.TimeoutException,), (httpx.TransportError,), (httpx.HTTPError,)
 )
+class _Body(httpx.ByteStream):
+    """The request body, whose async iterator is an object, not a generator: httpx's
+    ``ByteStream.__aiter__`` is one, and a send cancelled while it is being written leaves it
+    for the garbage collector (httpx issue 3686; failing case: ``tests/test_cancel_fuzz.py``)."""
+
+    def __aiter__(self) -> _Once:
+        return _Once(self._stream)
+
+
+class _Once:
+    """Yields one ``bytes`` chunk, then stops; nothing to finalise."""
+
+    __slots__ = ("_chunk",)
+
+    def __init__(self, chunk: bytes) -> None:
+        self._chunk: bytes | None = chunk
+
+    def __aiter__(self) -> _Once:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk, self._chunk = self._chunk, None
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
 
 
 async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
     body = bytearray()
-    async for chunk in response.aiter_bytes():
-        body += chunk
-        if len(body) >= limit:
-            break
+    chunks = response.aiter_bytes()
+    try:
+        async for chunk in chunks:
+            body += chunk
+            if len(body) >= limit:
+                break
+    finally:
+        await aclose_nested(chunks)  # left early: httpx's generators, closed here
     return bytes(body[:limit])
 
 
@@ -476,10 +507,16 @@ class HTTPAttempt:
 
     async def aclose(self) -> None:
         finished = self._finished
-        if finished and not self._exhausted:
-            # After [DONE]: if the body does not end in time, the HTTP/2 stream is reset.
-            finished = await self._drain()
-        await _close_response(self._response, finished=finished)
+        try:
+            if finished and not self._exhausted:
+                # After [DONE]: if the body does not end in time, the HTTP/2 stream is reset.
+                finished = await self._drain()
+            await _close_response(self._response, finished=finished)
+        finally:
+            # Left before the body's end (a break, a cancel, a lost race): the response is
+            # closed, and so are httpx's generators under the body, here rather than by the
+            # garbage collector (nothing to do when the body was read to its end).
+            await aclose_nested(self._chunks)
 
     async def _drain(self) -> bool:
         """Read what follows ``[DONE]`` (normally just the body's last chunk, often already
