@@ -341,8 +341,8 @@ class Hedger:
     def samples(self) -> list[dict[str, Any]]:
         """The TTFT observations the delay learner holds now (the last ``window`` seconds,
         at most ``max_samples`` per group and size class), oldest first, as the records
-        ``trio-hedge tune`` reads (write one JSON object per line): ``ts`` (Unix time of
-        the observation, seconds), ``group``, ``prompt_tokens``, ``replica``, ``attempt``
+        ``trio-hedge tune`` reads (write one JSON object per line): ``ts`` (Unix time the
+        attempt started, seconds), ``group``, ``prompt_tokens``, ``replica``, ``attempt``
         (1 for the primary) and either ``ttft`` (seconds from the attempt's start to its
         first token) or ``cancelled_at`` (seconds it ran before it was cancelled without
         one). Empty unless ``hedge_after`` is a [`LearnedDelay`][trio_hedge.LearnedDelay]. Call
@@ -364,7 +364,9 @@ class Hedger:
             now
         ):
             record: dict[str, Any] = {
-                "ts": round(at + offset, 6),
+                # The attempt's start, as tune's records have it (``at`` is when the first
+                # token or the cancel was observed: one TTFT later).
+                "ts": round(at - seconds + offset, 6),
                 "group": group,
                 "prompt_tokens": tokens,
                 "replica": replica,

@@ -1,10 +1,10 @@
 """The configuration classes: [`HedgePolicy`][trio_hedge.HedgePolicy] (one request's fixed plan, for
 [`hedged_stream`][trio_hedge.hedged_stream]) and [`HedgerConfig`][trio_hedge.HedgerConfig] (how a
 [`Hedger`][trio_hedge.Hedger] hedges). Both are frozen attrs values validated at construction;
-the seven fields they share (attempt limits, the first-token rule, the three timeouts, the
-recoveries) are
-declared once, in `_SharedFields`, so one default and one rule hold for both (but for
-``max_recoveries``' default: a Hedger recovers, a one-off request does not).
+the fields they share (attempt limits, the first-token rule, the three timeouts, the back-off,
+the pushback wait, the recoveries) are declared once, in `_SharedFields`, so one default and
+one rule hold for both (but for ``max_recoveries``' default: a Hedger recovers, a one-off
+request does not).
 """
 
 from __future__ import annotations
@@ -71,6 +71,14 @@ class _SharedFields:
     def max_recoveries(default: int) -> Any:
         return attrs.field(default=default, validator=integer(0))
 
+    @staticmethod
+    def backoff() -> Any:
+        return attrs.field(factory=Backoff, validator=optional_instance_of(Backoff))
+
+    @staticmethod
+    def max_pushback_wait() -> Any:
+        return attrs.field(default=10.0, validator=seconds_or_none)
+
 
 _shared = _SharedFields
 
@@ -103,10 +111,14 @@ class HedgePolicy:
         first_token_timeout: seconds, over all attempts, to wait for a first token before
             failing with [`AllAttemptsFailed`][trio_hedge.AllAttemptsFailed] (``kind="timeout"``);
             ``None`` waits as long as the caller's own cancel scope allows. Default ``None``.
-        stall_timeout: after commit, seconds the winner may go without content before the
-            stream fails with [`StreamInterrupted`][trio_hedge.StreamInterrupted]
-            (``kind="stall"``). Keep-alive comments, role-only deltas and empty events do not reset
-            it (Envoy's ``per_try_idle_timeout``). ``None`` disables it. Default ``None``.
+        stall_timeout: after commit, seconds of the upstream's silence before the stream
+            fails with [`StreamInterrupted`][trio_hedge.StreamInterrupted] (``kind="stall"``):
+            the time the caller spends *waiting* for the winner's next batch with no output
+            (content, reasoning or tool-call fragments, whatever ``first_token``) arriving.
+            Time the caller spends between reads does not count; keep-alive comments,
+            role-only deltas, usage and empty events do not reset it (Envoy's
+            ``per_try_idle_timeout``, an upstream idle timeout). ``None`` disables it.
+            Default ``None``.
         close_timeout: seconds a loser's close may take before it is abandoned (its socket is
             closed regardless). Default 1.0.
         max_recoveries: recovery attempts after the commit: when the winner breaks (a cut, a
@@ -117,6 +129,16 @@ class HedgePolicy:
             to bound what recoveries re-send, so it ends with
             [`StreamInterrupted`][trio_hedge.StreamInterrupted] unless you ask
             (a [`Hedger`][trio_hedge.Hedger] recovers by default).
+        backoff: a [`Backoff`][trio_hedge.policy.Backoff] for repeated attempts on one replica
+            (only with ``attempts_per_replica > 1``): the ``n``-th repeat waits up to
+            ``min(0.1 × 2^(n−1), 5)`` seconds after that replica's last failure (full jitter,
+            drawn from the request id), as the Hedger's do (gRFC A6). ``None`` repeats at
+            once. Default ``Backoff()``: bounded by default, as stamina's retries are
+            (before, 1,000 attempts on two dead replicas went out in 0 s).
+        max_pushback_wait: seconds a repeat on a replica that answered ``Retry-After`` (or
+            ``retry-after-ms``) may wait for it to pass; a replica that asked for longer is
+            not tried again by this request. ``None`` waits as long as the caller's cancel
+            scope allows. Default 10, as the Hedger's.
 
     Raises:
         TypeError, ValueError: on a badly typed or out-of-range field.
@@ -131,6 +153,8 @@ class HedgePolicy:
     stall_timeout: float | None = _shared.stall_timeout()
     close_timeout: float = _shared.close_timeout()
     max_recoveries: int = _shared.max_recoveries(0)
+    backoff: Backoff | None = _shared.backoff()  # noqa: RUF009 (an attrs field)
+    max_pushback_wait: float | None = _shared.max_pushback_wait()
 
 
 def _check_hedge_after(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -158,7 +182,9 @@ class HedgerConfig:
         first_token_timeout: seconds over all attempts to wait for a first token, else
             [`AllAttemptsFailed`][trio_hedge.AllAttemptsFailed] (``kind="timeout"``). Default
             ``None`` (the caller's own cancel scope is the deadline).
-        stall_timeout: after commit, seconds the winner may go without content before
+        stall_timeout: after commit, seconds of the upstream's silence (the caller waiting
+            on the winner with no output arriving; the caller's own pauses do not count, as
+            in [`HedgePolicy`][trio_hedge.HedgePolicy]) before
             [`StreamInterrupted`][trio_hedge.StreamInterrupted] (``kind="stall"``); it counts
             against the replica's health. Default ``None``.
         close_timeout: seconds a loser's close may take. Default 1.0.
@@ -239,8 +265,8 @@ class HedgerConfig:
     attribution: Attribution = attrs.field(
         factory=Attribution, validator=attrs.validators.instance_of(Attribution)
     )
-    backoff: Backoff | None = attrs.field(factory=Backoff, validator=optional_instance_of(Backoff))
-    max_pushback_wait: float | None = attrs.field(default=10.0, validator=seconds_or_none)
+    backoff: Backoff | None = _shared.backoff()  # noqa: RUF009 (an attrs field)
+    max_pushback_wait: float | None = _shared.max_pushback_wait()
     pick: Literal["peak_ewma", "least_loaded", "in_order"] = attrs.field(
         default="peak_ewma",
         validator=attrs.validators.in_(("peak_ewma", "least_loaded", "in_order")),
