@@ -12,6 +12,7 @@ in virtual time over ``MockReplicas``.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -526,3 +527,44 @@ async def test_another_callers_service_is_unchanged_by_a_recovery(
     alone = await run(False)
     assert alone == [("b", True, 1.3)] * 4
     assert await run(True) == alone
+
+
+@pytest.mark.parametrize("inside", [True, False], ids=["scope inside", "scope outside"])
+async def test_a_cancel_at_any_instant_of_a_recovery_closes_everything(
+    inside: bool, autojump_clock: trio.testing.MockClock
+) -> None:
+    # The caller's cancel at every 50 ms from before the cut to after the recovery ended
+    # (the cut at 1.0 s, the replay's prefix to 1.9 s, its new text to 2.6 s): nothing hangs,
+    # every response is closed, every attempt ends with a final outcome, and the text is a
+    # prefix of the one answer (never a repeat).
+    timed = {"ttft": 0.5, "token_delay": 0.1}
+    for step in range(0, 61):
+        at = step * 0.05
+        mock = MockReplicas({"a": cut(5, **timed), "b": Behaviour(tokens=N, **timed)})
+        replicas = [th.Replica(mock.url(n), name=n) for n in "ab"]
+        got: list[str] = []
+        async with httpx.AsyncClient(transport=mock.transport) as client:
+            async with th.Hedger(replicas, CONFIG, client=client) as hedger:
+                stream = hedger.stream(REQUEST)
+                t0 = trio.current_time()
+                with trio.move_on_after(math.inf if inside else at) as outer:
+                    async with stream:
+                        with trio.move_on_after(at if inside else math.inf):
+                            async for token in stream:
+                                got.append(token)
+                # The block ends at the cancel (inside: ``at`` after the commit at 0.5 s) or
+                # at the answer's end, 2.6 s, whichever is first: nothing runs on.
+                ended = min((0.5 + at) if inside else at, 2.6)
+                assert trio.current_time() - t0 == pytest.approx(ended), at
+                with trio.fail_after(5):
+                    for name in "ab":
+                        for record in mock.requests[name]:
+                            await record.wait_finished()
+                assert [r.in_flight for r in hedger.statistics().replicas] == [0, 0]
+        report = stream.report
+        text = "".join(got)
+        assert FULL.startswith(text) and report.text.startswith(text), at
+        assert all(a.outcome is not O.RUNNING for a in report.attempts), at
+        assert report.finished, at
+        if at > 2.6 + 1e-9:
+            assert text == FULL and not outer.cancelled_caught, at
