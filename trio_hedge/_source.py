@@ -25,7 +25,9 @@ class AttemptInfo:
         request_id: the id shared by every attempt of one request (a UUID4 string).
         number: 1 for the primary, 2 for the first backup, and so on.
         trigger: why it started: ``"primary"``, ``"hedge"`` (the hedge delay passed with no
-            first token) or ``"failover"`` (an earlier attempt failed before its first token).
+            first token), ``"failover"`` (an earlier attempt failed before its first token) or
+            ``"recovery"`` (the winner broke after the commit: this attempt goes on with the
+            answer; see ``continue_from``).
         idempotency_key: the caller's idempotency key, sent unchanged on every attempt of a
             request with side effects (so the server runs it once), or ``None``. Sources that
             talk to an API should forward it (the HTTP source sends ``Idempotency-Key``).

@@ -217,6 +217,11 @@ class HedgerConfig:
             when) and a later attempt is not sent. ``None`` waits as long as the caller's cancel
             scope allows. Default 10: a rate-limit window usually ends within seconds, and a
             caller who waits longer should say so (a batch job: raise it).
+        fallback_wait: seconds a peer may keep an attempt waiting before a replica marked
+            as a fallback (``Replica.fallback``) takes it: a peer cooling for at most this
+            long is waited for, and a peer that answered a single 500 or pushback
+            (``Retry-After``) of at most this long is tried once more (after it) before the
+            request falls back. Default 1.0.
         pick: where an attempt goes among the eligible replicas (ties in the given order):
             ``"peak_ewma"`` (default), the lowest ``latency × (attempts + 1)``, as Finagle's
             ``P2CPeakEwma`` and Linkerd's balancer cost a replica: ``latency`` is a peak-EWMA
@@ -267,6 +272,7 @@ class HedgerConfig:
     )
     backoff: Backoff | None = _shared.backoff()  # noqa: RUF009 (an attrs field)
     max_pushback_wait: float | None = _shared.max_pushback_wait()
+    fallback_wait: float = attrs.field(default=1.0, validator=number(0.0))
     pick: Literal["peak_ewma", "least_loaded", "in_order"] = attrs.field(
         default="peak_ewma",
         validator=attrs.validators.in_(("peak_ewma", "least_loaded", "in_order")),

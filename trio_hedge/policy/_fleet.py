@@ -109,10 +109,15 @@ class FleetState:
         self.on_event = on_event
         self.replicas = [
             ReplicaState(
-                index=i, name=r.name, source=r, context_window=getattr(r, "context_window", None)
+                index=i,
+                name=r.name,
+                source=r,
+                context_window=getattr(r, "context_window", None),
+                fallback=getattr(r, "fallback", False) is True,
             )
             for i, r in enumerate(replicas)
         ]
+        self.has_fallback = any(r.fallback for r in self.replicas)
         delay = config.hedge_after
         self.model = DelayModel(delay) if isinstance(delay, LearnedDelay) else None
         self.budget = BudgetState(config.budget) if config.budget is not None else None

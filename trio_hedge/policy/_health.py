@@ -126,6 +126,8 @@ class ReplicaState:
     lingering: list[tuple[float, float]] = attrs.Factory(list)
     # Its declared context window (tokens; ``Replica.context_window``), or None: unknown.
     context_window: int | None = None
+    # Used only when no peer can take an attempt in time (``Replica.fallback``).
+    fallback: bool = False
 
     def latency_now(self, now: float, decay: float) -> float:
         """The peak-EWMA TTFT estimate now: the last value, decayed toward zero with time

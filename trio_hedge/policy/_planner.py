@@ -96,6 +96,7 @@ class RequestPlanner:
         # a replica answered it a context-length error (then only a declared larger window).
         self._need = context_tokens
         self._outgrown = False
+        self._retried: set[int] | None = None  # peers given one more try before a fallback
 
     # -- where -------------------------------------------------------------------------------
 
@@ -129,6 +130,26 @@ class RequestPlanner:
         return outgrew(error) and bool(self._candidates())
 
     def _choose(
+        self, candidates: list[ReplicaState], now: float, deadline: float, *, primary: bool
+    ) -> tuple[ReplicaState | None, float, float]:
+        """As `_choose_among`, peers first: a replica marked as a fallback
+        (``Replica.fallback``) only when no peer can take the attempt within
+        ``fallback_wait`` seconds (a peer that will, after a short cooldown, is waited for)."""
+        fallbacks = [r for r in candidates if r.fallback]
+        if not fallbacks or len(fallbacks) == len(candidates):
+            return self._choose_among(candidates, now, deadline, primary=primary)
+        peers = [r for r in candidates if not r.fallback]
+        chosen, wait_until, beyond = self._choose_among(peers, now, deadline, primary=primary)
+        if chosen is not None or wait_until <= now + self._fleet.config.fallback_wait:
+            return chosen, wait_until, beyond
+        other, other_wait, other_beyond = self._choose_among(
+            fallbacks, now, deadline, primary=primary
+        )
+        if other is not None:
+            return other, now, now
+        return None, min(wait_until, other_wait), min(beyond, other_beyond)
+
+    def _choose_among(
         self, candidates: list[ReplicaState], now: float, deadline: float, *, primary: bool
     ) -> tuple[ReplicaState | None, float, float]:
         """``(replica, wait_until, beyond)``: the replica for an attempt now, else ``None``,
@@ -494,6 +515,29 @@ class RequestPlanner:
             self._retry_at[index] = now + backoff_delay(repeat, backoff, draw)
         if (fault is Fault.REPLICA or fault is Fault.PUSHBACK) and fleet.throttle is not None:
             self._taken += fleet.throttle.failure()
+        if fault is Fault.REPLICA or fault is Fault.PUSHBACK:
+            self._retry_before_falling_back(replica, error)
+
+    def _retry_before_falling_back(self, replica: ReplicaState, error: AttemptError) -> None:
+        """A peer that answered a single 500, or pushback of at most ``fallback_wait``
+        seconds, is tried once more (after its ``Retry-After``) before a fallback, when only
+        fallbacks are left: LiteLLM's users expect the preferred model to be retried first.
+        The report says which happened: the next attempt's replica."""
+        if replica.fallback or not self._fleet.has_fallback:
+            return
+        index, used, limit = replica.index, self._used, self._per_replica
+        if used[index] < limit or (self._retried is not None and index in self._retried):
+            return
+        wait = self._fleet.config.fallback_wait
+        short = error.retry_after is not None and 0 < error.retry_after <= wait
+        if not (error.status_code == 500 or short):
+            return
+        if any(not r.fallback and used[r.index] < limit for r in self._fleet.replicas):
+            return  # another peer goes first
+        if self._retried is None:
+            self._retried = set()
+        self._retried.add(index)
+        used[index] -= 1
 
     def _outgrew(self, replica: ReplicaState) -> None:
         """``replica`` answered that the request does not fit its window: learn it (for this

@@ -176,6 +176,11 @@ class Replica:
             error fails over to a replica that declares a larger window (a larger model as
             backup) instead of failing the request; an undeclared window is learned from the
             context-length errors it answers (``docs/recovery.md``).
+        fallback: ``True`` for a lesser replica (another, smaller or costlier model) that a
+            [`Hedger`][trio_hedge.Hedger] sends an attempt to only when no peer (a replica
+            not marked) can take it within ``HedgerConfig.fallback_wait``; a peer's single
+            500 or short ``Retry-After`` is retried once before falling back. Default
+            ``False`` (a peer: raced as usual).
         continuation: how this replica's engine continues an answer begun elsewhere, for a
             recovery after the commit (``docs/recovery.md``): ``"vllm"`` (the text so far
             as a final assistant message with ``continue_final_message: true,
@@ -217,6 +222,9 @@ class Replica:
     path: str = attrs.field(default="/chat/completions", validator=_check_path, kw_only=True)
     context_window: int | None = attrs.field(
         default=None, validator=positive_int_or_none, kw_only=True
+    )
+    fallback: bool = attrs.field(
+        default=False, validator=attrs.validators.instance_of(bool), kw_only=True
     )
     continuation: Literal["vllm", "llama.cpp"] | None = attrs.field(
         default=None,
