@@ -357,6 +357,9 @@ async def test_a_divergence_is_nobodys_fault() -> None:
     diverged = stream.report.attempts[1].error
     assert diverged is not None and diverged.kind is ErrorKind.DIVERGED
     assert (r0.failures, r1.failures) == (1, 0)
+    broke, replay = stream.report.attempts
+    assert broke.ended_at is not None and replay.started_at is not None
+    assert broke.ended_at <= replay.started_at  # it ended when it broke, not at the end
     # What the diverging replay received past the prefix was never relayed: wasted.
     assert stream.report.wasted_tokens == stream.report.attempts[1].tokens_received
 

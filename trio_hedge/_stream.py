@@ -337,7 +337,9 @@ class HedgedStream:
         if error.replica is None:
             error.replica = state.replica
         state.error = error
-        rec.ended_at = state.ended_at = trio.current_time()
+        rec.ended_at = trio.current_time()
+        if state.ended_at is None:  # (a winner that broke before a failed recovery: then)
+            state.ended_at = rec.ended_at
         interrupted = StreamInterrupted(error, self.text)
         rec.error = interrupted
         self._ended = True
