@@ -571,3 +571,33 @@ async def test_a_cancel_at_any_instant_of_a_recovery_closes_everything(
         assert report.finished, at
         if at > 2.6 + 1e-9:
             assert text == FULL and not outer.cancelled_caught, at
+
+
+async def test_a_recovery_is_throttled_like_a_failover(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A first request fails everywhere (two 503s drain a 3-token throttle); the next one's
+    # winner is cut: the throttle refuses its recovery as it would a failover, and the
+    # answer ends as without recovery.
+    def nth(*behaviours: Behaviour) -> Any:
+        return lambda record: behaviours[min(record.index, len(behaviours) - 1)]
+
+    mock = MockReplicas(
+        {"a": nth(Behaviour(status=503), cut(5)), "b": nth(Behaviour(status=503), GOOD)}
+    )
+    replicas = [th.Replica(mock.url(n), name=n) for n in "ab"]
+    config = attrs.evolve(CONFIG, throttle=th.policy.RetryThrottle(max_tokens=3), pick="in_order")
+    async with httpx.AsyncClient(transport=mock.transport) as client:
+        async with th.Hedger(replicas, config, client=client) as hedger:
+            with pytest.raises(th.AllAttemptsFailed):
+                async with hedger.stream(REQUEST):
+                    pass
+            with pytest.raises(th.StreamInterrupted) as info:
+                async with hedger.stream(REQUEST) as stream:
+                    [t async for t in stream]
+            stats = hedger.statistics()
+    assert info.value.error.kind is ErrorKind.STREAM_TRUNCATED
+    assert info.value.text == prefix(5)
+    assert stream.report.recoveries == 0
+    assert (stats.recoveries, stats.failover_throttle_refusals) == (0, 1)
+    assert len(mock.requests["b"]) == 1

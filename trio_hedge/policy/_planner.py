@@ -208,12 +208,8 @@ class RequestPlanner:
         primary = number == 1
         throttle = fleet.throttle
         # A recovery after the commit goes as a failover does (throttle, ejection, the plan).
-        if (
-            trigger != "primary"
-            and trigger != "hedge"
-            and throttle is not None
-            and not throttle.allows
-        ):
+        retry = trigger == "failover" or trigger == "recovery"
+        if retry and throttle is not None and not throttle.allows:
             # gRFC A6: at or below half the tokens, no retries either (a primary always goes).
             if self._candidates():
                 self._refuse("throttle", trio.current_time(), failover=True)
