@@ -4,6 +4,8 @@ channel (content, reasoning, tool calls); any difference is a divergence, never 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -17,7 +19,7 @@ TEXT = st.text(alphabet="ab c", min_size=1, max_size=40)
 
 def chunks(text: str, cuts: list[int]) -> list[str]:
     points = sorted({c % (len(text) + 1) for c in cuts} | {0, len(text)})
-    return [text[a:b] for a, b in zip(points, points[1:], strict=False) if b > a]
+    return [text[a:b] for a, b in itertools.pairwise(points) if b > a]
 
 
 @given(TEXT, st.data())
