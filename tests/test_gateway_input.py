@@ -87,7 +87,7 @@ async def test_a_long_model_is_refused_and_nothing_it_names_is_kept(
 async def test_model_labels_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """The learned-delay metric labels a model a replica answered, up to a bound; every
     other model is folded into one label."""
-    monkeypatch.setattr(gateway_metrics, "MAX_MODEL_LABELS", 2)
+    monkeypatch.setattr(gateway_metrics, "MAX_MODEL_LABELS", 2, raising=False)
     async with FakeReplica(FAST, name="a") as a:
         config = config_for([a], hedger=attrs.evolve(HEDGER, hedge_after=th.LearnedDelay()))
         async with Gateway(config) as gw, httpx.AsyncClient() as http:
@@ -322,7 +322,8 @@ async def test_one_key_cannot_take_every_slot_or_every_request(
             async with http.stream("POST", url, json=body, headers=bearer(team_a)) as first:
                 first_pieces = await first_token(first)
                 # team-a has its one stream: refused at once; team-b is served meanwhile.
-                second = await http.post(url, json=body, headers=bearer(team_a))
+                with trio.fail_after(10):  # without the limit: a second endless stream
+                    second = await http.post(url, json=body, headers=bearer(team_a))
                 async with http.stream("POST", url, json=body, headers=bearer(team_b)) as other:
                     other_pieces = await first_token(other)
                     metrics_during = (await http.get(f"{gw.base_url}/metrics")).text

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -54,10 +53,8 @@ try:  # orjson (the "speed" extra) parses a request body ~5x faster than json
 except ImportError:  # pragma: no cover - depends on the environment
     _orjson_loads = None
 
-#: 19 digits or more: maybe an integer beyond 64 bits, which orjson would make a float.
-_LONG_DIGITS = re.compile(rb"\d{19}")
-#: A ``\uD800``-``\uDFFF`` escape: maybe a lone surrogate, which json accepts.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+#: orjson reads an integer beyond 64 bits as a float: one this large may have been one.
+_INEXACT = float(2**63)
 
 
 class BadJSON(ValueError):
@@ -75,22 +72,35 @@ def _no_constant(_name: str) -> None:
     raise BadJSON("NaN and Infinity are not JSON")
 
 
-def _too_deep(obj: object) -> bool:
-    """Whether ``obj`` nests deeper than `MAX_JSON_DEPTH` (an explicit stack: no recursion)."""
-    todo: list[tuple[object, int]] = [(obj, 1)]
+def _scan(obj: Any) -> tuple[bool, bool]:
+    """Whether ``obj`` nests deeper than `MAX_JSON_DEPTH`, and whether it holds a float
+    that orjson may have made of an integer (an explicit stack: no recursion; a request has
+    tens of nodes, its long strings are one node each)."""
+    kind = type(obj)
+    if kind is not dict and kind is not list:
+        return False, kind is float and not -_INEXACT <= obj < _INEXACT
+    todo: list[tuple[Any, int]] = [(obj, 1)]
+    maybe_int = False
     while todo:
         item, depth = todo.pop()
-        children: Iterable[object]
-        if type(item) is dict:
-            children = item.values()
-        elif type(item) is list:
-            children = item
-        else:
-            continue
         if depth > MAX_JSON_DEPTH:
-            return True
-        todo.extend((child, depth + 1) for child in children)
-    return False
+            return True, maybe_int
+        for child in item.values() if type(item) is dict else item:
+            kind = type(child)
+            if kind is dict or kind is list:
+                todo.append((child, depth + 1))
+            elif kind is float and not -_INEXACT <= child < _INEXACT:
+                maybe_int = True
+    return False, maybe_int
+
+
+def _strict_json(body: bytes) -> Any:
+    """``json`` made as strict as orjson; integers exact."""
+    obj = json.loads(body.decode("utf-8"), parse_float=_finite_float, parse_constant=_no_constant)
+    if b"\\u" in body:
+        # json joins escaped surrogate pairs and keeps a lone surrogate, which is not UTF-8.
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    return obj
 
 
 def load_json(body: bytes) -> Any:
@@ -99,23 +109,17 @@ def load_json(body: bytes) -> Any:
     Raises:
         BadJSON: the body is not UTF-8 JSON, or falls outside the dialect.
     """
-    exact = _orjson_loads is not None and _LONG_DIGITS.search(body) is None
     try:
-        if exact:
-            obj = _orjson_loads(body)  # strict already: UTF-8, no NaN, no lone surrogate
-        else:
-            obj = json.loads(
-                body.decode("utf-8"), parse_float=_finite_float, parse_constant=_no_constant
-            )
-            if _SURROGATE_ESCAPE.search(body) is not None:
-                # Pairs were joined into one code point; what is left alone cannot be UTF-8.
-                json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        # orjson is strict already: UTF-8 only, no NaN, no lone surrogate.
+        obj = _strict_json(body) if _orjson_loads is None else _orjson_loads(body)
+        too_deep, maybe_int = _scan(obj)
+        if maybe_int and _orjson_loads is not None:
+            obj = _strict_json(body)  # the integers as the client wrote them
     except BadJSON:
         raise
     except (ValueError, RecursionError):  # UnicodeError is a ValueError
         raise BadJSON("the request body is not valid JSON") from None
-    # Each container needs one opening bracket: fewer of them than the bound, no walk needed.
-    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _too_deep(obj):
+    if too_deep:
         raise BadJSON(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
     return obj
 
