@@ -327,24 +327,8 @@ class HedgedStream:
         or loses an event."""
         return BatchIterator(self)
 
-    async def _next_batch(self) -> list[Delta]:
-        pending = self._pending
-        if not pending:
-            while True:
-                if self._ended:
-                    self._finish()
-                    raise StopAsyncIteration
-                batch = await self._receive()
-                if batch is None:
-                    self._ended = True
-                elif batch:
-                    self._take(batch, trio.current_time())
-                    return list(batch)
-        out = list(pending)
-        pending.clear()
-        return out
-
-    async def _next_event(self) -> Delta:
+    async def _fill(self) -> None:
+        """Read the winner until the queue has an event; ``StopAsyncIteration`` at its end."""
         pending = self._pending
         while not pending:
             if self._ended:
@@ -356,6 +340,19 @@ class HedgedStream:
             else:
                 self._take(batch, trio.current_time())
                 pending.extend(batch)
+
+    async def _next_batch(self) -> list[Delta]:
+        pending = self._pending
+        if not pending:
+            await self._fill()
+        out = list(pending)
+        pending.clear()
+        return out
+
+    async def _next_event(self) -> Delta:
+        pending = self._pending
+        if not pending:
+            await self._fill()
         return pending.popleft()
 
     def _finish(self) -> None:

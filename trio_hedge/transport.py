@@ -37,14 +37,14 @@ from __future__ import annotations
 import collections
 import functools
 import ssl
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import httpcore
 import httpx
 import trio
 
-from ._cancel_safe import cancel_safe_transport, harden
+from ._cancel_safe import WrappingBackend, cancel_safe_transport, harden
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -264,40 +264,6 @@ class _LeanStream(httpcore.AsyncNetworkStream):
         return self._inner.get_extra_info(info)
 
 
-class _LeanTrioBackend(httpcore.AsyncNetworkBackend):
-    """httpcore's Trio backend whose streams are `_LeanStream` (what `make_client` uses)."""
-
-    def __init__(self) -> None:
-        self._inner = httpcore.TrioBackend()
-
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,  # noqa: ASYNC109
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        stream = await self._inner.connect_tcp(
-            host, port, timeout=timeout, local_address=local_address, socket_options=socket_options
-        )
-        return _LeanStream(stream)
-
-    async def connect_unix_socket(
-        self,
-        path: str,
-        timeout: float | None = None,  # noqa: ASYNC109
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        stream = await self._inner.connect_unix_socket(
-            path, timeout=timeout, socket_options=socket_options
-        )
-        return _LeanStream(stream)
-
-    async def sleep(self, seconds: float) -> None:
-        await self._inner.sleep(seconds)
-
-
 def make_client(
     *,
     per_shard: int = DEFAULT_PER_SHARD,
@@ -335,7 +301,11 @@ def make_client(
             "make_client builds its own transport; pass TLS options to ShardedTransport"
         )
     transport = ShardedTransport(
-        per_shard, http1=http1, http2=http2, limits=limits, network_backend=_LeanTrioBackend()
+        per_shard,
+        http1=http1,
+        http2=http2,
+        limits=limits,
+        network_backend=WrappingBackend(wrap=_LeanStream),
     )
     return httpx.AsyncClient(transport=transport, timeout=timeout, **client_kwargs)
 
