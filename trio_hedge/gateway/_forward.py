@@ -415,12 +415,16 @@ class ChatForwarder:
             await ex.json(200, data, _hedge_headers(report))
 
     async def _stream_out(self, ex: Exchange, stream: HedgedStream, model: str | None) -> None:
-        """The hot path: one ``send`` per event, the server's bytes as they were."""
+        """The hot path: the server's bytes as they were, one ``send`` per read of the winner
+        (the events one read brought go out together: a send costs ~40 µs of hypercorn, h11
+        and a syscall, and a model server's burst, or a reader that fell behind, brings
+        several events per read)."""
         await ex.start(200, [*_SSE_HEADERS, *_hedge_headers(stream.report)])
         encode = ChunkEncoder(ex.record.request_id, model).encode
         send = ex.send
-        async for delta in stream.events():
-            await send({"type": "http.response.body", "body": encode(delta), "more_body": True})
+        async for batch in stream.batches():
+            data = encode(batch[0]) if len(batch) == 1 else b"".join(map(encode, batch))
+            await send({"type": "http.response.body", "body": data, "more_body": True})
         await ex.body(_DONE, more=False)
 
 
