@@ -4,11 +4,14 @@ opaque TLS error), a web page where an event stream was expected (an "empty stre
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 import pytest
+import trio
 
 import trio_hedge as th
 from trio_hedge.errors import ErrorKind
@@ -98,3 +101,49 @@ async def test_plain_http_on_a_tls_port_says_so() -> None:
     assert error.retryable  # not fatal: another replica may be configured right
     assert "https://" in error.message
     assert f"POST {url}/chat/completions" in error.message
+
+
+# -- the Trio API called from asyncio code ----------------------------------------------------
+
+
+def _run_in_stock_asyncio(coro: Coroutine[Any, Any, None]) -> None:
+    # A plain SelectorEventLoop: another test's trio_asyncio import may have installed its
+    # loop policy, which asyncio.run would pick up.
+    loop = asyncio.SelectorEventLoop()
+    try:
+        loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+def test_the_trio_api_from_asyncio_points_to_trio_hedge_aio() -> None:
+    # What an asyncio user writes first: Trio's own error was "must be called from async
+    # context", with no word of the cause or of trio_hedge.aio.
+    async def main() -> None:
+        async with th.hedged_stream(REQUEST, [th.Replica("http://127.0.0.1:9/v1")], POLICY):
+            pass
+
+    with pytest.raises(RuntimeError) as caught:
+        _run_in_stock_asyncio(main())
+    message = str(caught.value)
+    assert "asyncio code" in message
+    assert "trio_hedge.aio" in message and "aio_hedged_stream" in message
+    assert "trio_asyncio.run(" in message
+
+
+def test_a_hedger_from_asyncio_points_to_trio_hedge_aio() -> None:
+    async def main() -> None:
+        async with th.Hedger([th.Replica("http://127.0.0.1:9/v1")]):
+            pass
+
+    with pytest.raises(RuntimeError, match=r"trio_hedge\.aio \(aio_hedged_stream, AioHedger\)"):
+        _run_in_stock_asyncio(main())
+
+
+def test_the_trio_api_from_trio_is_unchanged() -> None:
+    async def main() -> None:
+        async with FakeReplica(Behaviour(tokens=["a"])) as server:
+            async with th.hedged_stream(REQUEST, [th.Replica(server.url)], POLICY) as stream:
+                assert [token async for token in stream] == ["a"]
+
+    trio.run(main)

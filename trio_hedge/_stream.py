@@ -15,6 +15,7 @@ from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, NoReturn, Protocol
 
+import sniffio
 import trio
 
 from ._attempt_error import classify_exception, leaves
@@ -127,6 +128,7 @@ class HedgedStream:
     # -- entering: the race ----------------------------------------------------------------
 
     async def __aenter__(self) -> HedgedStream:
+        require_trio("hedged_stream() and Hedger.stream()")
         if self._entered:
             raise RuntimeError("a HedgedStream can be entered only once")
         self._entered = True
@@ -365,6 +367,23 @@ class HedgedStream:
             rec.ended_at = trio.current_time()
             if self._winner_number:
                 rec.attempt(self._winner_number).ended_at = rec.ended_at
+
+
+def require_trio(what: str) -> None:
+    """Raise ``RuntimeError`` with the way out when the caller is not Trio code: asyncio users
+    calling the Trio API is the common mistake, and Trio's own error ("must be called from
+    async context") names neither the cause nor ``trio_hedge.aio``."""
+    try:
+        library: str | None = sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        library = None
+    if library != "trio":
+        raise RuntimeError(
+            f"{what} run in Trio, and this is {library or 'not async'} code. From asyncio, use "
+            "trio_hedge.aio (aio_hedged_stream, AioHedger) and start the program with "
+            "trio_asyncio.run(trio_asyncio.aio_as_trio(main)) instead of asyncio.run(main()): "
+            "see docs/asyncio.md"
+        )
 
 
 class _NextEvent(Protocol):
