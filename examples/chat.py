@@ -5,13 +5,13 @@ Run (two built-in fake replicas; the primary is slow on every other request, as 
 tenant's long prompt were ahead of it in its queue: the first answer comes from the primary,
 the second from the backup the hedge sent):
 
-    python examples/chat.py            # type a message; an empty line or Ctrl-D quits
-    python examples/chat.py --smoke    # two scripted messages, then exit (what CI runs)
-    python examples/chat.py --replica http://10.0.0.1:8000/v1 --replica http://10.0.0.2:8000/v1 \\
+    .venv/bin/python examples/chat.py            # type a message; an empty line or Ctrl-D quits
+    .venv/bin/python examples/chat.py --smoke    # two scripted messages, then exit (what CI runs)
+    .venv/bin/python examples/chat.py --replica http://10.0.0.1:8000/v1 --replica http://10.0.0.2:8000/v1 \\
         --model my-model               # real OpenAI-compatible servers
 
 Needs the ``examples`` extra; from a clone of the repository:
-``pip install -c constraints.txt -e ".[examples]"`` (once released:
+``.venv/bin/pip install -c constraints.txt -e ".[examples]"`` (once released:
 ``pip install "trio-hedge[examples]"``).
 """
 
