@@ -8,8 +8,8 @@ closed, so the replicas stop generating.
 
 Run:
 
-    .venv/bin/python examples/sse_server.py              # fake replicas; open http://127.0.0.1:8080/
-    .venv/bin/python examples/sse_server.py --smoke      # serve, fetch one answer over HTTP, exit (CI)
+    .venv/bin/python examples/sse_server.py          # fake replicas; open http://127.0.0.1:8080/
+    .venv/bin/python examples/sse_server.py --smoke  # serve, fetch one answer over HTTP, exit
     .venv/bin/python examples/sse_server.py --replica http://10.0.0.1:8000/v1 \\
         --replica http://10.0.0.2:8000/v1 --model my-model
 

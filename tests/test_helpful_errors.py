@@ -43,6 +43,32 @@ async def test_a_base_url_without_v1_names_the_url_it_called() -> None:
     assert "/v1" in error.message
 
 
+async def test_the_summary_line_carries_the_hint() -> None:
+    # The last line of a traceback is what a newcomer reads: it said only "not_found (HTTP 404)
+    # at 127.0.0.1:PORT", the hint was in .errors[0].
+    async with FakeReplica(Behaviour()) as server:
+        host = server.base_url.removeprefix("http://")
+        stream = th.hedged_stream(REQUEST, [th.Replica(server.base_url)], POLICY)
+        with pytest.raises(th.AllAttemptsFailed) as caught:
+            async with stream:
+                pass
+    assert str(caught.value) == (
+        f"the only attempt failed: not_found (HTTP 404) at {host}: base_url usually ends in /v1"
+    )
+    (error,) = caught.value.errors
+    assert error.hint == "base_url usually ends in /v1"
+    assert "usually ends in" not in str(error)  # the message says it its own way, once
+
+
+async def test_an_error_without_a_hint_reads_as_before() -> None:
+    async with FakeReplica(Behaviour(status=503)) as server:
+        host = server.base_url.removeprefix("http://")
+        with pytest.raises(th.AllAttemptsFailed) as caught:
+            async with th.hedged_stream(REQUEST, [th.Replica(server.url)], POLICY):
+                pass
+    assert str(caught.value) == f"the only attempt failed: overloaded (HTTP 503) at {host}"
+
+
 async def test_a_bare_404_names_the_url_it_called() -> None:
     body = json.dumps({"detail": "Not Found"}).encode()  # FastAPI's default 404
     async with raw_server(404, [("content-type", "application/json")], body) as url:

@@ -88,7 +88,7 @@ class _Handover:
     the trio-asyncio loop, whose Trio task then runs it, a scheduler round and ~80 Python calls
     more per hand-over; with tokens paced like a real server's every token is a hand-over of
     its own, and that was 2-4x the Trio path's own cost per token. So
-    [`resolve`][trio_hedge.aio._Handover.resolve] runs the consumer's wake-up at once, in the
+    ``resolve`` runs the consumer's wake-up at once, in the
     pump's task: the pump is parked at no checkpoint then, and no asyncio callback is running
     (trio-asyncio runs them in its own task, which is not running), so the consumer's step runs
     as it would from the loop (its context, ``sniffio`` saying "asyncio"). A cancel (the task's

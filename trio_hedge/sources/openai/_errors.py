@@ -476,4 +476,5 @@ def with_context(error: AttemptError, context: str) -> AttemptError:
         retry_after=error.retry_after,
         status_code=error.status_code,
         replica=error.replica,
+        hint=error.hint,
     )

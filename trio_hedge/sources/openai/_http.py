@@ -346,12 +346,16 @@ async def _attempt_for(response: httpx.Response, redact: Redactor) -> HTTPAttemp
                     "this port (a plain HTTP request was sent to an HTTPS port); use https://"
                 ),
                 status_code=status,
+                hint="the port speaks TLS: use https://",
             )
         if status in (404, 405):
             # A wrong path or base_url (the server's own message rarely names it).
             where = request_line(response.request)
-            hint = "" if "/v1/" in where else "; OpenAI-compatible servers usually serve /v1/…"
+            missing_v1 = "/v1/" not in where
+            hint = "; OpenAI-compatible servers usually serve /v1/…" if missing_v1 else ""
             error = with_context(error, redact(f"{where}{hint}"))
+            if missing_v1:
+                error.hint = "base_url usually ends in /v1"
         raise error
     content_type = response.headers.get("content-type", "")
     if content_type.startswith("text/html"):
@@ -364,6 +368,7 @@ async def _attempt_for(response: httpx.Response, redact: Redactor) -> HTTPAttemp
                 "the API's (often ending in /v1)?"
             ),
             status_code=status,
+            hint="a web page, not the API: is base_url the API's (often ending in /v1)?",
         )
     if content_type.startswith("application/json"):
         body = await _read_bounded(response, JSON_BODY_LIMIT + 1)
