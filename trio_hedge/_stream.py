@@ -322,42 +322,31 @@ class HedgedStream:
 
     async def _next_event(self) -> Delta:
         pending = self._pending
-        while not pending:
-            if self._ended:
-                self._finish()
-                raise StopAsyncIteration
-            batch = await self._receive()
+        if not pending:
+            batch = await self._next_batch()
             if batch is None:
-                self._ended = True
-            else:
-                self._take(batch, trio.current_time())
-                pending.extend(batch)
+                raise StopAsyncIteration
+            pending.extend(batch)
         return pending.popleft()
 
     async def _next_batch(self) -> Sequence[Delta] | None:
-        """Everything the winner has ready, at least one delta, or ``None`` at the end (for the
-        asyncio bridge's pump: one await per batch, however many deltas it carries)."""
+        """Everything the winner has ready, at least one delta, or ``None`` at the end (the
+        asyncio bridge's pump reads this way: one await per batch, however many deltas it
+        carries)."""
         pending = self._pending
-        while not pending:
-            if self._ended:
-                self._finish()
-                return None
-            direct = self._direct
-            if direct is not None:
-                try:
-                    batch = await direct.receive()
-                except Exception as exc:
-                    self._fail(classify_exception(exc))
-            else:
-                batch = await self._receive()
+        if pending:
+            taken = list(pending)
+            pending.clear()
+            return taken
+        while not self._ended:
+            batch = await self._receive()
             if batch is None:
                 self._ended = True
             elif batch:
                 self._take(batch, trio.current_time())
                 return batch
-        taken = list(pending)
-        pending.clear()
-        return taken
+        self._finish()
+        return None
 
     def _finish(self) -> None:
         """The winner's stream ended normally."""
