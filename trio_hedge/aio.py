@@ -196,7 +196,8 @@ class AioHedgedStream:
 
     Args:
         stream: the Trio stream to run (not yet entered).
-        buffer: deltas read ahead of the consumer at most. Default 256.
+        buffer: the pump stops reading once this many deltas wait unread (one batch of the
+            winner may go past it). Default 256.
 
     Raises:
         RuntimeError: entered outside a trio-asyncio loop, or twice.
