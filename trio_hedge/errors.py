@@ -19,10 +19,6 @@ if sys.version_info < (3, 11):  # pragma: no cover
 
 from ._attempt_error import AttemptError, ErrorKind
 
-# Tracebacks and reprs name the public path (trio_hedge.errors.AttemptError), not the private
-# module that defines them.
-AttemptError.__module__ = ErrorKind.__module__ = __name__
-
 if TYPE_CHECKING:
     from .report import Report
 
