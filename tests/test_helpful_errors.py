@@ -173,3 +173,22 @@ def test_the_trio_api_from_trio_is_unchanged() -> None:
                 assert [token async for token in stream] == ["a"]
 
     trio.run(main)
+
+
+async def test_a_failed_requests_traceback_is_short_and_keeps_the_chain() -> None:
+    # Two refused connections printed 163 lines, most of them httpx's and httpcore's frames.
+    import traceback
+
+    import httpx
+
+    closed = [th.Replica("http://127.0.0.1:9/v1", name="a"), th.Replica("http://127.0.0.1:9/v1")]
+    with pytest.raises(th.AllAttemptsFailed) as caught:
+        async with th.hedged_stream(REQUEST, closed, POLICY):
+            pass
+    printed = "".join(traceback.format_exception(caught.value))
+    assert len(printed.splitlines()) < 80, printed
+    for error in caught.value.errors:
+        assert isinstance(error.__cause__, httpx.ConnectError)  # the chain is all there
+        assert error.__cause__.__traceback__ is None  # without the HTTP stack's frames
+        assert error.__traceback__ is not None  # the attempt's own frames stay
+    assert "httpx.ConnectError: " in printed

@@ -37,6 +37,7 @@ from ._errors import (
     send_error,
     transport_error,
     with_context,
+    without_frames,
 )
 
 __all__ = ["HeaderNames", "OpenAIChatSource", "Replica"]
@@ -306,7 +307,7 @@ class OpenAIChatSource:
                 await _reset_orphan_http2_streams(self._client)
             if not isinstance(exc, Exception):
                 raise
-            raise send_error(exc, request, self._redact) from exc
+            raise send_error(exc, request, self._redact) from without_frames(exc)
         try:
             return await _attempt_for(response, self._redact)
         except BaseException:
@@ -438,11 +439,11 @@ class HTTPAttempt:
                 self._finished = self._exhausted = True
                 return decoder.end() or None
             except httpx.TimeoutException as exc:
-                raise transport_error(ErrorKind.TIMEOUT, exc, self._redact) from exc
+                raise transport_error(ErrorKind.TIMEOUT, exc, self._redact) from without_frames(exc)
             except httpx.TransportError as exc:
                 # A cut after data is a truncated stream; before any data, a connection error.
                 kind = ErrorKind.STREAM_TRUNCATED if decoder.data_events else ErrorKind.CONNECTION
-                raise transport_error(kind, exc, self._redact) from exc
+                raise transport_error(kind, exc, self._redact) from without_frames(exc)
             deltas = decoder.feed(chunk)
             if decoder.done:
                 self._finished = True
