@@ -85,14 +85,14 @@ class _Handover:
     resolved by the pump.
 
     Why not an ``asyncio.Future``: setting a future's result queues the consumer's wake-up on
-    the trio-asyncio loop, whose Trio task then runs it, a scheduler round and ~80 Python calls
-    more per hand-over; with tokens paced like a real server's every token is a hand-over of
-    its own, and that was 2-4x the Trio path's own cost per token. So
-    ``resolve`` runs the consumer's wake-up at once, in the
-    pump's task: the pump is parked at no checkpoint then, and no asyncio callback is running
-    (trio-asyncio runs them in its own task, which is not running), so the consumer's step runs
-    as it would from the loop (its context, ``sniffio`` saying "asyncio"). A cancel (the task's
-    ``cancel()``, ``asyncio.timeout``) wakes the consumer through the loop, as a future does.
+    the trio-asyncio loop, whose Trio task then runs it: a scheduler round and ~80 Python calls
+    per hand-over. With tokens paced like a real server's every token is a hand-over of its
+    own, and after each idle wake-up that cost +38 µs per token (``benchmarks/overhead.py``).
+    So ``resolve(now=True)`` runs the consumer's wake-up at once, in the pump's task. That is
+    safe because the pump runs only while the loop's task waits between two callbacks: no
+    asyncio code is running, and the consumer's step runs as it would from the loop (in its
+    own context, with ``sniffio`` saying "asyncio"). A cancel (the task's ``cancel()``,
+    ``asyncio.timeout``) wakes the consumer through the loop, as a future does.
     """
 
     __slots__ = ("_asyncio_future_blocking", "_callback", "_cancelled", "_done", "_loop")
