@@ -1161,3 +1161,22 @@ async def test_failures_while_ejected_are_not_in_the_run(
     a = hedger.statistics().replicas[0]
     assert (a.state, a.failures, a.consecutive_failures, a.times_ejected) == ("healthy", 4, 1, 1)
     assert hedger.statistics().ejected == ()
+
+
+async def test_printed_statistics_are_one_field_per_line(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # print(hedger.statistics()) was one line of ~1,500 characters.
+    fleet = _by_request(FAST)
+    hedger = th.Hedger(fleet.sources(), PLAIN)
+    await run(hedger.stream(None, request_id="r0"))
+    stats = hedger.statistics()
+    lines = str(stats).splitlines()
+    assert lines[0] == "HedgerStatistics(" and lines[-1] == ")"
+    assert "    requests=1," in lines
+    replicas = lines.index("    replicas=(")
+    assert [line.strip() for line in lines[replicas + 1 : replicas + 3]] == [
+        f"{r!r}," for r in stats.replicas
+    ]
+    assert max(len(line) for line in lines) < 300
+    assert "\n" not in repr(stats)  # repr unchanged: one line

@@ -15,6 +15,7 @@ from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, NoReturn, Protocol
 
+import sniffio
 import trio
 
 from ._attempt_error import classify_exception, leaves
@@ -129,6 +130,7 @@ class HedgedStream:
     # -- entering: the race ----------------------------------------------------------------
 
     async def __aenter__(self) -> HedgedStream:
+        require_trio("hedged_stream() and Hedger.stream()")
         if self._entered:
             raise RuntimeError("a HedgedStream can be entered only once")
         self._entered = True
@@ -335,33 +337,33 @@ class HedgedStream:
         or loses an event."""
         return BatchIterator(self)
 
-    async def _fill(self) -> None:
-        """Read the winner until the queue has an event; ``StopAsyncIteration`` at its end."""
-        pending = self._pending
-        while not pending:
-            if self._ended:
-                self._finish()
-                raise StopAsyncIteration
-            batch = await self._receive()
-            if batch is None:
-                self._ended = True
-            else:
-                self._take(batch, trio.current_time())
-                pending.extend(batch)
-
-    async def _next_batch(self) -> list[Delta]:
-        pending = self._pending
-        if not pending:
-            await self._fill()
-        out = list(pending)
-        pending.clear()
-        return out
-
     async def _next_event(self) -> Delta:
         pending = self._pending
         if not pending:
-            await self._fill()
+            batch = await self._next_batch()
+            if batch is None:
+                raise StopAsyncIteration
+            pending.extend(batch)
         return pending.popleft()
+
+    async def _next_batch(self) -> Sequence[Delta] | None:
+        """Everything the winner has ready, at least one delta, or ``None`` at the end (the
+        asyncio bridge's pump and ``batches()`` read this way: one await per batch, however
+        many deltas it carries)."""
+        pending = self._pending
+        if pending:
+            taken = list(pending)
+            pending.clear()
+            return taken
+        while not self._ended:
+            batch = await self._receive()
+            if batch is None:
+                self._ended = True
+            elif batch:
+                self._take(batch, trio.current_time())
+                return batch
+        self._finish()
+        return None
 
     def _finish(self) -> None:
         """The winner's stream ended normally."""
@@ -371,6 +373,23 @@ class HedgedStream:
             rec.ended_at = trio.current_time()
             if self._winner_number:
                 rec.attempt(self._winner_number).ended_at = rec.ended_at
+
+
+def require_trio(what: str) -> None:
+    """Raise ``RuntimeError`` with the way out when the caller is not Trio code: asyncio users
+    calling the Trio API is the common mistake, and Trio's own error ("must be called from
+    async context") names neither the cause nor ``trio_hedge.aio``."""
+    try:
+        library: str | None = sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        library = None
+    if library != "trio":
+        raise RuntimeError(
+            f"{what} run in Trio, and this is {library or 'not async'} code. From asyncio, use "
+            "trio_hedge.aio (aio_hedged_stream, AioHedger) and start the program with "
+            "trio_asyncio.run(trio_asyncio.aio_as_trio(main)) instead of asyncio.run(main()): "
+            "see docs/asyncio.md"
+        )
 
 
 class _NextEvent(Protocol):
@@ -407,8 +426,11 @@ class BatchIterator:
     def __aiter__(self) -> BatchIterator:
         return self
 
-    def __anext__(self) -> Coroutine[Any, Any, list[Delta]]:
-        return self._stream._next_batch()
+    async def __anext__(self) -> Sequence[Delta]:
+        batch = await self._stream._next_batch()
+        if batch is None:
+            raise StopAsyncIteration
+        return batch
 
 
 def _sole_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
