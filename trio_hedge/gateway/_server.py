@@ -20,9 +20,9 @@ gateway owns, so that no single connection can hurt any other.
    scope with no timeout, so a client that stops reading holds its request, its concurrency
    slot and its upstream connection for as long as it keeps the socket open, past every
    deadline, and shutdown waits for it. Here a write that makes no progress for
-   ``write_timeout`` seconds closes the connection, a request still running
-   `ABORT_GRACE` seconds after its ``request_timeout`` is cancelled (its connection closed
-   if it is stuck writing), and the end of the drain closes every connection left.
+   ``write_timeout`` seconds, or goes on `ABORT_GRACE` seconds past its request's
+   ``request_timeout``, closes the connection (a request still running later is
+   cancelled), and the end of the drain closes every connection left.
 3. **Shutdown closes idle keep-alive connections at once** (the ``terminated`` event is set
    when the shutdown trigger fires), so a request a client sent on one just then meets a
    closed connection. Here they stay open while requests are in flight (a request on one is
@@ -281,14 +281,16 @@ class _Connection(TCPServer):
     async def _request(
         self, scope: Any, receive: Any, send: Any, _sync: Any = None, _call_soon: Any = None
     ) -> None:
-        """One request (hypercorn's app call): cancelled `ABORT_GRACE` seconds after its
-        ``request_timeout``, and its task's writes too."""
+        """One request (hypercorn's app call). A write by its task ends `ABORT_GRACE` seconds
+        after its ``request_timeout`` (the connection closed: the app then ends as if the
+        client left); the request itself is cancelled `ABORT_GRACE` seconds later still,
+        wherever it waits (an h2 stream's flow control)."""
         server = self._server
-        abort_at = trio.current_time() + server.request_limit
+        write_by = trio.current_time() + server.request_limit
         task = trio.lowlevel.current_task()
-        with trio.CancelScope(deadline=abort_at) as request:
+        with trio.CancelScope(deadline=write_by + ABORT_GRACE) as request:
             self.requests[request] = None
-            self.socket_.deadlines[task] = abort_at
+            self.socket_.deadlines[task] = write_by
             server.requests += 1
             try:
                 await server.app(scope, receive, send)
@@ -298,11 +300,11 @@ class _Connection(TCPServer):
                 server.requests -= 1
                 if not server.requests:
                     server.changed()
-        if request.cancelled_caught and trio.current_time() >= abort_at:
+        if request.cancelled_caught and trio.current_time() >= request.deadline:
             logger.warning(
                 "a request from %s was still running %g s after its request_timeout: cancelled",
                 scope.get("client", ("?",))[0],
-                ABORT_GRACE,
+                2 * ABORT_GRACE,
             )
 
     def abort(self, reason: str) -> None:
