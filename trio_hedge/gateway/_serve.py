@@ -82,6 +82,7 @@ async def serve(
                 http2=config.http2,
             )
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(server.watch)
                 if handle_signals:
                     nursery.start_soon(_signals, stop, limiter, server)
                 async with trio.open_nursery() as connections:
