@@ -220,6 +220,10 @@ H1_CASES = {
         b"GET /healthz HTTP/1.1\r\nhost: x\r\nupgrade: h2c\r\nhttp2-settings: AAMAAABkAAQ\r\n\r\n",
         b"HTTP/1.1 200",
     ),
+    "h2c Upgrade, HTTP2-Settings with ENABLE_PUSH = 5": (
+        b"GET /healthz HTTP/1.1\r\nhost: x\r\nupgrade: h2c\r\nhttp2-settings: AAIAAAAF\r\n\r\n",
+        b"HTTP/1.1 200",
+    ),
     "a non-ASCII target": (b"GET /\xff HTTP/1.1\r\nhost: x\r\n\r\n", b"HTTP/1.1 400"),
     "a non-ASCII method": (b"G\xffT / HTTP/1.1\r\nhost: x\r\n\r\n", b"HTTP/1.1 400"),
     "a non-ASCII header name": (b"GET / HTTP/1.1\r\nhost: x\r\nx\xff: 1\r\n\r\n", b"HTTP/1.1 400"),

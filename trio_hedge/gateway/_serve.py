@@ -59,6 +59,10 @@ async def serve(
 
     ``await nursery.start(serve, config, stop=stop)`` returns the URLs it listens on
     (``["http://127.0.0.1:PORT"]``; port 0 picks a free one).
+
+    Raises:
+        OSError: it cannot listen on ``config.host:config.port`` (the port taken, …),
+            before anything else is opened; its message names the address.
     """
     stop = trio.Event() if stop is None else stop
     listeners = await open_listeners(config.host, config.port, BACKLOG)

@@ -1,9 +1,10 @@
 """The gateway's HTTP server: hypercorn's HTTP/1.1 and HTTP/2 protocol code on connections the
 gateway owns, so that no single connection can hurt any other.
 
-``hypercorn.trio.serve`` has three defects the gateway works around here (hypercorn 0.17 to
-0.18.0, the version in constraints.txt; read in 0.18.0's source, ``trio/run.py``,
-``trio/tcp_server.py``, ``protocol/h2.py``, ``protocol/http_stream.py``):
+``hypercorn.trio.serve`` has three defects the gateway works around here (read and tested in
+hypercorn 0.17.3 and 0.18.0, the version in constraints.txt: ``trio/run.py``,
+``trio/tcp_server.py``, ``protocol/h2.py``, ``protocol/http_stream.py``; re-check the
+wrappers below when upgrading it, tests/test_gateway_server.py sends each input):
 
 1. **A connection's exception ends the process.** ``TCPServer.run`` catches only ``OSError``
    and runs in the server's nursery, so anything else raised while handling one connection's
@@ -11,11 +12,14 @@ gateway owns, so that no single connection can hurt any other.
    unauthenticated h2c request: a ``:method`` or ``:path`` that is not ASCII
    (``UnicodeDecodeError``, ``h2.py`` ``_create_stream`` and ``http_stream.py`` ``handle``),
    and DATA on a stream whose response is complete (``KeyError`` in ``h2.py``
-   ``_handle_events``: a 404 or 413 answered before the body is enough). Here the first is
-   refused on its stream (``RST_STREAM`` ``PROTOCOL_ERROR``: a malformed request, RFC 9113
-   §8.1.1), the second ends the stream (``RST_STREAM`` ``NO_ERROR``, RFC 9113 §8.1), and
-   anything else a connection raises is contained: logged in one line, that connection
-   closed, every other connection untouched.
+   ``_handle_events``: a 404 or 413 answered before the body is enough); and three more
+   found by trying malformed inputs: a ``CONNECT`` without ``:path`` (``UnboundLocalError``),
+   an ``Upgrade: h2c`` whose ``HTTP2-Settings`` is not base64 or holds a bad value
+   (``binascii.Error``, ``InvalidSettingsValueError``, after hypercorn's 101). Here the
+   requests are refused on their stream (``RST_STREAM`` ``PROTOCOL_ERROR``: malformed, RFC
+   9113 §8.1.1), the DATA ends its stream (``RST_STREAM`` ``NO_ERROR``, §8.1), the upgrade is
+   ignored (answered over HTTP/1.1), and anything else a connection raises is contained:
+   logged in one line, that connection closed, every other connection untouched.
 2. **Writes have no deadline.** ``TCPServer.protocol_send`` writes inside a shielded cancel
    scope with no timeout, so a client that stops reading holds its request, its concurrency
    slot and its upstream connection for as long as it keeps the socket open, past every
@@ -31,7 +35,6 @@ gateway owns, so that no single connection can hurt any other.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import logging
 import math
@@ -40,13 +43,13 @@ import traceback
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+import h2.config
+import h2.connection
 import h2.errors
 import h2.events
 import h2.exceptions
 import h11
 import hypercorn.config
-import hyperframe.exceptions
-import hyperframe.frame
 import trio
 from hypercorn.events import Closed, Event, RawData
 from hypercorn.protocol import ProtocolWrapper
@@ -185,14 +188,13 @@ class _H11(H11Protocol):
 
 
 def _h2c_settings_decode(headers: Iterable[tuple[bytes, bytes]]) -> bool:
-    """Whether an ``HTTP2-Settings`` header (if any) is the SETTINGS payload it must be."""
+    """Whether h2 takes the ``HTTP2-Settings`` header (if any) as hypercorn will give it."""
     for name, value in headers:
         if name.lower() == b"http2-settings":
+            trial = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
             try:
-                hyperframe.frame.SettingsFrame(0).parse_body(
-                    memoryview(base64.urlsafe_b64decode(value))
-                )
-            except (ValueError, hyperframe.exceptions.HyperframeError):
+                trial.initiate_upgrade_connection(value)
+            except (ValueError, h2.exceptions.H2Error):  # binascii.Error is a ValueError
                 return False
     return True
 
