@@ -111,26 +111,17 @@ def _headers(
             *extra]  # fmt: skip
 
 
-@asynccontextmanager
-async def _in_flight(gw: Gateway) -> AsyncIterator[list[bytes]]:
-    """A second client's stream, started before the body runs and read to its end after it:
-    what it read is yielded (complete once the block exits)."""
+async def _second_client(gw: Gateway, task_status: trio.TaskStatus[list[bytes]]) -> None:
+    """A second client's stream: ``await nursery.start(_second_client, gw)`` returns once it
+    is in flight, with the list its pieces go into (whole when the task ends)."""
     out: list[bytes] = []
-    started = trio.Event()
-
-    async def stream() -> None:
-        async with httpx.AsyncClient() as http:
-            body = {**CHAT, "stream": True}
-            async with http.stream("POST", f"{gw.url}/chat/completions", json=body) as response:
-                async for piece in response.aiter_raw():
-                    out.append(piece)
-                    started.set()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(stream)
-        with trio.fail_after(10):
-            await started.wait()
-        yield out
+    async with httpx.AsyncClient() as http:
+        body = {**CHAT, "stream": True}
+        async with http.stream("POST", f"{gw.url}/chat/completions", json=body) as response:
+            async for piece in response.aiter_raw():
+                if not out:
+                    task_status.started(out)
+                out.append(piece)
 
 
 def _served_whole(out: Sequence[bytes]) -> bool:
@@ -168,8 +159,9 @@ async def test_a_request_hypercorn_cannot_decode_is_reset_alone(
 ) -> None:
     headers, code = H2_CRASHERS[case]
     async with FakeReplica(PACED, name="a") as a, Gateway(config_for([a])) as gw:
-        async with _in_flight(gw) as second, H2.open(_port(gw)) as client:
+        async with trio.open_nursery() as clients, H2.open(_port(gw)) as client:
             with trio.fail_after(10):
+                second = await clients.start(_second_client, gw)
                 bad = await client.request(headers)
                 await client.until(client.ended(bad))
                 good = await client.request(_headers())  # the same connection goes on
@@ -189,8 +181,9 @@ async def test_data_after_a_complete_response_ends_that_stream_alone(
     raised ``KeyError`` and ended ``serve``. Now the client is asked to stop (RST_STREAM
     NO_ERROR, RFC 9113 §8.1) after its whole answer."""
     async with FakeReplica(PACED, name="a") as a, Gateway(config_for([a])) as gw:
-        async with _in_flight(gw) as second, H2.open(_port(gw)) as client:
+        async with trio.open_nursery() as clients, H2.open(_port(gw)) as client:
             with trio.fail_after(10):
+                second = await clients.start(_second_client, gw)
                 early = await client.request(_headers(b"/nowhere", b"POST"), end=False)
                 await client.until(client.ended(early))
                 client.connection.send_data(early, b"x" * 100)
@@ -277,8 +270,9 @@ async def test_http1_inputs_are_answered_and_hurt_no_one(
 ) -> None:
     data, answer = H1_CASES[case]
     async with FakeReplica(PACED, name="a") as a, Gateway(config_for([a])) as gw:
-        async with _in_flight(gw) as second:
+        async with trio.open_nursery() as clients:
             with trio.fail_after(10):
+                second = await clients.start(_second_client, gw)
                 got = await _exchange(_port(gw), data)
         assert await _healthy(gw) == 200
     assert got.startswith(answer)
@@ -313,7 +307,9 @@ async def test_random_h2_frames_hurt_no_one(seed: int, caplog: pytest.LogCapture
         return _frame(rng.randrange(12), rng.randrange(256), rng.randrange(6), payload)
 
     async with FakeReplica(PACED, name="a") as a, Gateway(config_for([a])) as gw:
-        async with _in_flight(gw) as second:
+        async with trio.open_nursery() as clients:
+            with trio.fail_after(10):
+                second = await clients.start(_second_client, gw)
             for _ in range(25):
                 frames = b"".join(junk() for _ in range(6))
                 with trio.fail_after(10):
@@ -458,7 +454,8 @@ async def test_a_request_on_an_idle_keep_alive_connection_during_the_drain_gets_
                 with trio.fail_after(10):
                     assert (await _ask(idle, READYZ)).startswith(b"HTTP/1.1 200")
                     assert (await _ask(probe, READYZ)).startswith(b"HTTP/1.1 200")
-                    async with _in_flight(gw) as second:
+                    async with trio.open_nursery() as clients:
+                        second = await clients.start(_second_client, gw)
                         gw.stop.set()
                         ready = b""
                         while not ready.startswith(b"HTTP/1.1 503"):
