@@ -171,6 +171,22 @@ async def test_the_readme_gateway_hedges_every_request_with_pick_in_order(
     assert hedged == (["true"] * 3 if pick == "in_order" else ["true", "false", "false"])
 
 
+async def test_http1_only_flag() -> None:
+    """``--http1-only``: the gateway says so, and a prior-knowledge HTTP/2 client gets 505."""
+    async with FakeReplica(Behaviour(tokens=2), name="a") as a, trio.open_nursery() as nursery:
+        gw = await _start(nursery, "serve", "--replica", a.url, "--port", "0", "--http1-only")
+        with trio.fail_after(20):
+            line = await gw.line_with("listening on ")
+            port = int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
+            async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+                await stream.send_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+                answer = await stream.receive_some()
+            gw.process.send_signal(signal.SIGTERM)
+            assert await gw.process.wait() == 0
+    assert "(HTTP/1.1 only)" in line
+    assert answer.startswith(b"HTTP/1.1 505")
+
+
 # -- starting it wrong (issue 20, item 11) ----------------------------------------------------
 
 
