@@ -7,6 +7,7 @@ that a test can send what no well-behaved client would.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -20,14 +21,16 @@ import h2.config
 import h2.connection
 import h2.errors
 import h2.events
+import h2.settings
 import httpx
 import pytest
 import trio
 
-from trio_hedge.gateway import GatewayConfig, Limits
+import trio_hedge as th
+from trio_hedge.gateway import GatewayConfig, Group, Limits
 from trio_hedge.testing import Behaviour, FakeReplica
 
-from .gateway_support import CHAT, Gateway, config_for
+from .gateway_support import CHAT, HEDGER, Gateway, config_for
 
 #: A stream that lasts ~0.4 s: the second client, in flight while another one misbehaves.
 PACED = Behaviour(ttft=0.0, token_delay=0.02, tokens=20)
@@ -132,6 +135,13 @@ def _served_whole(out: Sequence[bytes]) -> bool:
 async def _healthy(gw: Gateway) -> int:
     async with httpx.AsyncClient() as http:
         return (await http.get(f"{gw.base_url}/healthz")).status_code
+
+
+async def _logged(caplog: pytest.LogCaptureFixture, logger: str) -> None:
+    """Wait for a line on ``logger`` (the access log's comes after the slot is released).
+    No event says so: poll, bounded by the caller's ``fail_after``."""
+    while not any(r.name == logger for r in caplog.records):  # noqa: ASYNC110
+        await trio.sleep(0.01)
 
 
 def _contained(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -344,6 +354,31 @@ async def test_http1_only(caplog: pytest.LogCaptureFixture) -> None:
 # -- item 2: a client that stops reading --------------------------------------------------------
 
 
+class BigAndSmall:
+    """A gateway whose model ``big`` goes to a `BIG` replica and every other to a small fast
+    one: ``async with BigAndSmall(limits) as (big, gw)``."""
+
+    def __init__(self, limits: Limits) -> None:
+        self._limits = limits
+        self._stack = contextlib.AsyncExitStack()
+
+    async def __aenter__(self) -> tuple[FakeReplica, Gateway]:
+        stack = self._stack
+        big = await stack.enter_async_context(FakeReplica(BIG, name="big"))
+        small = await stack.enter_async_context(FakeReplica(Behaviour(tokens=2), name="small"))
+        replicas = [th.Replica(big.url, name="big"), th.Replica(small.url, name="small")]
+        groups = [
+            Group("big", ["big"], models=["big"], hedger=HEDGER),
+            Group("small", ["small"], hedger=HEDGER),
+        ]
+        config = GatewayConfig(replicas, groups, port=0, limits=self._limits)
+        gw = await stack.enter_async_context(Gateway(config))
+        return big, gw
+
+    async def __aexit__(self, *exc: object) -> bool | None:
+        return await self._stack.__aexit__(*exc)  # type: ignore[arg-type]
+
+
 async def _stalled_client(port: int, body: dict[str, Any]) -> trio.SocketStream:
     """A client that sends a request and never reads: a small receive buffer, so the
     gateway's writes stop making progress at once."""
@@ -371,25 +406,46 @@ async def test_a_client_that_stops_reading_loses_its_request_and_slot(
     if deadline == "write_timeout":
         limits = Limits(max_concurrent=1, write_timeout=0.3, request_timeout=None)
     else:
-        limits = Limits(max_concurrent=1, request_timeout=0.5)  # write_timeout: 30 s
-    async with FakeReplica(BIG, name="big") as big:
-        config = config_for([big], limits=limits)
-        async with Gateway(config) as gw:
-            stalled = await _stalled_client(_port(gw), {**CHAT, "stream": True})
-            async with stalled:
-                with trio.fail_after(10):
-                    await big.wait_disconnected(0)
+        limits = Limits(max_concurrent=1, request_timeout=1.0)  # write_timeout: 30 s
+    async with BigAndSmall(limits) as (big, gw):
+        stalled = await _stalled_client(_port(gw), {**CHAT, "model": "big", "stream": True})
+        async with stalled:
+            with trio.fail_after(10):
+                await big.wait_disconnected(0)
+                await _logged(caplog, "trio_hedge.gateway.access")  # its slot is free
                 async with httpx.AsyncClient() as http:
-                    body = {**CHAT, "stream": True}
-                    async with http.stream(
-                        "POST", f"{gw.url}/chat/completions", json=body
-                    ) as after:
-                        pass
+                    after = await http.post(f"{gw.url}/chat/completions", json=CHAT)
     assert after.status_code == 200  # the slot was freed
     # The upstream was not read into the gateway's memory: it stopped with the client.
     assert big.requests[0].tokens_sent < 4000
     reason = "no progress for 0.3 s" if deadline == "write_timeout" else "request_timeout"
     assert any(reason in r.getMessage() for r in caplog.records)
+
+
+async def test_an_h2_stream_whose_window_stays_shut_loses_its_request_and_slot(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The same over HTTP/2 by a client that keeps reading the connection but opens no
+    stream window (``SETTINGS_INITIAL_WINDOW_SIZE = 0``): no socket write stalls, the
+    stream's send waits for its window; after ``write_timeout`` the request is cancelled."""
+    caplog.set_level(logging.INFO)
+    limits = Limits(max_concurrent=1, write_timeout=0.3, request_timeout=None)
+    async with BigAndSmall(limits) as (big, gw), H2.open(_port(gw)) as client:
+        client.connection.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+        body = json.dumps({**CHAT, "model": "big", "stream": True}).encode()
+        shut = await client.request(_headers(b"/v1/chat/completions", b"POST"), end=False)
+        client.connection.send_data(shut, body, end_stream=True)
+        await client.flush()
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client.until, lambda: False)  # reads, never a window
+                await big.wait_disconnected(0)
+                await _logged(caplog, "trio_hedge.gateway.access")  # its slot is free
+                async with httpx.AsyncClient() as http:
+                    after = await http.post(f"{gw.url}/chat/completions", json=CHAT)
+                nursery.cancel_scope.cancel()
+    assert after.status_code == 200  # the slot was freed
+    assert any("window stayed shut for 0.3 s" in r.getMessage() for r in caplog.records)
 
 
 async def test_the_drain_ends_whatever_a_stalled_client_does(

@@ -26,7 +26,8 @@ wrappers below when upgrading it, tests/test_gateway_server.py sends each input)
    deadline, and shutdown waits for it. Here a write that makes no progress for
    ``write_timeout`` seconds, or goes on `ABORT_GRACE` seconds past its request's
    ``request_timeout``, closes the connection (a request still running later is
-   cancelled), and the end of the drain closes every connection left.
+   cancelled); an HTTP/2 request whose stream's flow-control window stays shut for
+   ``write_timeout`` is cancelled; and the end of the drain closes every connection left.
 3. **Shutdown closes idle keep-alive connections at once** (the ``terminated`` event is set
    when the shutdown trigger fires), so a request a client sent on one just then meets a
    closed connection. Here they stay open while requests are in flight (a request on one is
@@ -207,7 +208,24 @@ def _servable(headers: list[tuple[bytes, bytes]]) -> bool:
 
 
 class _H2(H2Protocol):
-    """hypercorn's HTTP/2, refusing on its own stream what would raise in hypercorn."""
+    """hypercorn's HTTP/2, refusing on its own stream what would raise in hypercorn, and
+    holding at most its 32 KiB per stream while the client's window is shut."""
+
+    async def _send_data(self, stream_id: int) -> None:
+        # hypercorn pops 0 bytes when the window is shut, and a pop under the low-water mark
+        # wakes the app's send: with a window that stays shut the app writes on and the
+        # stream's buffer holds the whole answer (a zero-window reader took 32 MB of one
+        # upstream answer into memory). Wait for the window instead (`_window_updated`).
+        buffer = self.stream_buffers.get(stream_id)
+        if buffer is not None and buffer.buffer:
+            try:
+                shut = self.connection.local_flow_control_window(stream_id) <= 0
+            except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+                shut = False  # hypercorn's own handling closes it
+            if shut:
+                self.priority.block(stream_id)
+                return
+        await super()._send_data(stream_id)
 
     async def _handle_events(self, events: list[h2.events.Event]) -> None:
         for event in events:
@@ -262,6 +280,8 @@ class _Connection(TCPServer):
         super().__init__(self._request, server.hypercorn, server.context, {}, self.socket_)  # type: ignore[arg-type]
         self._server = server
         self.requests: dict[trio.CancelScope, None] = {}  # in start order
+        #: The h2 requests whose send waits, and since when (Trio time).
+        self.sending: dict[trio.CancelScope, float] = {}
 
     async def run(self) -> None:
         # TCPServer.run without TLS, with `_Protocols` for ProtocolWrapper.
@@ -290,7 +310,9 @@ class _Connection(TCPServer):
         """One request (hypercorn's app call). A write by its task ends `ABORT_GRACE` seconds
         after its ``request_timeout`` (the connection closed: the app then ends as if the
         client left); the request itself is cancelled `ABORT_GRACE` seconds later still,
-        wherever it waits (an h2 stream's flow control)."""
+        wherever it waits. Over HTTP/2 a send that waits ``write_timeout`` for the stream's
+        flow-control window (a client that reads the connection but not the stream) cancels
+        the request (`Server.watch`)."""
         server = self._server
         write_by = trio.current_time() + server.request_limit
         task = trio.lowlevel.current_task()
@@ -298,6 +320,8 @@ class _Connection(TCPServer):
             self.requests[request] = None
             self.socket_.deadlines[task] = write_by
             server.requests += 1
+            if scope.get("http_version") == "2":
+                send = self._timed(send, request)
             try:
                 await server.app(scope, receive, send)
             finally:
@@ -312,6 +336,19 @@ class _Connection(TCPServer):
                 scope.get("client", ("?",))[0],
                 2 * ABORT_GRACE,
             )
+
+    def _timed(self, send: Any, request: trio.CancelScope) -> Any:
+        """``send`` noting in `sending` since when it waits (an h2 stream's window)."""
+        sending = self.sending
+
+        async def timed(message: Any) -> None:
+            sending[request] = trio.current_time()
+            try:
+                await send(message)
+            finally:
+                del sending[request]
+
+        return timed
 
     def abort(self, reason: str) -> None:
         """End the connection now: its requests cancelled, its socket closed."""
@@ -387,7 +424,8 @@ class Server:
 
     async def watch(self) -> None:
         """Close each connection whose write in progress made no progress for
-        ``write_timeout`` seconds or outlived its request's deadline: checked every
+        ``write_timeout`` seconds or outlived its request's deadline, and cancel each h2
+        request whose send waited ``write_timeout`` for its stream's window: checked every
         `WATCH_EVERY` seconds (at most a tenth of ``write_timeout``)."""
         timeout = math.inf if self.write_timeout is None else self.write_timeout
         while True:
@@ -396,12 +434,18 @@ class Server:
             for connection in self.connections:
                 sock = connection.socket_
                 since = sock.progress_at
-                if since is None:
-                    continue
-                if now - since >= timeout:
-                    sock.close_now(f"a write made no progress for {timeout:g} s")
-                elif now >= sock.write_by:
-                    sock.close_now("a write outlived its request's request_timeout")
+                if since is not None:
+                    if now - since >= timeout:
+                        sock.close_now(f"a write made no progress for {timeout:g} s")
+                    elif now >= sock.write_by:
+                        sock.close_now("a write outlived its request's request_timeout")
+                for request, since in connection.sending.items():
+                    if now - since >= timeout and not request.cancel_called:
+                        logger.warning(
+                            "cancelled an HTTP/2 request: its stream's window stayed shut for %g s",
+                            timeout,
+                        )
+                        request.cancel()
 
     def hurry(self) -> None:
         """End the drain's wait for requests now (a second signal)."""
