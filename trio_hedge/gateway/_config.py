@@ -90,7 +90,9 @@ class Limits:
         hedge_after_max: the most a client's ``X-Hedge-After`` is clamped to. Default 10.
         write_timeout: seconds a write to a client may make no progress (a client that
             stopped reading) before its connection is closed, ending its requests (their
-            upstream attempts closed, their slots freed). ``None``: no limit. Default 30.
+            upstream attempts closed, their slots freed); over HTTP/2, also how long a
+            stream's shut flow-control window may hold a request. ``None``: no limit.
+            Default 30.
     """
 
     max_concurrent: int = attrs.field(default=1000, validator=_positive_int)

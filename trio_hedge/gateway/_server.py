@@ -28,6 +28,9 @@ wrappers below when upgrading it, tests/test_gateway_server.py sends each input)
    ``request_timeout``, closes the connection (a request still running later is
    cancelled); an HTTP/2 request whose stream's flow-control window stays shut for
    ``write_timeout`` is cancelled; and the end of the drain closes every connection left.
+   Also over HTTP/2: with a window that stays shut, ``H2Protocol._send_data`` pops 0 bytes,
+   which wakes the app's send (under the low-water mark), so the stream's buffer took the
+   whole answer; `_H2` waits for the window instead (memory: 32 KiB a stream).
 3. **Shutdown closes idle keep-alive connections at once** (the ``terminated`` event is set
    when the shutdown trigger fires), so a request a client sent on one just then meets a
    closed connection. Here they stay open while requests are in flight (a request on one is
