@@ -8,6 +8,7 @@ that a test can send what no well-behaved client would.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import random
@@ -27,7 +28,7 @@ import pytest
 import trio
 
 import trio_hedge as th
-from trio_hedge.gateway import GatewayConfig, Group, Limits
+from trio_hedge.gateway import GatewayConfig, Group, Limits, serve
 from trio_hedge.testing import Behaviour, FakeReplica
 
 from .gateway_support import CHAT, HEDGER, Gateway, config_for
@@ -463,6 +464,29 @@ async def test_the_drain_ends_whatever_a_stalled_client_does(
                 stalled = await _stalled_client(_port(gw), {**CHAT, "stream": True})
                 await big.wait_request(0)
             # serve() returned: drained, connections closed, pool closed
+            await big.wait_disconnected(0)
+        await stalled.aclose()
+
+
+async def test_serve_cancelled_from_outside_returns_whatever_a_stalled_client_does() -> None:
+    """Cancelled (not stopped), with a client stuck in a write and no deadline that would
+    end it: ``serve`` closes every connection and returns (without that, hypercorn's
+    shielded write held it forever)."""
+    limits = Limits(request_timeout=None, write_timeout=None)
+    async with FakeReplica(BIG, name="big") as big:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                start = functools.partial(serve, config_for([big], limits=limits))
+                (url,) = await nursery.start(start)
+                port = int(url.rsplit(":", 1)[1])
+                stalled = await _stalled_client(port, {**CHAT, "stream": True})
+                record = await big.wait_request(0)
+                sent, quiet = -1, 0
+                while quiet < 10:  # the upstream stopped: every buffer on the way is full
+                    quiet = quiet + 1 if record.tokens_sent == sent else 0
+                    sent = record.tokens_sent
+                    await trio.sleep(0.02)
+                nursery.cancel_scope.cancel()
             await big.wait_disconnected(0)
         await stalled.aclose()
 

@@ -66,7 +66,6 @@ async def serve(
     """
     stop = trio.Event() if stop is None else stop
     listeners = await open_listeners(config.host, config.port, BACKLOG)
-    binds = [_url(listener) for listener in listeners]
     metrics = GatewayMetrics()
     hedgers: dict[str, Hedger] = {}
     async with make_client() as client:
@@ -89,31 +88,7 @@ async def serve(
                 nursery.start_soon(server.watch)
                 if handle_signals:
                     nursery.start_soon(_signals, stop, limiter, server)
-                async with trio.open_nursery() as connections:
-                    async with trio.open_nursery() as accepting:
-                        await accepting.start(
-                            functools.partial(
-                                trio.serve_listeners,
-                                server.handle,
-                                listeners,
-                                handler_nursery=connections,
-                            )
-                        )
-                        groups = ", ".join(
-                            f"{g.name}: {'/'.join(g.replicas)}" for g in config.groups
-                        )
-                        logger.info(
-                            "trio-hedge gateway listening on %s (%s); groups %s",
-                            " ".join(binds),
-                            "HTTP/1.1, h2c" if config.http2 else "HTTP/1.1 only",
-                            groups,
-                        )
-                        task_status.started(binds)
-                        await stop.wait()
-                        limiter.start_draining()
-                        accepting.cancel_scope.cancel()  # the listening sockets close
-                    await server.drain(limits.drain_timeout, limiter.cancel_all)
-                    connections.cancel_scope.cancel()
+                await _accept_then_drain(config, server, limiter, listeners, stop, task_status)
                 nursery.cancel_scope.cancel()  # served and drained: stop the helpers
         finally:
             for listener in listeners:
@@ -122,6 +97,44 @@ async def serve(
             with trio.CancelScope(shield=True):
                 for hedger in hedgers.values():
                     await hedger.aclose()
+
+
+async def _accept_then_drain(
+    config: GatewayConfig,
+    server: Server,
+    limiter: Limiter,
+    listeners: list[trio.SocketListener],
+    stop: trio.Event,
+    task_status: trio.TaskStatus[list[str]],
+) -> None:
+    """Accept connections until ``stop``, then stop accepting and drain."""
+    binds = [_url(listener) for listener in listeners]
+    async with trio.open_nursery() as connections:
+        try:
+            async with trio.open_nursery() as accepting:
+                await accepting.start(
+                    functools.partial(
+                        trio.serve_listeners,
+                        server.handle,
+                        listeners,
+                        handler_nursery=connections,
+                    )
+                )
+                groups = ", ".join(f"{g.name}: {'/'.join(g.replicas)}" for g in config.groups)
+                logger.info(
+                    "trio-hedge gateway listening on %s (%s); groups %s",
+                    " ".join(binds),
+                    "HTTP/1.1, h2c" if config.http2 else "HTTP/1.1 only",
+                    groups,
+                )
+                task_status.started(binds)
+                await stop.wait()
+                limiter.start_draining()
+                accepting.cancel_scope.cancel()  # the listening sockets close
+            await server.drain(config.limits.drain_timeout, limiter.cancel_all)
+            connections.cancel_scope.cancel()
+        finally:  # cancelled from outside: nothing may wait on a client
+            server.close_all()
 
 
 def _url(listener: trio.SocketListener) -> str:

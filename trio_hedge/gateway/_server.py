@@ -476,5 +476,9 @@ class Server:
         with trio.move_on_after(ABORT_GRACE):
             while self.connections:
                 await self._changed.wait()
+        self.close_all()
+
+    def close_all(self) -> None:
+        """End every connection now (its requests cancelled, its socket closed)."""
         for connection in list(self.connections):
             connection.abort("shutdown")
