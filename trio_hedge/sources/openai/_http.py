@@ -30,6 +30,7 @@ from ..._validate import (
 from ...errors import AttemptError, ErrorKind
 from ...events import Delta
 from ...transport import http2_connections
+from .._aclose import aclose_nested
 from ._codec import ChunkDecoder, decode_json_body
 from ._errors import (
     classify_http_error,
@@ -295,6 +296,7 @@ class OpenAIChatSource:
         request = self._client.build_request(
             "POST", self._url, content=self._content, headers=headers
         )
+        request.stream = _Body(self._content)
         try:
             response = await self._client.send(request, stream=True)
         except BaseException as exc:
@@ -308,7 +310,7 @@ class OpenAIChatSource:
                 raise
             raise send_error(exc, request, self._redact) from exc
         try:
-            return await _attempt_for(response, self._redact)
+            return await attempt_for(response, self._redact)
         except BaseException:
             # Shielded and bounded; a failing close must not replace the error being raised.
             with (
@@ -319,21 +321,78 @@ class OpenAIChatSource:
             raise
 
 
+@attrs.frozen
+class TransportErrors:
+    """The exception classes of the HTTP library a response comes from: httpx for the HTTP
+    source, httpx2 as well for the openai SDK's client (one reader for both)."""
+
+    timeout: tuple[type[Exception], ...]
+    transport: tuple[type[Exception], ...]
+    any: tuple[type[Exception], ...]
+
+
+HTTPX_ERRORS = TransportErrors(
+    (httpx.TimeoutException,), (httpx.TransportError,), (httpx.HTTPError,)
+)
+
+
+class _Body(httpx.ByteStream):
+    """The request body, whose async iterator is an object, not a generator: httpx's
+    ``ByteStream.__aiter__`` is one, and a send cancelled while it is being written leaves it
+    for the garbage collector (httpx issue 3686; failing case: ``tests/test_cancel_fuzz.py``)."""
+
+    def __aiter__(self) -> _Once:
+        return _Once(self._stream)
+
+
+class _Once:
+    """Yields one ``bytes`` chunk, then stops; nothing to finalise."""
+
+    __slots__ = ("_chunk",)
+
+    def __init__(self, chunk: bytes) -> None:
+        self._chunk: bytes | None = chunk
+
+    def __aiter__(self) -> _Once:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk, self._chunk = self._chunk, None
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
+
+
 async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
     body = bytearray()
-    async for chunk in response.aiter_bytes():
-        body += chunk
-        if len(body) >= limit:
-            break
+    chunks = response.aiter_bytes()
+    try:
+        async for chunk in chunks:
+            body += chunk
+            if len(body) >= limit:
+                break
+    finally:
+        await aclose_nested(chunks)  # left early: httpx's generators, closed here
     return bytes(body[:limit])
 
 
-async def _attempt_for(response: httpx.Response, redact: Redactor) -> HTTPAttempt:
+async def attempt_for(
+    response: httpx.Response,
+    redact: Redactor,
+    errors: TransportErrors = HTTPX_ERRORS,
+    kind: type[HTTPAttempt] | None = None,
+) -> HTTPAttempt:
+    """The attempt a response opens, by its status and content type: an error status raises
+    its classified error, a web page ``PROTOCOL``, a JSON answer is read whole and decoded
+    ([`decode_json_body`][trio_hedge.sources.openai.decode_json_body]), anything else is read
+    as an event stream. Both sources open their attempts here (one set of rules); ``errors``
+    are the classes of the library ``response`` comes from, ``kind`` the attempt's class
+    (default ``HTTPAttempt``)."""
     status = response.status_code
     if not 200 <= status < 300:
         try:
             body = await _read_bounded(response, ERROR_BODY_LIMIT)
-        except httpx.HTTPError:
+        except errors.any:
             body = b""
         error = classify_http_error(status, response.headers, body, redact=redact)
         if status == 400 and b"plain HTTP request was sent to HTTPS port" in body:
@@ -372,8 +431,8 @@ async def _attempt_for(response: httpx.Response, redact: Redactor) -> HTTPAttemp
                 ErrorKind.PROTOCOL, f"JSON answer larger than {JSON_BODY_LIMIT} bytes"
             )
         whole = decode_json_body(status, response.headers, body, redact=redact)
-        return HTTPAttempt(response, whole, redact)
-    return HTTPAttempt(response, None, redact)
+        return (kind or HTTPAttempt)(response, whole, redact, errors)
+    return (kind or HTTPAttempt)(response, None, redact, errors)
 
 
 class HTTPAttempt:
@@ -383,6 +442,7 @@ class HTTPAttempt:
     __slots__ = (
         "_chunks",
         "_decoder",
+        "_errors",
         "_exhausted",
         "_finished",
         "_ready",
@@ -395,8 +455,10 @@ class HTTPAttempt:
         response: httpx.Response,
         whole: Sequence[Delta] | None,
         redact: Redactor | None = None,
+        errors: TransportErrors = HTTPX_ERRORS,
     ) -> None:
         self._response = response
+        self._errors = errors
         self._redact = redact if redact is not None else Redactor()
         self._decoder = ChunkDecoder(redact=self._redact)
         # Undecoded bytes skip httpx's content-decoder and re-chunking layers (hot path). A
@@ -432,9 +494,9 @@ class HTTPAttempt:
             except StopAsyncIteration:
                 self._finished = self._exhausted = True
                 return decoder.end() or None
-            except httpx.TimeoutException as exc:
+            except self._errors.timeout as exc:
                 raise transport_error(ErrorKind.TIMEOUT, exc, self._redact) from exc
-            except httpx.TransportError as exc:
+            except self._errors.transport as exc:
                 # A cut after data is a truncated stream; before any data, a connection error.
                 kind = ErrorKind.STREAM_TRUNCATED if decoder.data_events else ErrorKind.CONNECTION
                 raise transport_error(kind, exc, self._redact) from exc
@@ -447,10 +509,16 @@ class HTTPAttempt:
 
     async def aclose(self) -> None:
         finished = self._finished
-        if finished and not self._exhausted:
-            # After [DONE]: if the body does not end in time, the HTTP/2 stream is reset.
-            finished = await self._drain()
-        await _close_response(self._response, finished=finished)
+        try:
+            if finished and not self._exhausted:
+                # After [DONE]: if the body does not end in time, the HTTP/2 stream is reset.
+                finished = await self._drain()
+            await _close_response(self._response, finished=finished)
+        finally:
+            # Left before the body's end (a break, a cancel, a lost race): the response is
+            # closed, and so are httpx's generators under the body, here rather than by the
+            # garbage collector (nothing to do when the body was read to its end).
+            await aclose_nested(self._chunks)
 
     async def _drain(self) -> bool:
         """Read what follows ``[DONE]`` (normally just the body's last chunk, often already
@@ -473,7 +541,7 @@ class HTTPAttempt:
                     read += len(chunk)
                     if read > DRAIN_LIMIT:
                         return False
-            except httpx.HTTPError:
+            except self._errors.any:
                 return False
             return True
         return False
