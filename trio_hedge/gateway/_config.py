@@ -114,6 +114,11 @@ class Limits:
             ``None``: no limit. Default ``None``.
         key_burst: requests a key may make at once beyond ``key_rate`` (the bucket's size).
             ``None``: ``key_rate`` rounded up (at least 1). Default ``None``.
+        write_timeout: seconds a write to a client may make no progress (a client that
+            stopped reading) before its connection is closed, ending its requests (their
+            upstream attempts closed, their slots freed); over HTTP/2, also how long a
+            stream's shut flow-control window may hold a request. ``None``: no limit.
+            Default 30.
     """
 
     max_concurrent: int = attrs.field(default=1000, validator=_positive_int)
@@ -126,6 +131,7 @@ class Limits:
     key_max_concurrent: int | None = attrs.field(default=None, validator=_positive_int_or_none)
     key_rate: float | None = attrs.field(default=None, validator=_positive_rate_or_none)
     key_burst: int | None = attrs.field(default=None, validator=_positive_int_or_none)
+    write_timeout: float | None = attrs.field(default=30.0, validator=_positive_seconds_or_none)
 
     def __attrs_post_init__(self) -> None:
         if self.hedge_after_min > self.hedge_after_max:
@@ -250,6 +256,9 @@ class GatewayConfig:
         forward_client_key: send a client's own ``Authorization`` upstream, to replicas
             that have no key of their own. Default ``False``. Not with ``keys``.
         limits: the [`Limits`][trio_hedge.gateway.Limits].
+        http2: serve h2c (HTTP/2 without TLS, prior knowledge or ``Upgrade``) besides
+            HTTP/1.1 on the same port. ``False``: HTTP/1.1 only (a client's HTTP/2 preface
+            is answered 505; an ``Upgrade: h2c`` is ignored). Default ``True``.
     """
 
     replicas: tuple[Replica, ...] = attrs.field(converter=_replicas)
@@ -259,6 +268,7 @@ class GatewayConfig:
     keys: tuple[GatewayKey, ...] = attrs.field(default=(), converter=_gateway_keys, repr=_keys_repr)
     forward_client_key: bool = False
     limits: Limits = attrs.field(factory=Limits)
+    http2: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
 
     @port.validator
     def _check_port(self, _attribute: attrs.Attribute[int], value: object) -> None:
@@ -478,7 +488,7 @@ def parse_config(
     environ = os.environ if environ is None else environ
     _known(document, ("server", "auth", "limits", "hedger", "replicas", "groups"), "config")
     server = _table(document.get("server", {}), "server")
-    _known(server, ("host", "port"), "server")
+    _known(server, ("host", "port", "http2"), "server")
     auth = _table(document.get("auth", {}), "auth")
     _known(auth, ("keys_env", "keys", "forward_client_key"), "auth")
     keys_env = auth.get("keys_env", [])
@@ -539,6 +549,7 @@ def parse_config(
             keys=keys,
             forward_client_key=auth.get("forward_client_key", False),
             limits=limits,
+            http2=server.get("http2", True),
         )
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"config: {exc}") from None
@@ -570,6 +581,7 @@ def with_flags(
     port: int | None = None,
     hedger: Mapping[str, Any] | None = None,
     limits: Mapping[str, Any] | None = None,
+    http2: bool | None = None,
 ) -> GatewayConfig:
     """``config`` (or none) with command-line flags over it: ``replicas`` (URLs) replace the
     file's replicas and groups; ``hedger`` fields apply to every group; ``limits`` fields
@@ -598,6 +610,8 @@ def with_flags(
             changes["host"] = host
         if port is not None:
             changes["port"] = port
+        if http2 is not None:
+            changes["http2"] = http2
         if limits:
             changes["limits"] = attrs.evolve(config.limits, **limits)
         if hedger:
