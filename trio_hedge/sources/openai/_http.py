@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 from urllib.parse import urlsplit
 
 import attrs
@@ -39,7 +39,14 @@ from ._errors import (
     with_context,
 )
 
-__all__ = ["HeaderNames", "OpenAIChatSource", "Replica"]
+__all__ = [
+    "HTTPAttempt",
+    "HTTPSource",
+    "HeaderNames",
+    "OpenAIChatSource",
+    "Replica",
+    "StreamDecoder",
+]
 
 #: How much of an error body is read to classify it (bytes).
 ERROR_BODY_LIMIT = 4096
@@ -198,12 +205,30 @@ class Replica:
     )
 
     def __attrs_post_init__(self) -> None:
-        if self.api_key is not None and any(n.lower() == "authorization" for n in self.headers):
+        key_header = self._key_header
+        if self.api_key is not None and any(n.lower() == key_header for n in self.headers):
             raise ValueError(
-                "give the key as api_key or as an Authorization header, not both "
+                f"give the key as api_key or as an {key_header} header, not both "
                 "(both would be sent)"
             )
         protect_in_logs(self._redact)
+
+    #: The API this kind of replica speaks (one request body fits one API, so the front doors
+    #: refuse a list of replicas that mix them).
+    api: ClassVar[str] = "chat"
+    #: What ``bind`` makes (set below for chat completions; each API's replica its own).
+    _source_class: ClassVar[type[HTTPSource]]
+    #: The (lower-case) header ``api_key`` goes in.
+    _key_header: ClassVar[str] = "authorization"
+
+    def _key_headers(self) -> dict[str, str]:
+        """The headers that carry ``api_key`` (sent over the replica's own headers)."""
+        return {} if self.api_key is None else {"authorization": f"Bearer {self.api_key}"}
+
+    def _default_headers(self) -> dict[str, str]:
+        """The headers every attempt sends unless the replica's or the request's replace
+        them (lower-case names)."""
+        return {"accept": "text/event-stream", "content-type": "application/json"}
 
     #: ``bind`` sends through the front door's ``httpx.AsyncClient``.
     needs_http_client: ClassVar[bool] = True
@@ -223,7 +248,7 @@ class Replica:
         *,
         headers: HeaderNames | None = None,
         extra_headers: Mapping[str, str] | None = None,
-    ) -> OpenAIChatSource:
+    ) -> HTTPSource:
         """This replica as a [`Source`][trio_hedge.sources.Source] for one request;
         ``extra_headers`` are added to every attempt of this request (over the replica's own
         ``headers``).
@@ -232,15 +257,39 @@ class Replica:
             TypeError: ``client`` is ``None`` (an HTTP replica needs one).
         """
         if client is None:
-            raise TypeError("a Replica needs an httpx.AsyncClient to bind to")
-        return OpenAIChatSource(
+            raise TypeError(f"a {type(self).__name__} needs an httpx.AsyncClient to bind to")
+        return self._source_class(
             self, request, client, headers or HeaderNames(), extra_headers=extra_headers
         )
 
 
-class OpenAIChatSource:
-    """One request bound to one [`Replica`][trio_hedge.sources.Replica] over one
-    ``httpx.AsyncClient``."""
+async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
+    body = bytearray()
+    async for chunk in response.aiter_bytes():
+        body += chunk
+        if len(body) >= limit:
+            break
+    return bytes(body[:limit])
+
+
+class StreamDecoder(Protocol):
+    """What an HTTP attempt reads its body through: one per response (the chat codec's
+    [`ChunkDecoder`][trio_hedge.sources.openai.ChunkDecoder], or another API's)."""
+
+    done: bool
+    error: AttemptError | None
+    data_events: int
+
+    def feed(self, data: bytes) -> list[Delta]: ...
+
+    def end(self) -> list[Delta]: ...
+
+
+class HTTPSource:
+    """One request bound to one replica over one ``httpx.AsyncClient``: builds the request,
+    sends it, classifies an error answer and reads the body through the API's decoder. The
+    API's source says which decoder (`_decoder`) and how a whole JSON answer reads
+    (`_decode_whole`)."""
 
     def __init__(
         self,
@@ -266,12 +315,11 @@ class OpenAIChatSource:
         self._url = replica.base_url + replica.path
         # Names lower-cased: HTTP names are case-insensitive, and httpx would send "Accept"
         # and "accept" (or two authorizations) as two headers.
-        headers = {"accept": "text/event-stream", "content-type": "application/json"}
+        headers = replica._default_headers()
         headers.update((name.lower(), value) for name, value in replica.headers.items())
         if extra_headers:
             headers.update((name.lower(), value) for name, value in extra_headers.items())
-        if replica.api_key is not None:
-            headers["authorization"] = f"Bearer {replica.api_key}"
+        headers.update(replica._key_headers())
         self._headers = headers
         # What a server might quote back in an error message ("Incorrect API key provided:
         # sk-…", "Received API Key = sk-...1337"): masked in every AttemptError this source
@@ -288,7 +336,17 @@ class OpenAIChatSource:
         return self._replica.name
 
     def __repr__(self) -> str:
-        return f"OpenAIChatSource(replica={self._replica!r})"
+        return f"{type(self).__name__}(replica={self._replica!r})"
+
+    def _decoder(self, redact: Redactor) -> StreamDecoder:
+        """A decoder for one response body."""
+        raise NotImplementedError
+
+    def _decode_whole(
+        self, status: int, headers: Mapping[str, str], body: bytes, redact: Redactor
+    ) -> list[Delta]:
+        """The deltas of a whole ``application/json`` answer (or its classified error)."""
+        raise NotImplementedError
 
     async def open(self, info: AttemptInfo) -> HTTPAttempt:
         headers = attempt_headers(self._headers, self._header_names, info)
@@ -308,7 +366,7 @@ class OpenAIChatSource:
                 raise
             raise send_error(exc, request, self._redact) from exc
         try:
-            return await _attempt_for(response, self._redact)
+            return await self._attempt_for(response)
         except BaseException:
             # Shielded and bounded; a failing close must not replace the error being raised.
             with (
@@ -318,62 +376,72 @@ class OpenAIChatSource:
                 await _close_response(response, finished=False)
             raise
 
-
-async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
-    body = bytearray()
-    async for chunk in response.aiter_bytes():
-        body += chunk
-        if len(body) >= limit:
-            break
-    return bytes(body[:limit])
-
-
-async def _attempt_for(response: httpx.Response, redact: Redactor) -> HTTPAttempt:
-    status = response.status_code
-    if not 200 <= status < 300:
-        try:
-            body = await _read_bounded(response, ERROR_BODY_LIMIT)
-        except httpx.HTTPError:
-            body = b""
-        error = classify_http_error(status, response.headers, body, redact=redact)
-        if status == 400 and b"plain HTTP request was sent to HTTPS port" in body:
-            # nginx's 400 page for http:// on a TLS port: the replica's URL is wrong, not the
-            # request (it would be fatal as a plain 400).
+    async def _attempt_for(self, response: httpx.Response) -> HTTPAttempt:
+        redact = self._redact
+        status = response.status_code
+        if not 200 <= status < 300:
+            try:
+                body = await _read_bounded(response, ERROR_BODY_LIMIT)
+            except httpx.HTTPError:
+                body = b""
+            error = classify_http_error(status, response.headers, body, redact=redact)
+            if status == 400 and b"plain HTTP request was sent to HTTPS port" in body:
+                # nginx's 400 page for http:// on a TLS port: the replica's URL is wrong, not
+                # the request (it would be fatal as a plain 400).
+                raise AttemptError(
+                    ErrorKind.PROTOCOL,
+                    redact(
+                        f"HTTP 400 from {request_line(response.request)}: the server speaks TLS on "
+                        "this port (a plain HTTP request was sent to an HTTPS port); use https://"
+                    ),
+                    status_code=status,
+                )
+            if status in (404, 405):
+                # A wrong path or base_url (the server's own message rarely names it).
+                where = request_line(response.request)
+                hint = "" if "/v1/" in where else "; OpenAI-compatible servers usually serve /v1/…"
+                error = with_context(error, redact(f"{where}{hint}"))
+            raise error
+        content_type = response.headers.get("content-type", "")
+        if content_type.startswith("text/html"):
+            # A web page (a proxy's login or landing page, an admin UI): never an event stream.
             raise AttemptError(
                 ErrorKind.PROTOCOL,
                 redact(
-                    f"HTTP 400 from {request_line(response.request)}: the server speaks TLS on "
-                    "this port (a plain HTTP request was sent to an HTTPS port); use https://"
+                    f"HTTP {status} with Content-Type {content_type} from "
+                    f"{request_line(response.request)}: a web page, not an event stream; is "
+                    "base_url the API's (often ending in /v1)?"
                 ),
                 status_code=status,
             )
-        if status in (404, 405):
-            # A wrong path or base_url (the server's own message rarely names it).
-            where = request_line(response.request)
-            hint = "" if "/v1/" in where else "; OpenAI-compatible servers usually serve /v1/…"
-            error = with_context(error, redact(f"{where}{hint}"))
-        raise error
-    content_type = response.headers.get("content-type", "")
-    if content_type.startswith("text/html"):
-        # A web page (a proxy's login or landing page, an admin UI): never an event stream.
-        raise AttemptError(
-            ErrorKind.PROTOCOL,
-            redact(
-                f"HTTP {status} with Content-Type {content_type} from "
-                f"{request_line(response.request)}: a web page, not an event stream; is base_url "
-                "the API's (often ending in /v1)?"
-            ),
-            status_code=status,
-        )
-    if content_type.startswith("application/json"):
-        body = await _read_bounded(response, JSON_BODY_LIMIT + 1)
-        if len(body) > JSON_BODY_LIMIT:
-            raise AttemptError(
-                ErrorKind.PROTOCOL, f"JSON answer larger than {JSON_BODY_LIMIT} bytes"
-            )
-        whole = decode_json_body(status, response.headers, body, redact=redact)
-        return HTTPAttempt(response, whole, redact)
-    return HTTPAttempt(response, None, redact)
+        if content_type.startswith("application/json"):
+            body = await _read_bounded(response, JSON_BODY_LIMIT + 1)
+            if len(body) > JSON_BODY_LIMIT:
+                raise AttemptError(
+                    ErrorKind.PROTOCOL, f"JSON answer larger than {JSON_BODY_LIMIT} bytes"
+                )
+            whole = self._decode_whole(status, response.headers, body, redact)
+            return self._attempt(response, whole)
+        return self._attempt(response, None)
+
+    def _attempt(self, response: httpx.Response, whole: Sequence[Delta] | None) -> HTTPAttempt:
+        return HTTPAttempt(response, whole, self._redact, self._decoder(self._redact))
+
+
+class OpenAIChatSource(HTTPSource):
+    """One chat-completions request bound to one [`Replica`][trio_hedge.sources.Replica] over
+    one ``httpx.AsyncClient``."""
+
+    def _decoder(self, redact: Redactor) -> StreamDecoder:
+        return ChunkDecoder(redact=redact)
+
+    def _decode_whole(
+        self, status: int, headers: Mapping[str, str], body: bytes, redact: Redactor
+    ) -> list[Delta]:
+        return decode_json_body(status, headers, body, redact=redact)
+
+
+Replica._source_class = OpenAIChatSource
 
 
 class HTTPAttempt:
@@ -395,10 +463,11 @@ class HTTPAttempt:
         response: httpx.Response,
         whole: Sequence[Delta] | None,
         redact: Redactor | None = None,
+        decoder: StreamDecoder | None = None,
     ) -> None:
         self._response = response
         self._redact = redact if redact is not None else Redactor()
-        self._decoder = ChunkDecoder(redact=self._redact)
+        self._decoder = decoder if decoder is not None else ChunkDecoder(redact=self._redact)
         # Undecoded bytes skip httpx's content-decoder and re-chunking layers (hot path). A
         # compressed body, or one already read (an event hook called .read()), goes through
         # aiter_bytes(), which handles both.
