@@ -446,7 +446,11 @@ class ResponsesWire(Wire):
         return out
 
     def inband_error(self, status: int, message: str) -> bytes:
-        code = {429: "rate_limit_exceeded", 503: "server_is_overloaded"}.get(status, "server_error")
+        code = {
+            429: "rate_limit_exceeded",
+            503: "server_is_overloaded",
+            529: "server_is_overloaded",
+        }.get(status, "server_error")
         error = {"code": code, "message": message or f"{_phrase(status)} (fake replica)"}
         return self._event(
             {"type": "response.failed", "response": self._response("failed", error=error)}
