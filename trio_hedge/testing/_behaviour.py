@@ -82,7 +82,9 @@ def _non_negative_count(_inst: object, attribute: attrs.Attribute[Any], value: i
 
 @attrs.frozen
 class Behaviour:
-    """How a fake replica answers one chat-completion request. Times are in seconds.
+    """How a fake replica answers one request (chat completions, Anthropic Messages or OpenAI
+    Responses: the path says which; each streams in its API's own events). Times are in
+    seconds.
 
     A streaming 200 answer sends the response headers and a role-only chunk at once (real
     servers answer 200 while the request is still queued: headers are not a first token),
@@ -423,8 +425,12 @@ def render_response(
     """The steps that answer ``record`` (routing included), pure but for calling
     ``behaviour`` when it is a function.
 
-    Routes: ``POST /v1/chat/completions`` (per the behaviour; it is stored in
-    ``record.behaviour``), ``GET /health``, ``GET /v1/models``; others get 404/405.
+    Routes: ``POST /v1/chat/completions``, ``/v1/messages``, ``/v1/responses`` (per the
+    behaviour, in each API's events: ``send_done=False`` drops ``[DONE]``, ``message_stop``
+    or ``response.completed``; ``finish_reason="length"`` ends a Responses stream with
+    ``response.incomplete``; it is stored in
+    ``record.behaviour``), ``DELETE /v1/responses/{id}`` (200), ``GET /health``,
+    ``GET /v1/models``; others get 404/405.
     """
     path = record.path.split("?", 1)[0]
     routes = {
