@@ -9,6 +9,9 @@ client's CPU is counted. Every client path streams the same answer (``--tokens``
   ``data:`` line, the common baseline (target reference);
 * ``httpx aiter_raw + split + orjson``: a hand-tuned loop, for scale;
 * ``trio_hedge (1 replica)``: ``hedged_stream`` with one replica;
+* ``trio_hedge Messages`` / ``Responses (1 replica)``: the Anthropic Messages and OpenAI
+  Responses sources reading the same tokens as their APIs' events; the target is CPU per
+  token within 10% of the chat source's (``trio_hedge (1 replica)``);
 * ``trio_hedge (hedged)``: primary slow to first token (``--slow-ms``), backup fast,
   ``hedge_after`` 5 ms: the winner is the backup, the loser is cancelled;
 * ``asyncio bridge (1 replica)`` / ``(hedged, backup wins)``: the same two requests made by
@@ -60,12 +63,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, server_process, token_text, url, verdict
 
 import trio_hedge as th
+from trio_hedge.sources.anthropic import AnthropicReplica
+from trio_hedge.sources.openai_responses import ResponsesReplica
 from trio_hedge.transport import shared_ssl_context
 
 BODY: dict[str, Any] = {
     "model": "gpt-4o-mini",
     "messages": [{"role": "user", "content": "Tell me a long story."}],
 }
+MESSAGES_BODY: dict[str, Any] = {**BODY, "max_tokens": 1024}
+RESPONSES_BODY: dict[str, Any] = {"model": "gpt-4o-mini", "input": "Tell me a long story."}
 
 
 @attrs.define
@@ -152,11 +159,16 @@ async def _httpx_raw(base: str) -> Run:
     return run
 
 
-async def _hedged(replicas: list[th.Replica], policy: th.HedgePolicy, winner: int) -> Run:
+async def _hedged(
+    replicas: list[th.Replica],
+    policy: th.HedgePolicy,
+    winner: int,
+    body: dict[str, Any] = BODY,
+) -> Run:
     run = Run()
     async with _client() as client:
         run.t_start, cpu0 = time.perf_counter(), time.process_time()
-        stream = th.hedged_stream(BODY, replicas, policy, client=client)
+        stream = th.hedged_stream(body, replicas, policy, client=client)
         async with stream:
             async for token in stream:
                 run.note(token)
@@ -268,6 +280,8 @@ class Path_:
     hedged: bool = False
     #: for the asyncio bridge: the Trio path reading the same stream (the µs/token target).
     trio_twin: str | None = None
+    #: for another API's source: the chat source's path (CPU per token within 10% of it).
+    chat_twin: str | None = None
 
 
 def _paths(port: int, tokens: int, slow_ms: int) -> list[Path_]:
@@ -291,6 +305,28 @@ def _paths(port: int, tokens: int, slow_ms: int) -> list[Path_]:
             "trio_hedge (hedged, backup wins)",
             in_trio(_hedged, pair, th.HedgePolicy(hedge_after=0.005), 2),
             hedged=True,
+        ),
+        Path_(
+            "trio_hedge Messages (1 replica)",
+            in_trio(
+                _hedged,
+                [AnthropicReplica(fast, name="fast")],
+                th.HedgePolicy(hedge_after=None),
+                1,
+                MESSAGES_BODY,
+            ),
+            chat_twin="trio_hedge (1 replica)",
+        ),
+        Path_(
+            "trio_hedge Responses (1 replica)",
+            in_trio(
+                _hedged,
+                [ResponsesReplica(fast, name="fast")],
+                th.HedgePolicy(hedge_after=None),
+                1,
+                RESPONSES_BODY,
+            ),
+            chat_twin="trio_hedge (1 replica)",
         ),
         Path_(
             "asyncio bridge (1 replica)",
@@ -374,6 +410,13 @@ def main(argv: list[str] | None = None) -> int:
             extra = cpus[p.name] - cpus[p.trio_twin]
             console.print(
                 verdict(extra <= 15.0, f"{p.name}: +{extra:.1f} CPU µs/token over Trio (<= 15)")
+            )
+        if p.chat_twin is not None:
+            ratio = cpus[p.name] / cpus[p.chat_twin]
+            console.print(
+                verdict(
+                    ratio <= 1.1, f"{p.name}: {ratio:.2f}x the chat source's CPU µs/token (<= 1.1)"
+                )
             )
         if p.hedged:
             ratio = rates[p.name] / rates[base]
