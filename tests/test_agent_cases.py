@@ -7,7 +7,6 @@ import itertools
 import json
 import random
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,17 +20,9 @@ from trio_hedge.sources.anthropic import MessagesDecoder, decode_message_body
 from trio_hedge.sources.openai import classify_http_error, merge_tool_calls
 from trio_hedge.sources.openai_responses import ResponsesDecoder, decode_response_body
 
+from .test_chunks import shared_cases
 
-def _cases_path() -> Path:
-    here = Path(__file__).resolve()
-    for parent in here.parents[1:]:
-        candidate = parent / "shared" / "sse-cases-agent" / "cases.json"
-        if candidate.exists():
-            return candidate
-    return here.parents[1].parent / "shared" / "sse-cases-agent" / "cases.json"
-
-
-CASES_PATH = _cases_path()
+CASES_PATH = shared_cases("sse-cases-agent")
 CASES: list[dict[str, Any]] = (
     json.loads(CASES_PATH.read_text("utf-8")) if CASES_PATH.exists() else []
 )

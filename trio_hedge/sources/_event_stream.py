@@ -30,8 +30,9 @@ from typing import Any, ClassVar
 from ..errors import AttemptError, ErrorKind
 from ..events import Delta
 from .openai._errors import Redact, _in_band_error, _is_error, _no_redact, _truncate
+from .openai._framing import FramedDecoder
 from .openai._json import _loads
-from .openai._sse import DEFAULT_MAX_EVENT_SIZE, SSEDecoder
+from .openai._sse import DEFAULT_MAX_EVENT_SIZE, RawEvent
 
 __all__ = ["EventDecoder", "decode_whole"]
 
@@ -39,7 +40,7 @@ _BOM = b"\xef\xbb\xbf"
 _SSE_START = (b"data:", b"data\n", b"data\r", b":", b"event:", b"id:", b"retry:")
 
 
-class EventDecoder:
+class EventDecoder(FramedDecoder):
     """Per-response decoder of a typed-event stream (see the module docstring).
 
     Args:
@@ -56,22 +57,11 @@ class EventDecoder:
         usage: the usage object as it stands, or ``None``.
 
     Subclasses set `KEEPALIVE_TYPES`, `TERMINAL` (named in the truncation message) and
-    implement ``_event`` (one parsed event to a Delta, or ``None``) and ``_whole`` (a whole
-    JSON answer to deltas).
+    implement ``_typed_event`` (one parsed event to a Delta, or ``None``) and ``_whole`` (a
+    whole JSON answer to deltas).
     """
 
-    __slots__ = (
-        "_json",
-        "_mode",
-        "_redact",
-        "_seen",
-        "_sse",
-        "data_events",
-        "done",
-        "error",
-        "finish_reason",
-        "usage",
-    )
+    __slots__ = ("_seen",)
 
     #: Event types that are keep-alives: counted as data events, never as output or progress.
     KEEPALIVE_TYPES: ClassVar[frozenset[str]] = frozenset()
@@ -81,20 +71,12 @@ class EventDecoder:
     def __init__(
         self, max_event_size: int = DEFAULT_MAX_EVENT_SIZE, *, redact: Redact = _no_redact
     ) -> None:
-        self._sse = SSEDecoder(max_event_size)
-        self._redact = redact
-        self._mode = 0  # 0: undecided (only whitespace so far), 1: SSE, 2: whole JSON body
-        self._json = bytearray()
+        super().__init__(max_event_size, redact=redact)
         self._seen = 0  # data events other than keep-alives and [DONE]
-        self.done = False
-        self.error: AttemptError | None = None
-        self.data_events = 0
-        self.finish_reason: str | None = None
-        self.usage: dict[str, Any] | None = None
 
     # -- what each API says -------------------------------------------------------------
 
-    def _event(self, kind: str, obj: dict[str, Any], raw: str) -> Delta | None:
+    def _typed_event(self, kind: str, obj: dict[str, Any], raw: str) -> Delta | None:
         """The Delta of one parsed event of type ``kind`` (``raw``: its JSON text); may set
         ``done``, ``finish_reason`` and ``usage``, or raise the event's error."""
         raise NotImplementedError
@@ -109,54 +91,6 @@ class EventDecoder:
         raise NotImplementedError
 
     # -- the stream ---------------------------------------------------------------------
-
-    def feed(self, data: bytes) -> list[Delta]:
-        """Decode the next bytes of the body; return the Deltas of the events they complete.
-
-        Raises:
-            AttemptError: an error event (classified), or ``PROTOCOL`` (bad SSE, an event
-                that is not JSON, an event over ``max_event_size``).
-        """
-        if self.error is not None:
-            raise self.error
-        if self.done:
-            return []
-        if self._mode != 1:
-            data = self._sniff(data)
-            if not data:
-                return []
-        out: list[Delta] = []
-        try:
-            for event in self._sse.feed_raw(data):
-                delta = self._dispatch(event[0], event[1])
-                if delta is not None:
-                    out.append(delta)
-                if self.done:
-                    break
-            else:
-                if self._sse.pending_error is not None:
-                    raise self._sse.pending_error
-        except AttemptError as exc:
-            self.error = exc
-            if not out:
-                raise
-        return out
-
-    def end(self) -> list[Delta]:
-        """The body ended: return the last Deltas, or raise if the stream is incomplete.
-
-        Raises:
-            AttemptError: ``STREAM_TRUNCATED`` (the terminal event did not come),
-                ``EMPTY_STREAM`` (nothing but keep-alives came), or the error of the last
-                events.
-        """
-        if self.error is not None:
-            raise self.error
-        try:
-            return self._end()
-        except AttemptError as exc:
-            self.error = exc
-            raise
 
     def _end(self) -> list[Delta]:
         if self.done:
@@ -179,30 +113,8 @@ class EventDecoder:
             f"the stream ended before {self.TERMINAL}" + (" (inside an event)" if cut else ""),
         )
 
-    def _sniff(self, data: bytes) -> bytes:
-        """Until the first significant byte: decide between SSE and a whole JSON body."""
-        buf = self._json
-        buf += data
-        if len(buf) > self._sse.max_event_size:
-            raise AttemptError(ErrorKind.PROTOCOL, "answer larger than max_event_size")
-        if self._mode == 2:
-            return b""
-        raw = bytes(buf)
-        if len(raw) < 3 and _BOM.startswith(raw):
-            return b""
-        head = (raw[3:] if raw.startswith(_BOM) else raw).lstrip(b" \t\r\n")
-        if not head:
-            return b""
-        if head[0] in b"{[":
-            self._mode = 2
-            self._json = bytearray(head)
-            return b""
-        self._mode = 1
-        buf.clear()
-        return raw
-
-    def _dispatch(self, sse_type: str, data: str) -> Delta | None:
-        text = data.strip()
+    def _event(self, event: RawEvent) -> Delta | None:
+        sse_type, text = event[0], event[1].strip()
         if not text:
             return None  # an empty keep-alive: not an event
         self.data_events += 1
@@ -231,7 +143,7 @@ class EventDecoder:
         if kind in self.KEEPALIVE_TYPES:
             return None
         self._seen += 1
-        return self._event(kind, obj, text)
+        return self._typed_event(kind, obj, text)
 
 
 def decode_whole(

@@ -47,7 +47,7 @@ from .._validate import check_header_value
 from ..events import Delta, ToolCallDelta
 from ._event_stream import EventDecoder, decode_whole
 from .openai._errors import Redact, _in_band_error, _no_redact
-from .openai._http import HTTPSource, Replica, StreamDecoder, _check_path
+from .openai._http import HTTPSource, Replica, _check_path
 from .openai._sse import DEFAULT_MAX_EVENT_SIZE
 
 __all__ = ["AnthropicReplica", "AnthropicSource", "MessagesDecoder"]
@@ -84,7 +84,7 @@ class MessagesDecoder(EventDecoder):
         self._inputs: dict[Any, Any] = {}  # block index -> input given whole, no fragment yet
         self._stopped = False  # the last event was a message_delta with a stop reason
 
-    def _event(self, kind: str, obj: dict[str, Any], raw: str) -> Delta | None:
+    def _typed_event(self, kind: str, obj: dict[str, Any], raw: str) -> Delta | None:
         self._stopped = False
         if kind == "content_block_delta":
             delta = obj.get("delta")
@@ -297,13 +297,8 @@ class AnthropicSource(HTTPSource):
     [`AnthropicReplica`][trio_hedge.sources.anthropic.AnthropicReplica] over one
     ``httpx.AsyncClient``."""
 
-    def _decoder(self, redact: Redact) -> StreamDecoder:
-        return MessagesDecoder(redact=redact)
-
-    def _decode_whole(
-        self, status: int, headers: Mapping[str, str], body: bytes, redact: Redact
-    ) -> list[Delta]:
-        return decode_message_body(status, headers, body, redact=redact)
+    _stream_decoder = MessagesDecoder
+    _whole_decoder = staticmethod(decode_message_body)
 
 
 AnthropicReplica._source_class = AnthropicSource

@@ -53,7 +53,7 @@ import trio
 from ..events import Delta, ToolCallDelta
 from ._event_stream import EventDecoder, decode_whole
 from .openai._errors import Redact, _in_band_error, _no_redact
-from .openai._http import HTTPAttempt, HTTPSource, Replica, StreamDecoder, _check_path
+from .openai._http import HTTPAttempt, HTTPSource, Replica, _check_path
 from .openai._sse import DEFAULT_MAX_EVENT_SIZE
 
 __all__ = ["ResponsesDecoder", "ResponsesReplica", "ResponsesSource"]
@@ -107,7 +107,7 @@ class ResponsesDecoder(EventDecoder):
         self.response_id: str | None = None
         self.sent_text = False
 
-    def _event(self, kind: str, obj: dict[str, Any], raw: str) -> Delta | None:
+    def _typed_event(self, kind: str, obj: dict[str, Any], raw: str) -> Delta | None:
         if kind == _TEXT_DELTA:
             text = obj.get("delta")
             item = obj.get("item_id")
@@ -342,13 +342,8 @@ class ResponsesSource(HTTPSource):
         store = replica.overrides.get("store", request.get("store", True))
         self._stored = store is not False
 
-    def _decoder(self, redact: Redact) -> StreamDecoder:
-        return ResponsesDecoder(redact=redact)
-
-    def _decode_whole(
-        self, status: int, headers: Mapping[str, str], body: bytes, redact: Redact
-    ) -> list[Delta]:
-        return decode_response_body(status, headers, body, redact=redact)
+    _stream_decoder = ResponsesDecoder
+    _whole_decoder = staticmethod(decode_response_body)
 
     def _attempt(self, response: httpx.Response, whole: Sequence[Delta] | None) -> HTTPAttempt:
         decoder = ResponsesDecoder(redact=self._redact)

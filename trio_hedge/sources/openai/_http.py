@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 from urllib.parse import urlsplit
 
@@ -338,15 +338,19 @@ class HTTPSource:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(replica={self._replica!r})"
 
+    #: The decoder of one response body (``ChunkDecoder(redact=…)`` for chat completions).
+    _stream_decoder: ClassVar[Callable[..., StreamDecoder]]
+    #: How a whole ``application/json`` answer reads: ``(status, headers, body, *, redact)`` to
+    #: its deltas, or the classified error raised.
+    _whole_decoder: ClassVar[Callable[..., list[Delta]]]
+
     def _decoder(self, redact: Redactor) -> StreamDecoder:
-        """A decoder for one response body."""
-        raise NotImplementedError
+        return self._stream_decoder(redact=redact)
 
     def _decode_whole(
         self, status: int, headers: Mapping[str, str], body: bytes, redact: Redactor
     ) -> list[Delta]:
-        """The deltas of a whole ``application/json`` answer (or its classified error)."""
-        raise NotImplementedError
+        return self._whole_decoder(status, headers, body, redact=redact)
 
     async def open(self, info: AttemptInfo) -> HTTPAttempt:
         headers = attempt_headers(self._headers, self._header_names, info)
@@ -432,13 +436,8 @@ class OpenAIChatSource(HTTPSource):
     """One chat-completions request bound to one [`Replica`][trio_hedge.sources.Replica] over
     one ``httpx.AsyncClient``."""
 
-    def _decoder(self, redact: Redactor) -> StreamDecoder:
-        return ChunkDecoder(redact=redact)
-
-    def _decode_whole(
-        self, status: int, headers: Mapping[str, str], body: bytes, redact: Redactor
-    ) -> list[Delta]:
-        return decode_json_body(status, headers, body, redact=redact)
+    _stream_decoder = ChunkDecoder
+    _whole_decoder = staticmethod(decode_json_body)
 
 
 Replica._source_class = OpenAIChatSource
