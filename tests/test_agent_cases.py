@@ -59,8 +59,33 @@ def run(
                 break
         out += [(decoder.data_events - 1, d) for d in decoder.end()]
     except AttemptError as exc:
+        _same_as_read(api, pieces, [d for _, d in out], exc)
         return out, exc
+    _same_as_read(api, pieces, [d for _, d in out], None)
     return out, None
+
+
+def _same_as_read(
+    api: str, pieces: list[bytes], deltas: list[Delta], error: AttemptError | None
+) -> None:
+    """The pieces fed as they are (the reads the case gives: whole events take the SSE
+    decoder's fast paths) give what the byte-at-a-time pass gave."""
+    decoder = DIALECTS[api][0]()
+    got: list[Delta] = []
+    kind = None
+    try:
+        for piece in pieces:
+            got += decoder.feed(piece)
+            if decoder.done:
+                break
+        got += decoder.end()
+    except AttemptError as exc:
+        kind = exc.kind
+    assert (got, [d.raw for d in got], kind) == (
+        deltas,
+        [d.raw for d in deltas],
+        error.kind if error else None,
+    )
 
 
 def case_kind(error: AttemptError) -> str:
@@ -106,6 +131,9 @@ def summary(
 
 def splits(body: bytes, case: dict[str, Any]) -> dict[str, list[bytes]]:
     out = {"whole": [body]}
+    # One read per event, as servers flush them (the SSE decoder's fast paths).
+    ends = [i + 2 for i in range(len(body)) if body.startswith(b"\n\n", i)]
+    out["events"] = [body[a:b] for a, b in itertools.pairwise([0, *ends, len(body)]) if b > a]
     if case.get("chunk_boundaries"):
         bounds = [0, *case["chunk_boundaries"], len(body)]
         out["boundaries"] = [body[a:b] for a, b in itertools.pairwise(bounds)]
@@ -115,18 +143,6 @@ def splits(body: bytes, case: dict[str, Any]) -> dict[str, list[bytes]]:
         bounds = [0, *cuts, len(body)]
         out[f"random{n}"] = [body[a:b] for a, b in itertools.pairwise(bounds)]
     return out
-
-
-def _fed_whole(api: str, case: dict[str, Any], body: bytes) -> list[Delta]:
-    """The deltas of the body fed in one read (to check the bytewise pass changed nothing)."""
-    decoder = DIALECTS[api][0]()
-    deltas: list[Delta] = []
-    try:
-        deltas += decoder.feed(body)
-        deltas += decoder.end()
-    except AttemptError:
-        deltas += []
-    return deltas
 
 
 @needs_cases
