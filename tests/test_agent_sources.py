@@ -400,3 +400,27 @@ async def test_a_requests_own_anthropic_version_replaces_the_default(
                 assert [t async for t in stream] == ["tok0 "]
     headers = mock.requests["a"][0].headers
     assert (headers["anthropic-version"], headers["anthropic-beta"]) == ("2099-01-01", "x")
+
+
+@pytest.mark.parametrize("api", sorted(API))
+async def test_asyncio_callers_get_the_same_deltas(
+    autojump_clock: trio.testing.MockClock, api: str
+) -> None:
+    trio_asyncio = pytest.importorskip("trio_asyncio")
+    from trio_hedge.aio import aio_hedged_stream
+
+    kind, request = API[api]
+    mock = MockReplicas({"a": Behaviour(ttft=5.0, tokens=2), "b": Behaviour(ttft=0.5, tokens=2)})
+
+    async def consume(client: httpx.AsyncClient) -> tuple[list[str], th.Report]:
+        replicas = [kind(mock.url(n), name=n) for n in ("a", "b")]
+        policy = HedgePolicy(hedge_after=1.0)
+        async with aio_hedged_stream(request, replicas, policy, client=client) as stream:
+            finish = [d.finish_reason async for d in stream.events() if d.finish_reason]
+        return finish, stream.report
+
+    async with httpx.AsyncClient(transport=mock.transport) as client:
+        async with trio_asyncio.open_loop():
+            finish, report = await trio_asyncio.aio_as_trio(consume)(client)
+    assert finish == (["end_turn"] if api == "anthropic" else ["completed"])
+    assert (report.winner, report.text, report.ttft) == (2, "tok0 tok1 ", 1.5)
