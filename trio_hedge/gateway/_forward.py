@@ -290,7 +290,7 @@ class ChatForwarder:
         Raises:
             Rejected: 400 (bad body or header) or 404 (no group serves the model).
         """
-        request = parse_chat(body)
+        request = self._parse(body)
         model = request.get("model")
         group = self._config.group_for(model)
         record = ex.record
@@ -304,17 +304,38 @@ class ChatForwarder:
                     param="model",
                 )
             )
-        options = RequestOptions.from_exchange(ex, self._config)
+        options = self._options(ex)
         streaming = bool(request.get("stream", False))
         record.group, record.stream = group.name, streaming
         if not options.hedge:
             record.hedge = "off"
         elif options.hedge_after is not None:
             record.hedge = f"{options.hedge_after:g}"
+        self._upstream(request, streaming)
+        return request, group, options, streaming
+
+    # What another API's forwarder (``_agent.py``) says differently.
+
+    def _parse(self, body: bytes) -> dict[str, Any]:
+        """The request body, checked (``Rejected`` for one every replica would refuse)."""
+        return parse_chat(body)
+
+    def _options(self, ex: Exchange) -> RequestOptions:
+        return RequestOptions.from_exchange(ex, self._config)
+
+    def _upstream(self, request: dict[str, Any], streaming: bool) -> None:
+        """Adjust the body sent upstream (which always streams)."""
         if not streaming and "stream_options" not in request:
             # Upstream streams even so; ask for the usage the whole answer must carry.
             request["stream_options"] = {"include_usage": True}
-        return request, group, options, streaming
+
+    def _completion(self) -> Completion:
+        """What assembles a non-streamed answer from the winner's deltas."""
+        return Completion()
+
+    def _style(self, answer: ErrorAnswer) -> ErrorAnswer:
+        """An error answer in this API's shape."""
+        return answer
 
     async def handle(
         self,
@@ -343,7 +364,8 @@ class ChatForwarder:
                     if deadline.cancelled_caught:
                         ex.record.error = "request_timeout"
                         message = f"the request took longer than request_timeout={timeout} s"
-                        await _cut(ex, ErrorAnswer(504, message, code="request_timeout"))
+                        answer = ErrorAnswer(504, message, code="request_timeout")
+                        await _cut(ex, self._style(answer))
                 if admitted.cancelled_caught:
                     ex.record.error = "shutdown"
                     answer = ErrorAnswer(
@@ -352,7 +374,7 @@ class ChatForwarder:
                         code="shutdown",
                         retry_after=limits.retry_after,
                     )
-                    await _cut(ex, answer)
+                    await _cut(ex, self._style(answer))
                 nursery.cancel_scope.cancel()
         finally:
             metrics.in_flight.dec()
@@ -380,9 +402,9 @@ class ChatForwarder:
                 headers=options.headers,
             )
         except (TypeError, ValueError) as exc:
-            await ex.error(ErrorAnswer(400, str(exc), code="invalid_request"))
+            await ex.error(self._style(ErrorAnswer(400, str(exc), code="invalid_request")))
             return
-        completion = Completion() if not streaming else None
+        completion = self._completion() if not streaming else None
         report: Report | None = None
         try:
             try:
@@ -396,10 +418,12 @@ class ChatForwarder:
                 report = stream.report
                 _note(record, report)
         except HedgeError as exc:
-            answer = answer_for(
-                exc,
-                secrets=(*self._secrets, *options.secrets),
-                default_retry_after=self._config.limits.retry_after,
+            answer = self._style(
+                answer_for(
+                    exc,
+                    secrets=(*self._secrets, *options.secrets),
+                    default_retry_after=self._config.limits.retry_after,
+                )
             )
             record.error = answer.code
             if ex.started:

@@ -344,7 +344,7 @@ class ResponsesWire(Wire):
 
     def __init__(self, ident: str, model: str, created: int) -> None:
         super().__init__(ident.replace("chatcmpl", "resp"), model, created)
-        self._item = -1
+        self._items: list[dict[str, Any]] = []  # the output so far, as the final response has it
         self._open: str | None = None
         self._seq = 0
 
@@ -367,30 +367,25 @@ class ResponsesWire(Wire):
             **extra,
         }
 
-    def _item_id(self) -> str:
-        return f"item_{self.ident}_{self._item}"
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self._items[-1]["id"], "output_index": len(self._items) - 1}
 
     def _switch(self, kind: str, item: dict[str, Any]) -> list[bytes]:
         out = self._close()
-        self._item += 1
         self._open = kind
-        added = {
-            "type": "response.output_item.added",
-            "output_index": self._item,
-            "item": {"id": self._item_id(), **item},
-        }
-        return [*out, self._event(added)]
+        item = {"id": f"item_{self.ident}_{len(self._items)}", **item, "status": "in_progress"}
+        self._items.append(item)
+        added = {"type": "response.output_item.added", "output_index": len(self._items) - 1}
+        return [*out, self._event({**added, "item": json.loads(json.dumps(item))})]
 
     def _close(self) -> list[bytes]:
         if self._open is None:
             return []
         self._open = None
-        done = {
-            "type": "response.output_item.done",
-            "output_index": self._item,
-            "item": {"id": self._item_id()},
-        }
-        return [self._event(done)]
+        item = self._items[-1]
+        item["status"] = "completed"
+        done = {"type": "response.output_item.done", "output_index": len(self._items) - 1}
+        return [self._event({**done, "item": json.loads(json.dumps(item))})]
 
     def start(self) -> list[bytes]:
         return [
@@ -401,34 +396,29 @@ class ResponsesWire(Wire):
         ]
 
     def reasoning(self, text: str) -> bytes:
-        head = (
-            []
-            if self._open == "reasoning"
-            else self._switch("reasoning", {"type": "reasoning", "summary": []})
-        )
-        delta = {
-            "type": "response.reasoning_summary_text.delta",
-            "item_id": self._item_id(),
-            "output_index": self._item,
-            "summary_index": 0,
-            "delta": text,
-        }
-        return b"".join([*head, self._event(delta)])
+        head: list[bytes] = []
+        if self._open != "reasoning":
+            head = self._switch("reasoning", {"type": "reasoning", "summary": []})
+            self._items[-1]["summary"].append({"type": "summary_text", "text": ""})
+            part = {"type": "summary_text", "text": ""}
+            added = {"type": "response.reasoning_summary_part.added", "summary_index": 0}
+            head.append(self._event({**added, **self._where(), "part": part}))
+        self._items[-1]["summary"][0]["text"] += text
+        delta = {"type": "response.reasoning_summary_text.delta", "summary_index": 0}
+        return b"".join([*head, self._event({**delta, **self._where(), "delta": text})])
 
     def content(self, text: str) -> bytes:
-        head = (
-            []
-            if self._open == "message"
-            else self._switch("message", {"type": "message", "role": "assistant", "content": []})
-        )
-        delta = {
-            "type": "response.output_text.delta",
-            "item_id": self._item_id(),
-            "output_index": self._item,
-            "content_index": 0,
-            "delta": text,
-        }
-        return b"".join([*head, self._event(delta)])
+        head: list[bytes] = []
+        if self._open != "message":
+            item = {"type": "message", "role": "assistant", "content": []}
+            head = self._switch("message", item)
+            part = {"type": "output_text", "text": "", "annotations": []}
+            self._items[-1]["content"].append(dict(part))
+            added = {"type": "response.content_part.added", "content_index": 0, "part": part}
+            head.append(self._event({**added, **self._where()}))
+        self._items[-1]["content"][0]["text"] += text
+        delta = {"type": "response.output_text.delta", "content_index": 0, "logprobs": []}
+        return b"".join([*head, self._event({**delta, **self._where(), "delta": text})])
 
     def tool_fragments(self, calls: tuple[tuple[str, str], ...]) -> list[bytes]:
         out = []
@@ -436,13 +426,9 @@ class ResponsesWire(Wire):
             item = {"type": "function_call", "call_id": f"call_{i}", "name": name, "arguments": ""}
             out.append(b"".join(self._switch("function_call", item)))
             for piece in _halves(arguments):
-                delta = {
-                    "type": "response.function_call_arguments.delta",
-                    "item_id": self._item_id(),
-                    "output_index": self._item,
-                    "delta": piece,
-                }
-                out.append(self._event(delta))
+                self._items[-1]["arguments"] += piece
+                delta = {"type": "response.function_call_arguments.delta", "delta": piece}
+                out.append(self._event({**delta, **self._where()}))
         return out
 
     def inband_error(self, status: int, message: str) -> bytes:
@@ -464,10 +450,13 @@ class ResponsesWire(Wire):
                     "incomplete",
                     incomplete_details={"reason": "max_output_tokens"},
                     usage=_responses_usage(usage),
+                    output=self._items,
                 )
                 out.append(self._event({"type": "response.incomplete", "response": response}))
             else:
-                response = self._response("completed", usage=_responses_usage(usage))
+                response = self._response(
+                    "completed", usage=_responses_usage(usage), output=self._items
+                )
                 out.append(self._event({"type": "response.completed", "response": response}))
         return out
 
