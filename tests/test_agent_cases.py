@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import random
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +20,7 @@ from trio_hedge.sources.openai import classify_http_error, merge_tool_calls
 from trio_hedge.sources.openai_responses import ResponsesDecoder, decode_response_body
 
 from .test_chunks import shared_cases
+from .test_chunks import splits as chat_splits
 
 CASES_PATH = shared_cases("sse-cases-agent")
 CASES: list[dict[str, Any]] = (
@@ -130,18 +130,11 @@ def summary(
 
 
 def splits(body: bytes, case: dict[str, Any]) -> dict[str, list[bytes]]:
-    out = {"whole": [body]}
-    # One read per event, as servers flush them (the SSE decoder's fast paths).
+    """The chat cases' splits, and one read per event, as servers flush them (the SSE
+    decoder's fast paths)."""
+    out = chat_splits(body, case)
     ends = [i + 2 for i in range(len(body)) if body.startswith(b"\n\n", i)]
     out["events"] = [body[a:b] for a, b in itertools.pairwise([0, *ends, len(body)]) if b > a]
-    if case.get("chunk_boundaries"):
-        bounds = [0, *case["chunk_boundaries"], len(body)]
-        out["boundaries"] = [body[a:b] for a, b in itertools.pairwise(bounds)]
-    rng = random.Random(f"{case['id']}-seed")
-    for n in range(5):
-        cuts = sorted(rng.sample(range(1, len(body)), min(len(body) - 1, rng.randint(1, 10))))
-        bounds = [0, *cuts, len(body)]
-        out[f"random{n}"] = [body[a:b] for a, b in itertools.pairwise(bounds)]
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import attrs
@@ -299,3 +300,46 @@ async def test_an_upstream_failure_after_commit_ends_the_responses_stream_in_ban
                 await in_thread(use_sdk)
     assert "".join(got) == "tok0 tok1 "
     assert "server_error" in str(info.value.body)
+
+
+# -- operations ------------------------------------------------------------------------------
+
+
+async def test_access_log_metrics_and_a_forwarded_key_for_the_agent_routes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    client_key = "sk-ant-client-own-key-abcdef"
+    echo = Behaviour(status=401, error_message=f"invalid x-api-key: {client_key}")
+    async with fake_replicas(SLOW, FAST, names=["slow", "fast"]) as (slow, fast):
+        async with FakeReplica(echo, name="echo") as bad:
+            config = config_for([slow, fast])
+            async with Gateway(config) as gw, httpx.AsyncClient() as http:
+                with trio.fail_after(10):
+                    ok = await http.post(f"{gw.url}/messages", json=MESSAGES)
+                    also = await http.post(f"{gw.url}/responses", json=RESPONSES)
+                    metrics = (await http.get(f"{gw.base_url}/metrics")).text
+            keyed = attrs.evolve(config_for([bad]), forward_client_key=True)
+            async with Gateway(keyed) as gw, httpx.AsyncClient() as http:
+                with trio.fail_after(10):
+                    refused = await http.post(
+                        f"{gw.url}/messages", json=MESSAGES, headers={"x-api-key": client_key}
+                    )
+    assert ok.status_code == 200 and ok.json()["content"][0]["text"] == TEXT
+    assert also.status_code == 200 and also.json()["status"] == "completed"
+    for line in (
+        'trio_hedge_gateway_requests_total{path="/v1/messages",status="200"} 1.0',
+        'trio_hedge_gateway_requests_total{path="/v1/responses",status="200"} 1.0',
+    ):
+        assert line in metrics
+    access = [json.loads(r.getMessage()) for r in caplog.records if r.name.endswith("access")]
+    assert [(line["path"], line["status"], line["winner"]) for line in access[:2]] == [
+        ("/v1/messages", 200, "fast"),
+        ("/v1/responses", 200, "fast"),
+    ]
+    # The client's x-api-key went upstream, and is masked wherever the upstream echoed it.
+    assert bad.requests[0].headers["x-api-key"] == client_key
+    assert refused.status_code == 401
+    assert refused.json()["error"]["type"] == "authentication_error"
+    assert client_key not in refused.text and "***" in refused.text
+    assert client_key not in caplog.text

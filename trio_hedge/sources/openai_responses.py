@@ -50,10 +50,11 @@ import attrs
 import httpx
 import trio
 
+from .._redact import Redactor
 from ..events import Delta, ToolCallDelta
 from ._event_stream import EventDecoder, decode_whole
 from .openai._errors import Redact, _in_band_error, _no_redact
-from .openai._http import HTTPAttempt, HTTPSource, Replica, _check_path
+from .openai._http import HeaderNames, HTTPAttempt, HTTPSource, Replica, _check_path
 from .openai._sse import DEFAULT_MAX_EVENT_SIZE
 
 __all__ = ["ResponsesDecoder", "ResponsesReplica", "ResponsesSource"]
@@ -331,7 +332,7 @@ class ResponsesSource(HTTPSource):
         replica: Replica,
         request: Mapping[str, Any],
         client: httpx.AsyncClient,
-        header_names: Any,
+        header_names: HeaderNames,
         *,
         extra_headers: Mapping[str, str] | None = None,
     ) -> None:
@@ -370,11 +371,11 @@ class _ResponsesAttempt(HTTPAttempt):
         self,
         response: httpx.Response,
         whole: Sequence[Delta] | None,
-        redact: Redact,
+        redact: Redactor,
         decoder: ResponsesDecoder,
         cleanup: Callable[[str], Coroutine[Any, Any, None]] | None,
     ) -> None:
-        super().__init__(response, whole, redact, decoder)  # type: ignore[arg-type]
+        super().__init__(response, whole, redact, decoder)
         self._responses = decoder
         self._cleanup = cleanup
 
