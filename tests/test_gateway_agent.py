@@ -343,3 +343,36 @@ async def test_access_log_metrics_and_a_forwarded_key_for_the_agent_routes(
     assert refused.json()["error"]["type"] == "authentication_error"
     assert client_key not in refused.text and "***" in refused.text
     assert client_key not in caplog.text
+
+
+@pytest.mark.parametrize("api", ["anthropic", "responses"])
+def test_an_upstream_whole_answer_is_relayed_in_the_apis_events(api: str) -> None:
+    """An upstream that ignored ``stream: true`` gives deltas with no wire form: the gateway
+    writes them as the API's events, which read back to the same answer."""
+    from trio_hedge.events import Delta
+    from trio_hedge.gateway._agent import (
+        MessageCompletion,
+        MessagesForwarder,
+        ResponseCompletion,
+        ResponsesForwarder,
+    )
+    from trio_hedge.sources.anthropic import MessagesDecoder
+    from trio_hedge.sources.openai_responses import ResponsesDecoder
+
+    forwarder: Any = MessagesForwarder if api == "anthropic" else ResponsesForwarder
+    reason = "end_turn" if api == "anthropic" else "completed"
+    delta = Delta("whole answer", finish_reason=reason, usage={"output_tokens": 2})
+    data = forwarder._synthesize(None, delta, True)
+    decoder = MessagesDecoder() if api == "anthropic" else ResponsesDecoder()
+    deltas = decoder.feed(data)
+    assert decoder.done and decoder.end() == []
+    assert "".join(d.content for d in deltas) == "whole answer"
+    assert [d.finish_reason for d in deltas if d.finish_reason] == [reason]
+    completion = MessageCompletion() if api == "anthropic" else ResponseCompletion()
+    completion.add(delta)
+    body = json.loads(completion.body("r1", "m"))
+    if api == "anthropic":
+        assert body["content"] == [{"type": "text", "text": "whole answer"}]
+        assert body["stop_reason"] == "end_turn" and body["type"] == "message"
+    else:
+        assert body["output"][0]["content"][0]["text"] == "whole answer"
