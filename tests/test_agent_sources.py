@@ -424,3 +424,88 @@ async def test_asyncio_callers_get_the_same_deltas(
             finish, report = await trio_asyncio.aio_as_trio(consume)(client)
     assert finish == (["end_turn"] if api == "anthropic" else ["completed"])
     assert (report.winner, report.text, report.ttft) == (2, "tok0 tok1 ", 1.5)
+
+
+class _Paced(httpx.AsyncByteStream):
+    """A response body: each ``(seconds, bytes)`` sent that long after the previous one."""
+
+    def __init__(self, steps: list[tuple[float, bytes]]) -> None:
+        self._steps = steps
+
+    async def __aiter__(self) -> Any:
+        for delay, data in self._steps:
+            await trio.sleep(delay)
+            yield data
+
+
+def _typed(payload: dict[str, Any]) -> bytes:
+    return f"event: {payload['type']}\ndata: {json.dumps(payload)}\n\n".encode()
+
+
+#: What each API sends that is not a token: every 0.2 s for 2 s, then one token.
+NOT_TOKENS = {
+    "anthropic": [
+        _typed({"type": "message_start", "message": {"usage": {"input_tokens": 1}}}),
+        _typed(
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "text", "text": ""},
+            }
+        ),
+        _typed({"type": "ping"}),
+        _typed(
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": ""}}
+        ),
+        b": keep-alive\n\n",
+        b"data: \n\n",
+    ],
+    "responses": [
+        _typed({"type": "response.created", "response": {"id": "resp_1"}}),
+        _typed({"type": "response.in_progress", "response": {"id": "resp_1"}}),
+        _typed({"type": "response.queued", "response": {"id": "resp_1"}}),
+        _typed({"type": "keepalive"}),
+        _typed({"type": "response.output_text.delta", "item_id": "m", "delta": ""}),
+        b": keep-alive\n\n",
+    ],
+}
+TOKEN = {
+    "anthropic": _typed(
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "late"}}
+    ),
+    "responses": _typed({"type": "response.output_text.delta", "item_id": "m", "delta": "late"}),
+}
+
+
+@pytest.mark.parametrize("api", sorted(API))
+async def test_start_events_pings_and_empty_deltas_are_not_a_first_token(
+    autojump_clock: trio.testing.MockClock, api: str
+) -> None:
+    """The primary sends only what is not a token for 2 s: the hedge goes out at 1 s and the
+    backup's first token wins; under a stall timeout, the same events are no progress."""
+    kind, request = API[api]
+    busy = [*[(0.2, event) for event in NOT_TOKENS[api] * 2][:10], (0.0, TOKEN[api])]
+    mock = MockReplicas({"b": Behaviour(ttft=0.5, tokens=2)})
+
+    async def handle(http: httpx.Request) -> httpx.Response:
+        if http.url.host == "a.test":
+            return httpx.Response(
+                200, headers={"content-type": "text/event-stream"}, stream=_Paced(busy)
+            )
+        return await mock.transport.handle_async_request(http)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as client:
+        replicas = [kind("http://a.test/v1", name="a"), kind(mock.url("b"), name="b")]
+        async with th.Hedger(replicas, PLAIN, client=client) as hedger:
+            async with hedger.stream(request) as stream:
+                assert "".join([t async for t in stream]) == "tok0 tok1 "
+        assert (stream.report.winner, stream.report.ttft) == (2, 1.5)
+        # Alone, under a stall timeout of 1 s, 2 s of such events are a stall.
+        alone = [kind("http://a.test/v1", name="a")]
+        busy[:0] = [(0.0, TOKEN[api])]  # one token first: the commit
+        policy = HedgePolicy(hedge_after=None, stall_timeout=1.0)
+        with pytest.raises(th.StreamInterrupted) as info:
+            async with th.hedged_stream(request, alone, policy, client=client) as stream:
+                async for _ in stream:
+                    pass
+        assert info.value.error.kind is ErrorKind.STALL and info.value.text == "late"
