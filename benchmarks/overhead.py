@@ -34,6 +34,7 @@ paths reach >= 0.9x the tokens/s of ``httpx aiter_lines + json`` and
 beat the openai SDK.
 
 Run: ``python benchmarks/overhead.py`` (``--quick``: 2,000 tokens, 3 repetitions;
+``--stall-timeout 30``: the trio_hedge paths under a stall timeout, whose clock is read per batch;
 ``--profile NAME`` prints a cProfile of one run of that path).
 """
 
@@ -284,7 +285,7 @@ class Path_:
     chat_twin: str | None = None
 
 
-def _paths(port: int, tokens: int, slow_ms: int) -> list[Path_]:
+def _paths(port: int, tokens: int, slow_ms: int, stall: float | None = None) -> list[Path_]:
     fast = url(port, tokens=tokens)
     slow = url(port, delay_ms=slow_ms, tokens=tokens)
     one = [th.Replica(fast, name="fast")]
@@ -293,17 +294,20 @@ def _paths(port: int, tokens: int, slow_ms: int) -> list[Path_]:
     def in_trio(fn: Callable[..., Awaitable[Run]], *args: Any) -> Callable[[], Run]:
         return lambda: trio.run(fn, *args)
 
+    def policy(hedge_after: float | None) -> th.HedgePolicy:
+        return th.HedgePolicy(hedge_after=hedge_after, stall_timeout=stall)
+
     return [
         Path_("httpx aiter_lines + json", in_trio(_httpx_lines, fast)),
         Path_("httpx aiter_raw + split + orjson", in_trio(_httpx_raw, fast)),
         Path_(
             "trio_hedge (1 replica)",
-            in_trio(_hedged, one, th.HedgePolicy(hedge_after=None), 1),
+            in_trio(_hedged, one, policy(None), 1),
             hedged=True,
         ),
         Path_(
             "trio_hedge (hedged, backup wins)",
-            in_trio(_hedged, pair, th.HedgePolicy(hedge_after=0.005), 2),
+            in_trio(_hedged, pair, policy(0.005), 2),
             hedged=True,
         ),
         Path_(
@@ -330,12 +334,12 @@ def _paths(port: int, tokens: int, slow_ms: int) -> list[Path_]:
         ),
         Path_(
             "asyncio bridge (1 replica)",
-            in_trio(_aio_hedged, one, th.HedgePolicy(hedge_after=None), 1),
+            in_trio(_aio_hedged, one, policy(None), 1),
             trio_twin="trio_hedge (1 replica)",
         ),
         Path_(
             "asyncio bridge (hedged, backup wins)",
-            in_trio(_aio_hedged, pair, th.HedgePolicy(hedge_after=0.005), 2),
+            in_trio(_aio_hedged, pair, policy(0.005), 2),
             trio_twin="trio_hedge (hedged, backup wins)",
         ),
         Path_("paced source, Trio", in_trio(_paced_trio, tokens)),
@@ -355,6 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow-ms", type=int, default=1000, help="the slow primary's TTFT")
     parser.add_argument("--quick", action="store_true", help="smoke check: 2,000 tokens, 3 reps")
     parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="give the trio_hedge paths a stall timeout (its clock is read per batch; default "
+        "none: the winner is read with no timeout at all)",
+    )
+    parser.add_argument(
         "--profile",
         metavar="NAME",
         help="cProfile one run of the path whose name starts with NAME (e.g. 'trio_hedge (1')",
@@ -365,12 +376,13 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=150)
     console.print(
         f"overhead: tokens={args.tokens:,} repeat={args.repeat} slow_ms={args.slow_ms} "
+        f"stall_timeout={args.stall_timeout} "
         f"nproc={os.cpu_count()} python={sys.version.split()[0]} trio={trio.__version__} "
         f"httpx={httpx.__version__}"
     )
     expected = [token_text(i) for i in range(args.tokens)]
     with server_process() as port:
-        paths = _paths(port, args.tokens, args.slow_ms)
+        paths = _paths(port, args.tokens, args.slow_ms, args.stall_timeout)
         for p in paths:  # warm-up: imports, first connections, caches
             p.run()
         if args.profile:

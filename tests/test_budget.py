@@ -145,7 +145,7 @@ async def test_overload_stays_within_the_budget(autojump_clock: trio.testing.Moc
 async def test_throttle_stops_hedging_under_failures_and_lets_it_resume(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    phase: dict[str, Script | Fail] = {"a": Fail(at=0.1)}
+    phase: dict[str, Script | Fail] = {"a": Fail(at=0.1), "b": Fail(at=0.1)}
     fleet = Fleet(["a", "b"], lambda name, _info: phase.get(name, Script(ttft=0.5, tokens=1)))
     config = th.HedgerConfig(
         hedge_after=1.0,
@@ -156,37 +156,38 @@ async def test_throttle_stops_hedging_under_failures_and_lets_it_resume(
     )
     events: list[th.events.HedgeEvent] = []
     hedger = th.Hedger(fleet.sources(), config, on_event=[events.append])
-    # Phase 1: requests whose primary fails at once. Each failure takes 1 token, each
-    # success on b gives back 0.1: five fail over (10 → 5.5); the sixth failure leaves 4.5,
-    # at or below max_tokens / 2, so its failover is refused too (gRFC A6: no retries either)
-    # and the request fails.
-    for i in range(6):
+    # Phase 1: the fleet fails: every attempt fails at once and takes 1 token. Two requests
+    # fail over (10 → 6); the third's failure leaves 5, at or below max_tokens / 2, so its
+    # failover is refused too (gRFC A6: no retries either) and the request fails.
+    for i in range(3):
         report = await run(hedger.stream(None))
         triggers = [a.trigger for a in report.attempts]
-        assert triggers == (["primary", "failover"] if i < 5 else ["primary"])
-    assert isinstance(report.error, th.AllAttemptsFailed)
+        assert triggers == (["primary", "failover"] if i < 2 else ["primary"])
+        assert isinstance(report.error, th.AllAttemptsFailed)
     stats = hedger.statistics()
-    assert stats.throttle_tokens == pytest.approx(4.5)
-    assert (stats.failovers, stats.failovers_refused, stats.failover_throttle_refusals) == (5, 1, 1)
+    assert stats.throttle_tokens == pytest.approx(5.0)
+    assert (stats.failovers, stats.failovers_refused, stats.failover_throttle_refusals) == (2, 1, 1)
     assert stats.throttle_refusals == stats.hedges_refused == 0  # not counted as hedges
 
     # Phase 2: a is slow (3 s), b fast. A request would hedge at 1.0 s, but the throttle
-    # refuses while tokens ≤ 5: each success on a alone adds 0.1 (4.5 → 5.1 after six).
+    # refuses while tokens ≤ 5: the first success (on a alone) adds 0.1 (5.0 → 5.1), and
+    # the next requests are hedged again.
     phase["a"] = Script(ttft=3.0, tokens=1)
+    del phase["b"]
     hedged = []
     for _ in range(8):
         report = await run(hedger.stream(None))
         hedged.append(report.hedged)
         assert report.hedges_refused == (not report.hedged)
-    assert hedged == [False] * 6 + [True] * 2
+    assert hedged == [False] + [True] * 7
     stats = hedger.statistics()
-    assert stats.throttle_refusals == 6
-    assert stats.hedges_sent == 2
+    assert stats.throttle_refusals == 1
+    assert stats.hedges_sent == 7
     refused = [(e.kind, e.reason) for e in events if e.reason == "throttle"]
-    assert (
-        refused
-        == [(EventKind.FAILOVER_REFUSED, "throttle")] + [(EventKind.HEDGE_REFUSED, "throttle")] * 6
-    )
+    assert refused == [
+        (EventKind.FAILOVER_REFUSED, "throttle"),
+        (EventKind.HEDGE_REFUSED, "throttle"),
+    ]
 
 
 # -- failovers are extra requests too (gRFC A6: no retries at or below half the tokens) ----------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import trio
+import trio.testing
 
 import trio_hedge as th
 from trio_hedge.testing import Behaviour, FakeReplica, fake_replicas
@@ -73,3 +74,61 @@ def test_bad_arguments() -> None:
         ShardedTransport(0)
     with pytest.raises(TypeError, match="transport"):
         make_client(transport=httpx.AsyncHTTPTransport())
+
+
+async def _burst(client: httpx.AsyncClient, replica: FakeReplica, n: int, *, read: bool) -> None:
+    """``n`` streams open at once; each reads its answer to the end, or leaves after its
+    first token (HTTP/1.1 then closes the connection)."""
+    gate = trio.Event()
+    opened = 0
+
+    async def one() -> None:
+        nonlocal opened
+        async with th.hedged_stream(REQUEST, [th.Replica(replica.url)], client=client) as stream:
+            opened += 1
+            if opened == n:
+                gate.set()
+            await gate.wait()
+            if read:
+                assert "".join([t async for t in stream]) == "tok0 tok1 "
+            else:
+                await stream.__anext__()
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(n):
+            nursery.start_soon(one)
+
+
+async def test_after_a_burst_low_load_reuses_one_connection_and_idle_pools_go(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Issue 16: pools were used in strict rotation and never removed, so after a burst each
+    # request at low load went to another pool, whose connections were gone: 15 sequential
+    # requests opened 15 connections. The oldest pool with room takes each request.
+    async with FakeReplica(Behaviour(ttft=0.01, tokens=2, token_delay=0.01)) as replica:
+        async with make_client() as client:
+            transport = client._transport
+            assert isinstance(transport, ShardedTransport)
+            await _burst(client, replica, 80, read=False)  # high load: spread over pools
+            assert transport.shards == 20  # 4 open responses per pool
+            with trio.fail_after(2):
+                await replica.wait_connections(0)  # every burst connection was closed
+            for _ in range(15):
+                assert await _read(client, replica) == "tok0 tok1 "
+            assert replica.open_connections == 1  # one connection, reused 15 times
+            assert len(replica.requests) == 80 + 15
+            # A second burst read to its end leaves 4 idle connections in each of 20 pools.
+            await _burst(client, replica, 80, read=True)
+            assert (transport.shards, replica.open_connections) == (20, 80)
+            # Idle for longer than keepalive_expiry (5 s): the next request removes every
+            # pool but the first, closing their expired connections.
+            await trio.sleep(5.0)
+            assert await _read(client, replica) == "tok0 tok1 "
+            assert transport.shards == 1
+            with trio.fail_after(2):
+                await replica.wait_connections(4)
+            # High load spreads again, over new pools.
+            await _burst(client, replica, 12, read=True)
+            assert transport.shards == 3
+        with trio.fail_after(2):
+            await replica.wait_connections(0)

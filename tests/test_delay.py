@@ -14,7 +14,7 @@ import trio.testing
 import trio_hedge as th
 from trio_hedge import LearnedDelay
 from trio_hedge.events import EventKind
-from trio_hedge.policy import SizeClasses
+from trio_hedge.policy import SizeClasses, _delay
 from trio_hedge.policy._delay import DelayModel
 from trio_hedge.policy._prefill import PrefillFit, fit_line
 
@@ -144,7 +144,12 @@ def test_unlearned_classes_grow_at_least_linearly_from_the_nearest_smaller_one()
     assert model.delay("g", 0, now) == 0.5
     for v in (2.0, 3.0):
         model.observe("g", 4, now, v, True)  # 2,048 tokens
-    assert model.delay("g", 6, now) == 12.0  # the nearest learned class wins: 3.0 x 4
+    # The nearest learned class wins, scaled by the model's growth from 2,048 to 8,192 tokens:
+    # the line through the medians (256, 0.4) and (2048, 2.0) keeps its intercept, so 3.0 x
+    # line(8192) / line(2048), less than the 3.0 x 4 of a growth in proportion to tokens.
+    slope = 1.6 / 1792
+    line = lambda x: 0.4 + slope * (x - 256)  # noqa: E731
+    assert model.delay("g", 6, now) == pytest.approx(3.0 * line(8192) / line(2048), abs=1e-12)
 
 
 STUCK = [(0.04, True)] * 85 + [(1.3, True)] * 15  # 15% queued behind a 1.3 s prefill
@@ -197,15 +202,39 @@ def test_fit_line(
     assert slope == pytest.approx(line[1], abs=1e-15)
 
 
-def test_the_prefill_model_continues_in_proportion_beyond_its_data() -> None:
+def test_the_prefill_model_keeps_its_intercept_beyond_its_data() -> None:
     fit = PrefillFit("g", intercept=0.2, slope=0.001, max_tokens=1000, points=2, observations=40)
     assert fit.median(500) == 0.7
     assert fit.median(1000) == 1.2
-    # Beyond 1,000 tokens the line (0.2 + 0.001 x) would grow slower than the prompt:
-    # TTFT/tokens never falls, so 3,000 tokens take 3 x 1.2 s.
-    assert fit.median(3000) == pytest.approx(3.6, abs=1e-12)
+    # Beyond 1,000 tokens the line goes on, its intercept kept: the fixed 0.2 s does not grow
+    # with the prompt (in proportion to tokens, 3 x 1.2 s, it overshot: issue 16).
+    assert fit.median(3000) == pytest.approx(3.2, abs=1e-12)
     assert fit.quantile(3000) is None  # no spread computed
-    assert attrs.evolve(fit, spread=1.5).quantile(3000) == pytest.approx(5.4, abs=1e-12)
+    assert attrs.evolve(fit, spread=1.5).quantile(3000) == pytest.approx(4.8, abs=1e-12)
+    # A flat line measured no growth (one prompt size): beyond it, in proportion to tokens.
+    flat = PrefillFit("g", intercept=0.5, slope=0.0, max_tokens=100, points=1, observations=20)
+    assert (flat.median(50), flat.median(100), flat.median(300)) == (0.5, 0.5, 1.5)
+
+
+#: TTFT = 0.3 s + 0.5 ms/token x lognormal noise (sigma 0.25): a 300-token prompt's own P95.
+OWN_P95_300 = (0.3 + 0.0005 * 300) * math.exp(0.25 * 1.6448536269514722)  # 0.679 s
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_one_learned_class_extrapolates_with_its_intercept(seed: int) -> None:
+    # Issue 16: one learned class (prompts of 10-70 tokens, class 0). A 300-token prompt (class
+    # 1, no data) waited 3.5-3.9 s for its backup, the class's P95 x 300 / 40 (proportional
+    # from the origin), against its own P95 of 0.68 s. The runs of neighbouring prompt sizes
+    # inside the class give the line its intercept: the delay is near the prompt's own P95.
+    rng = random.Random(seed)
+    model = DelayModel(LearnedDelay(refresh=0))
+    for _ in range(300):
+        tokens = rng.randint(10, 70)
+        ttft = (0.3 + 0.0005 * tokens) * rng.lognormvariate(0.0, 0.25)
+        model.observe("g", 0, 0.0, ttft, True, tokens=tokens)
+    fit = model.fit("g", 0.0)
+    assert fit is not None and fit.points == 30 and 0.25 < fit.intercept < 0.35
+    assert 0.75 * OWN_P95_300 < model.delay("g", 1, 0.0, tokens=300) < 1.15 * OWN_P95_300
 
 
 def test_the_model_pools_classes_short_of_data() -> None:
@@ -224,8 +253,8 @@ def test_the_model_pools_classes_short_of_data() -> None:
     assert fit.spread == pytest.approx(1.0, abs=1e-9)  # no noise: every ratio is 1
     # A class in between, of 300 tokens, is hedged at the line (x the spread) ...
     assert model.delay("g", 1, 0.0, tokens=300) == pytest.approx(0.4, abs=1e-9)
-    # ... and one beyond, of 6,040 tokens, in proportion to the largest size fitted.
-    assert model.delay("g", 5, 0.0, tokens=6040) == pytest.approx(7.04, abs=1e-9)
+    # ... and one beyond, of 6,040 tokens, along the line (its intercept kept).
+    assert model.delay("g", 5, 0.0, tokens=6040) == pytest.approx(6.14, abs=1e-9)
     # With half the observations the model is not trusted yet: the fallback.
     few = DelayModel(LearnedDelay(min_samples=20, refresh=0))
     for i in range(10):
@@ -437,12 +466,57 @@ async def test_rare_long_prompts_are_not_hedged(autojump_clock: trio.testing.Moc
             hedged[size] += report.hedged
     assert seen == {"short": 1389, "long": 11}
     assert hedged == {"short": 141, "long": 0}  # short ones at their own P90: 10.2%
-    # The delay a 2,500-token prompt gets now: the short class's P90 (0.115 s, at a median
-    # of 72 tokens) x 2,500 / 72 = 3.99 s, above its TTFT's P90 of 2.02 s x 1.38 = 2.78 s.
+    # The delay a 2,500-token prompt gets now: the short class's P90 (0.115 s) x the line's
+    # growth from the class's median prompt to 2,500 tokens. The line is fitted on 53 runs of
+    # neighbouring sizes inside the short class (30-110 tokens), which find the workload's
+    # own (A, B) and keep its intercept: 2.92 s, above the long TTFT's P90 of 2.02 s x 1.38
+    # = 2.78 s (in proportion to tokens, 3.99 s: issue 16).
     short = hedger.hedge_delay(prompt_tokens=70)
     long = hedger.hedge_delay(prompt_tokens=2500)
     (fit,) = hedger.statistics().prefill
-    assert (fit.points, fit.max_tokens) == (1, 72)
+    assert (fit.points, fit.max_tokens) == (53, 110)
+    assert fit.intercept == pytest.approx(A, abs=0.002)
+    assert fit.slope == pytest.approx(B, abs=0.00005)
     assert short == pytest.approx(0.11495, abs=1e-5)
-    assert long == pytest.approx(short * 2500 / 72, abs=1e-12)
+    assert long == pytest.approx(2.9243, abs=1e-4)
     assert long > (A + B * 2500) * math.exp(0.25 * 1.2816)
+
+
+# -- the prefill model's cache (issue 16) --------------------------------------------------------
+
+
+def test_refresh_zero_refits_the_prefill_model_only_when_data_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # LearnedDelay(refresh=0) "recomputes whenever new data arrived": it refitted the prefill
+    # model (and its spread, a pass over every observation) on every lookup of an unlearned
+    # class, new data or not -- 100 times slower than a cached lookup.
+    fits: list[str] = []
+    spreads: list[str] = []
+    real_fit, real_spread = _delay.fit_prefill, _delay.prefill_spread
+    monkeypatch.setattr(_delay, "fit_prefill", lambda g, p: fits.append(g) or real_fit(g, p))
+    monkeypatch.setattr(
+        _delay, "prefill_spread", lambda f, o, q: spreads.append(f.group) or real_spread(f, o, q)
+    )
+    model = DelayModel(LearnedDelay(refresh=0, window=300.0))
+    for i in range(20):
+        for group in ("g", "other"):
+            model.observe(group, 0, 0.0, 0.1 + 0.001 * (100 + i), True, tokens=100 + i)
+    first = model.delay("g", 3, 0.0, tokens=2000)
+    assert (fits, spreads) == (["g"], ["g"])
+    for _ in range(100):
+        assert model.delay("g", 3, 0.0, tokens=2000) == first
+    assert (fits, spreads) == (["g"], ["g"])  # no new data: the cached model
+    # Another group's lookups and data refit that group only.
+    model.delay("other", 3, 0.0, tokens=2000)
+    model.observe("other", 0, 1.0, 0.2, True, tokens=150)
+    assert model.delay("g", 3, 1.0, tokens=2000) == first
+    assert (fits, spreads) == (["g", "other"], ["g", "other"])
+    # New data of the group: refitted once, at the next lookup.
+    model.observe("g", 0, 2.0, 0.3, True, tokens=150)
+    second = model.delay("g", 3, 2.0, tokens=2000)
+    assert model.delay("g", 3, 2.0, tokens=2000) == second != first
+    assert (fits, spreads) == (["g", "other", "g"], ["g", "other", "g"])
+    # Observations leaving the window are a change too: the model is gone with them.
+    assert model.delay("g", 3, 303.0, tokens=2000) == 1.0  # the fallback
+    assert model.fit("g", 303.0) is None and fits[-1] == "g" and len(fits) == 4

@@ -395,7 +395,7 @@ async def test_a_replica_at_fault_is_not_tried_again_in_the_request(
     # ... after its back-off from b's failure at 0.5 (the default: up to 0.1 s, jittered).
     backoff = hedger.config.backoff
     assert backoff is not None
-    wait = backoff_delay(1, backoff, jitter_draw("r", "b", 1))
+    wait = backoff_delay(1, backoff, jitter_draw("r", "b", 1, 1))  # the Hedger's 1st request
     assert [a.started_at for a in report.attempts] == [0.0, 0.25, 0.5 + wait]
     assert hedger.statistics().ejected == ("a",)
 
@@ -424,7 +424,7 @@ async def _cancel_at(stream: th.HedgedStream, at: float) -> th.Report:
 
 
 SLOW_BLAME = [
-    # (name, b's script, config changes, cancel at, failures of (a, b))
+    # (name, b's script, config changes, cancel at, failures in a row of (a, b))
     ("a later attempt won: a was slow", FAST, {}, None, (1, 0)),
     ("the hedged attempt won after all", Script(ttft=5.0), {}, None, (0, 0)),
     (
@@ -459,7 +459,9 @@ async def test_slow_only_when_another_attempt_won(
     stream = hedger.stream(None)
     report = await (run(stream) if cancel_at is None else _cancel_at(stream, cancel_at))
     assert [a.trigger for a in report.attempts] == ["primary", "hedge"]
-    assert tuple(r.failures for r in hedger.statistics().replicas) == failures
+    replicas = hedger.statistics().replicas
+    assert tuple(r.consecutive_failures for r in replicas) == failures
+    assert tuple(r.failures for r in replicas) == (0, 0)  # a slow loser did not fail
 
 
 # -- pushback has a ceiling ----------------------------------------------------------------------
@@ -504,7 +506,7 @@ async def test_a_hedge_that_cannot_go_now_is_refused_or_waits_within_the_bound(
         t = trio.current_time()
         record = th.report.AttemptRecord(1, "a", "primary", 0.0, None, None, O.RUNNING)
         planner.attempt_changed(primary, record)
-        hedger._fleet.replicas[1].cooling_until = t + cooling  # type: ignore[attr-defined]
+        hedger._fleet.models.make(1, "default").cooling_until = t + cooling
         source = await planner.next_source(2, "hedge")
         if sent_at is None:
             assert source is None
@@ -606,12 +608,13 @@ async def test_back_off_jitter_is_reproducible_per_request(
     backoff = th.policy.Backoff(initial=1.0, multiplier=2.0, maximum=5.0)
     hedger = th.Hedger(fleet.sources(), _config(attempts_per_replica=4, backoff=backoff))
     starts: dict[str, list[float]] = {}
-    for request_id in ("r1", "r2"):
+    for serial, request_id in enumerate(("r1", "r2"), 1):
         report = await run(hedger.stream(None, request_id=request_id))
         starts[request_id] = [a.started_at for a in report.attempts]  # type: ignore[misc]
         expected = [0.0]
         for repeat in (1, 2, 3):  # full jitter: each wait a draw in [0, ceiling)
-            wait = backoff_delay(repeat, backoff, jitter_draw(request_id, "a", repeat))
+            draw = jitter_draw(request_id, "a", repeat, serial)
+            wait = backoff_delay(repeat, backoff, draw)
             assert 0 <= wait < min(2 ** (repeat - 1), 5.0)
             expected.append(expected[-1] + 0.25 + wait)
         assert starts[request_id] == pytest.approx(expected, abs=1e-9)

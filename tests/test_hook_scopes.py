@@ -11,7 +11,6 @@ import trio
 import trio.testing
 
 import trio_hedge as th
-from trio_hedge import _hooks
 from trio_hedge.instrumentation import PrometheusHook
 
 from .fleet import Fail, Fleet, run
@@ -67,7 +66,8 @@ async def test_a_context_manager_wraps_each_attempt(
     t0 = trio.current_time()
     report0 = await run(hedger.stream(None, request_id="r0"))
     t1 = trio.current_time()
-    await run(hedger.stream(None, request_id="r1"))
+    stream = hedger.stream(None, request_id="r1")
+    await run(stream)
     log = [
         (what, rid, n, round(t - (t0 if rid == "r0" else t1), 6), exc)
         for what, rid, n, t, exc in scopes.log
@@ -83,7 +83,7 @@ async def test_a_context_manager_wraps_each_attempt(
         ("enter", "r1", 2, 0.1, None),
         ("exit", "r1", 2, 0.7, None),
     ]
-    assert _hooks._OPEN == {}  # nothing kept after the requests ended
+    assert stream._planner._scopes == {}  # type: ignore[attr-defined]  # nothing kept
 
 
 async def test_the_winner_scope_sees_the_request_error(
@@ -123,13 +123,14 @@ async def test_plain_hooks_and_broken_context_managers_never_break_a_request(
         lambda e: seen.append(e.kind),  # returns None: the EventHook of before
     ]
     hedger = th.Hedger(_fleet().sources(), CONFIG, on_event=hooks)  # type: ignore[arg-type]
-    report = await run(hedger.stream(None, request_id="r0"))
+    stream = hedger.stream(None, request_id="r0")
+    report = await run(stream)
     assert report.completed and report.winner == 2
     assert seen[-1] is th.events.EventKind.REQUEST_FINISHED
     messages = [r.getMessage() for r in caplog.records]
     assert sum("entering its context failed" in m for m in messages) == 2
     assert sum("exiting its context failed" in m for m in messages) == 2
-    assert _hooks._OPEN == {}
+    assert stream._planner._scopes == {}  # type: ignore[attr-defined]
 
 
 async def test_a_hedge_refused_scope_is_exited_at_once(

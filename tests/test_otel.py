@@ -85,6 +85,31 @@ def _seconds(ns: int | None) -> float:
     return ns / 1e9
 
 
+async def test_two_requests_with_one_id_get_their_own_spans(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A client sends the same X-Request-ID twice at once: the quick request (0.3 s) and the
+    # slow one (2.1 s) each get their own request span, ended at their own end. On bcbad18
+    # the two shared one span, ended when the quick one finished.
+    telemetry = Telemetry()
+    hook = telemetry.hook()
+    scripts = iter([Script(ttft=2.0, tokens=2), Script(ttft=0.2, tokens=2)])
+    fleet = Fleet(NAMES[:1], lambda _r, _info: next(scripts))
+    config = th.HedgerConfig(hedge_after=None, budget=None)
+    hedger = th.Hedger(fleet.sources(), config, on_event=[hook])
+    async with trio.open_nursery() as nursery:
+        for model in ("slow", "quick"):
+            body = {"model": model, "messages": []}
+            nursery.start_soon(run, hedger.stream(body, request_id="same"))
+            await trio.lowlevel.checkpoint()
+    requests = [s for s in telemetry.finished() if s.parent is None]
+    took = sorted(
+        (s.name, round(_seconds(s.end_time) - _seconds(s.start_time), 6)) for s in requests
+    )
+    assert took == [("chat quick", 0.3), ("chat slow", 2.1)]
+    assert hook._requests == {} and hook._by_id == {}
+
+
 async def test_a_span_per_request_and_per_attempt(autojump_clock: trio.testing.MockClock) -> None:
     telemetry = Telemetry()
     hook = telemetry.hook(provider_name="openai")

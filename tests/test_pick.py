@@ -191,10 +191,11 @@ async def test_a_cancelled_prefill_still_occupies_its_replica(
         assert report.attempts[0].replica == other
         await trio.sleep(1.0)
     # ... until the prefill model's median for 5,000 tokens has passed since it started:
-    # 1.01 s at 1,000 tokens (the largest size it learned) x 5 = 5.05 s.
-    await trio.sleep_until(started + 5.05 - 1e-6)
+    # its line, 0.01 + 0.001 x 5,000 = 5.01 s (beyond the largest size it learned, 1,000
+    # tokens, the line keeps its intercept).
+    await trio.sleep_until(started + 5.01 - 1e-6)
     assert sum(r.lingering for r in hedger.statistics().replicas) == 1
-    await trio.sleep_until(started + 5.05 + 1e-6)
+    await trio.sleep_until(started + 5.01 + 1e-6)
     assert [r.lingering for r in hedger.statistics().replicas] == [0, 0]
 
 
@@ -209,11 +210,12 @@ async def test_a_long_prompts_own_prefill_does_not_mark_its_replica_slow(
     report = await run(hedger.stream(None, request_id="long", prompt_tokens=5000))
     assert report.ttft == pytest.approx(5.01)
     # 5.01 s is what 5,000 tokens cost on any replica: the sample is its excess over the
-    # prefill the model predicts (1.01 s at 1,000 tokens, in proportion beyond: 5.05 - 0.01
-    # s), none, so the estimate falls instead of jumping to 5.01 s.
+    # prefill the model predicts (its line at 5,000 tokens less the intercept: 5.01 - 0.01
+    # s), the replica's own 0.01 s, so the estimate falls to it instead of jumping to 5.01 s.
     name = report.attempts[0].replica
     after = {r.name: r.latency for r in hedger.statistics().replicas}
-    assert after[name] < before[name] * math.exp(-5.01 / 10) < 0.01
+    assert after[name] < before[name]
+    assert after[name] == pytest.approx(0.01, abs=1e-9)
 
 
 async def test_a_replica_known_stuck_gets_the_backup_at_once(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import attrs
 import pytest
@@ -12,6 +13,8 @@ import trio.testing
 import trio_hedge as th
 from trio_hedge import HedgePolicy
 from trio_hedge.errors import ErrorKind
+from trio_hedge.policy import Backoff
+from trio_hedge.policy._backoff import backoff_delay, jitter_draw
 from trio_hedge.report import AttemptOutcome as O
 
 from .scripted import Ledger, Script, interrupting, sources
@@ -174,9 +177,20 @@ CASES = [
         th.AllAttemptsFailed,
     ),
     Case(
-        "attempts_per_replica=2 retries the same replica after failures",
+        "attempts_per_replica=2 retries the same replica after its back-off",
         (Script(fail_at=0.1),),
-        HedgePolicy(attempts_per_replica=2),
+        HedgePolicy(attempts_per_replica=2, backoff=Backoff(jitter=False)),
+        None,
+        (0.0, 0.2),  # failed at 0.1, then the first back-off: 0.1 s
+        (O.FAILED, O.FAILED),
+        None,
+        ("primary", "failover"),
+        th.AllAttemptsFailed,
+    ),
+    Case(
+        "attempts_per_replica=2 without a back-off retries at once",
+        (Script(fail_at=0.1),),
+        HedgePolicy(attempts_per_replica=2, backoff=None),
         None,
         (0.0, 0.1),
         (O.FAILED, O.FAILED),
@@ -425,3 +439,105 @@ async def test_keyboard_interrupt_after_commit(autojump_clock: trio.testing.Mock
                 raise KeyboardInterrupt
     assert ledger.open_now == 0
     assert stream.report.finished
+
+
+# -- hedged_stream's repeats back off, and wait for Retry-After (issue 16) -----------------------
+
+
+async def test_repeats_on_dead_replicas_back_off_by_default(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Issue 16: attempts_per_replica=500 against two replicas that fail at once sent all
+    # 1,000 attempts in 0 s. With the default back-off (0.1 s doubling to 5 s, full jitter
+    # drawn from the request id) each replica's repeats are paced on their own.
+    ledger = Ledger()
+    dead = sources(ledger, Script(fail_at=0.0), Script(fail_at=0.0))
+    policy = HedgePolicy(attempts_per_replica=500)
+    t0 = trio.current_time()
+    with pytest.raises(th.AllAttemptsFailed):
+        async with th.hedged_stream(None, dead, policy, request_id="r"):
+            pass
+    expected = []
+    for name in ("primary", "backup"):
+        at = 0.0
+        for repeat in range(500):
+            if repeat:
+                at += backoff_delay(repeat, Backoff(), jitter_draw("r", name, repeat))
+            expected.append((at, name))
+    expected.sort(key=lambda e: e[0])
+    assert [name for name, _, _ in ledger.opened] == [name for _, name in expected]
+    starts = [t - t0 for _, _, t in ledger.opened]
+    assert starts == pytest.approx([at for at, _ in expected], abs=1e-9)
+    assert sum(1 for at in starts if at < 1.0) < 20  # not 1,000 in 0 s
+    assert trio.current_time() - t0 > 1000.0  # about 2.5 s a repeat past the fifth
+
+
+class _PushedBack:
+    """A source whose attempts fail with ``kind`` asking for ``retry_after`` seconds; the
+    times its attempts opened are in ``opened``."""
+
+    def __init__(self, retry_after: float | None, kind: ErrorKind = ErrorKind.RATE_LIMIT) -> None:
+        self.retry_after, self.kind = retry_after, kind
+        self.opened: list[float] = []
+
+    def source(self) -> th.sources.Source:
+        async def fail(_info: th.sources.AttemptInfo) -> Any:
+            self.opened.append(trio.current_time())
+            raise th.AttemptError(self.kind, "pushed back", retry_after=self.retry_after)
+            yield  # an async generator
+
+        return th.iterator_source(fail, name="pushed")
+
+
+PUSHBACK_CASES = [
+    # (name, Retry-After, policy, the attempts' start times)
+    (
+        "Retry-After 2 s: the repeat waits it",
+        2.0,
+        HedgePolicy(attempts_per_replica=2, backoff=None),
+        [0.0, 2.0],
+    ),
+    (
+        "beyond max_pushback_wait: not repeated",
+        30.0,
+        HedgePolicy(attempts_per_replica=2, backoff=None),
+        [0.0],
+    ),
+    (
+        "max_pushback_wait=None waits it",
+        30.0,
+        HedgePolicy(attempts_per_replica=2, backoff=None, max_pushback_wait=None),
+        [0.0, 30.0],
+    ),
+    (
+        "the longer of back-off and Retry-After",
+        0.2,
+        HedgePolicy(attempts_per_replica=3, backoff=Backoff(initial=0.5, jitter=False)),
+        [0.0, 0.5, 1.5],
+    ),
+    (
+        "no Retry-After, no back-off: at once",
+        None,
+        HedgePolicy(attempts_per_replica=2, backoff=None),
+        [0.0, 0.0],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "retry_after", "policy", "starts"), PUSHBACK_CASES, ids=[c[0] for c in PUSHBACK_CASES]
+)
+async def test_a_repeat_waits_for_the_replicas_retry_after(
+    name: str,
+    retry_after: float | None,
+    policy: HedgePolicy,
+    starts: list[float],
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pushed = _PushedBack(retry_after)
+    t0 = trio.current_time()
+    with pytest.raises(th.AllAttemptsFailed) as info:
+        async with th.hedged_stream(None, [pushed.source()], policy):
+            pass
+    assert [t - t0 for t in pushed.opened] == starts
+    assert [e.retry_after for e in info.value.errors] == [retry_after] * len(starts)

@@ -9,12 +9,15 @@ import logging
 import math
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
+import attrs
 import pytest
 import trio
 import trio.testing
 
 import trio_hedge as th
+from trio_hedge import hedger as hedger_module
 from trio_hedge.cli import main
 from trio_hedge.instrumentation import LoggingHook
 from trio_hedge.tune import (
@@ -292,3 +295,31 @@ def test_recommend(
     best = recommend(predictions, max_extra, tolerance)
     got = None if best is None else (best.candidate.percentile, best.candidate.budget)
     assert got == expected
+
+
+async def test_a_hedgers_samples_are_replayed_from_their_attempts_start(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 16: samples() wrote when each attempt's first token (or cancel) was observed, and
+    # tune reads `ts` as the attempt's start: every record was replayed one TTFT late (a
+    # backup after its own primary's commit, a primary after its backup started).
+    fleet = Fleet(["a", "b"], lambda _n, info: Script(ttft=(2.0, 0.5)[info.number - 1], tokens=1))
+    config = th.HedgerConfig(
+        hedge_after=th.LearnedDelay(fallback=1.0), budget=None, outlier_detection=None
+    )
+    hedger = th.Hedger(fleet.sources(), attrs.evolve(config, pick="in_order"))
+    await trio.sleep(10.0)
+    t0 = trio.current_time()
+    report = await run(hedger.stream(None, prompt_tokens=100))
+    await trio.sleep(5.0)  # exported later: the records do not move
+    # Unix time = Trio time + 1,000,000 s, exactly.
+    monkeypatch.setattr(
+        hedger_module, "time", SimpleNamespace(time=lambda: trio.current_time() + 1e6)
+    )
+    records = parse_records(json.dumps(record) for record in hedger.samples())
+    primary, backup = report.attempts
+    assert (primary.started_at, backup.started_at) == (0.0, 1.0)  # from the request's start
+    assert records == [
+        TTFTRecord(1e6 + t0, "default", 100, "a", 1, 1.5, False),  # cancelled at the commit
+        TTFTRecord(1e6 + t0 + 1.0, "default", 100, "b", 2, 0.5, True),
+    ]

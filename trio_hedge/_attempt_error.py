@@ -55,7 +55,8 @@ class ErrorKind(str, enum.Enum):
     TIMEOUT = "timeout"
     """an HTTP timeout (connect/read/write/pool) or a 408; retryable."""
     STALL = "stall"
-    """after commit, the winner produced no content for ``stall_timeout`` seconds."""
+    """after commit, the caller waited ``stall_timeout`` seconds on the winner with no
+    output arriving (content, reasoning or tool-call fragments)."""
     PROTOCOL = "protocol"
     """the bytes broke the protocol (bad SSE, bad JSON, event too large, invalid UTF-8);
     retryable before the first token (another replica may be sane)."""

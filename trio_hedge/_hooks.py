@@ -25,24 +25,26 @@ from contextlib import AbstractContextManager
 
 from .events import EventHook, EventKind, HedgeEvent
 
-__all__ = ["emit"]
+__all__ = ["Scopes", "emit"]
 
 logger = logging.getLogger("trio_hedge")
 
 
 _Scope = tuple[EventHook, AbstractContextManager[object]]
-#: Context managers open for attempts: {(id(hooks), request id): {attempt number: [...]}}.
-#: An entry lives from an attempt's start to its end (at the latest the request's end), so
-#: its size is bounded by the attempts in flight.
-_OPEN: dict[tuple[int, str | None], dict[int, list[_Scope]]] = {}
+#: The context managers open for one request's attempts: {attempt number: [(hook, cm)]}. The
+#: request owns it (its planner), not its id: two requests may carry the same id (a client's
+#: ``X-Request-ID``), and one's end must not close the other's spans. An entry lives from an
+#: attempt's start to its end (at the latest the request's end).
+Scopes = dict[int, list[_Scope]]
 
 _ATTEMPT_ENDS = frozenset({EventKind.ATTEMPT_FAILED, EventKind.ATTEMPT_CANCELLED})
 
 
-def emit(hooks: Sequence[EventHook], event: HedgeEvent) -> None:
+def emit(hooks: Sequence[EventHook], event: HedgeEvent, scopes: Scopes | None = None) -> None:
     """Call every hook with ``event``; log and swallow their exceptions. Enter the context
-    managers hooks return, and exit those whose attempt (or request) ``event`` ends, after
-    every hook has seen it."""
+    managers hooks return; keep those an ``attempt_started`` event begins in ``scopes`` (the
+    request's own; without it they are exited at once, like every other event's), and exit
+    those whose attempt (or request) ``event`` ends, after every hook has seen it."""
     kind = event.kind
     record = event.record
     for hook in hooks:
@@ -58,29 +60,23 @@ def emit(hooks: Sequence[EventHook], event: HedgeEvent) -> None:
         except Exception:
             logger.exception("trio_hedge on_event hook %r: entering its context failed", hook)
             continue
-        if kind is EventKind.ATTEMPT_STARTED and record is not None:
-            attempts = _OPEN.setdefault((id(hooks), event.request_id), {})
-            attempts.setdefault(record.number, []).append((hook, result))
+        if kind is EventKind.ATTEMPT_STARTED and record is not None and scopes is not None:
+            scopes.setdefault(record.number, []).append((hook, result))
         else:
             _exit(hook, result, None)
+    if not scopes:
+        return
     if kind in _ATTEMPT_ENDS and record is not None:
-        key = (id(hooks), event.request_id)
-        running = _OPEN.get(key)
-        if running is not None:
-            scopes = running.pop(record.number, [])
-            if not running:
-                del _OPEN[key]
-            failure = record.error if kind is EventKind.ATTEMPT_FAILED else None
-            for hook, manager in reversed(scopes):
-                _exit(hook, manager, failure)
+        failure = record.error if kind is EventKind.ATTEMPT_FAILED else None
+        for hook, manager in reversed(scopes.pop(record.number, [])):
+            _exit(hook, manager, failure)
     elif kind is EventKind.REQUEST_FINISHED:
-        remaining = _OPEN.pop((id(hooks), event.request_id), None)
-        if remaining:
-            report = event.report
-            error = report.error if report is not None else None
-            for number in sorted(remaining, reverse=True):
-                for hook, manager in reversed(remaining[number]):
-                    _exit(hook, manager, error)
+        report = event.report
+        error = report.error if report is not None else None
+        for number in sorted(scopes, reverse=True):
+            for hook, manager in reversed(scopes[number]):
+                _exit(hook, manager, error)
+        scopes.clear()
 
 
 def _exit(

@@ -10,6 +10,7 @@ The long-lived [`Hedger`][trio_hedge.Hedger] does the same with a learning plann
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -117,7 +118,8 @@ def hedged_stream(
             clients) and/or any [`Source`][trio_hedge.sources.Source] (e.g.
             [`iterator_source`][trio_hedge.sources.iterator_source]).
         policy: a [`HedgePolicy`][trio_hedge.HedgePolicy]; default ``HedgePolicy()`` (hedge after
-            1.0 s, one attempt per replica).
+            1.0 s, one attempt per replica; repeats on one replica back off, and wait for
+            its ``Retry-After`` up to 10 s).
         client: an ``httpx.AsyncClient`` for the [`Replica`][trio_hedge.sources.Replica]s, used as
             given (pool, proxies, TLS). Without one, the stream creates its own (only if some
             replica is a ``Replica``) and closes it on exit (share one client when you make
@@ -146,9 +148,12 @@ def hedged_stream(
     check_request_id(request_id)
     if headers is not None and not isinstance(headers, HeaderNames):
         raise TypeError(f"headers must be HeaderNames or None, not {type(headers).__name__}")
+    # The id is known before the plan: the back-off's jitter is drawn from it.
+    request_id = request_id or str(uuid.uuid4())
     if not checks:  # every replica is a source already
         sources = cast("list[Source]", list(replicas))
-        return HedgedStream(StaticPlanner(sources, policy), policy, request_id=request_id)
+        planner = StaticPlanner(sources, policy, request_id=request_id)
+        return HedgedStream(planner, policy, request_id=request_id)
     checked = check_request(request, checks)
     bindable = [cast(BindableReplica, r) if is_bindable(r) else None for r in replicas]
     needs_http = any(b is not None and b.needs_http_client for b in bindable)
@@ -165,5 +170,8 @@ def hedged_stream(
             http = client if b.needs_http_client else None
             sources.append(b.bind(checked, http, headers=headers))
     return HedgedStream(
-        StaticPlanner(sources, policy), policy, request_id=request_id, owned_client=owned
+        StaticPlanner(sources, policy, request_id=request_id),
+        policy,
+        request_id=request_id,
+        owned_client=owned,
     )

@@ -22,7 +22,7 @@ from ._plan import Planner
 from ._race import close_quietly, race
 from ._source import AttemptStream
 from .errors import AttemptError, ErrorKind, HedgeError, StreamInterrupted
-from .events import Delta, FirstToken, counts_as_first_token
+from .events import Delta, FirstToken
 from .report import Report, _Recorder
 
 if sys.version_info < (3, 11):
@@ -101,7 +101,9 @@ class HedgedStream:
         self._entered = False
         # The winner, when __anext__ may read it directly (no stall timeout to enforce).
         self._direct: AttemptStream | None = None
-        self._progress_at = 0.0  # the last delta that counts under the first-token rule
+        # The stall clock: seconds spent waiting on the winner since its last output. It runs
+        # only inside receive(): time the caller spends between reads is not the upstream's.
+        self._silent_for = 0.0
 
     @property
     def request_id(self) -> str:
@@ -160,7 +162,6 @@ class HedgedStream:
             self._direct = committed.stream
         self._winner_number = committed.number
         self._ended = committed.ended
-        self._progress_at = rec.committed_at or 0.0
         self._pending.extend(committed.pending)
         # The race already counted these in the winner's tokens_received.
         self._take(committed.pending, trio.current_time(), count_for_attempt=False)
@@ -245,7 +246,16 @@ class HedgedStream:
                 rec.attempt(self._winner_number).tokens_received += count
 
     async def _receive(self) -> Sequence[Delta] | None:
-        """The winner's next batch, under the stall timeout; errors become typed."""
+        """The winner's next batch, under the stall timeout; errors become typed.
+
+        The stall timeout bounds the upstream's silence, not the caller's pauses (Envoy's
+        ``per_try_idle_timeout`` is upstream idleness): the clock runs only while this task
+        waits in the winner's ``receive()``, adds up over calls, and is reset by any output
+        (``Delta.has_output``: content, reasoning, tool-call fragments, whatever the
+        first-token rule). Keep-alives, role-only deltas and usage do not reset it (the
+        caller loops back here). A batch already buffered when the caller comes back costs
+        no silence; an upstream silent while the caller was away is charged only from when
+        the caller waits again (silent and back-pressured look alike without a read)."""
         winner = self._winner
         if winner is None:
             raise RuntimeError("iterate a HedgedStream inside its 'async with' block")
@@ -253,18 +263,16 @@ class HedgedStream:
         try:
             if stall is None:
                 return await winner.receive()
-            # What resets the stall clock is what the first-token rule counts: content (and
-            # reasoning or tool calls under wider rules), never role-only deltas, usage or
-            # keep-alive comments (the caller loops back here until progress arrives).
-            with trio.move_on_at(self._progress_at + stall):
+            began = trio.current_time()
+            with trio.move_on_at(began + stall - self._silent_for):
                 batch = await winner.receive()
-                if batch is not None:
-                    rule = self._policy.first_token
-                    if any(counts_as_first_token(d, rule) for d in batch):
-                        self._progress_at = trio.current_time()
+                if batch is not None and any(d.has_output for d in batch):
+                    self._silent_for = 0.0
+                else:
+                    self._silent_for += trio.current_time() - began
                 return batch
             raise AttemptError(
-                ErrorKind.STALL, f"no progress for stall_timeout={stall} s after commit"
+                ErrorKind.STALL, f"no output from the winner in stall_timeout={stall} s of waiting"
             )
         except Exception as exc:
             self._fail(classify_exception(exc))

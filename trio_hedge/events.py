@@ -155,6 +155,10 @@ class HedgeEvent:
             (the error kind, or ``"slow"``); else ``None``.
         until: for replica events: Trio time the cooldown or ejection ends.
         report: for ``request_finished``: the final [`Report`][trio_hedge.Report].
+        request_key: an object unique to the request the event belongs to (compare by
+            identity, use as a dict key), or ``None``: two requests may carry the same
+            ``request_id`` (a client chooses ``X-Request-ID``), never the same key. Keep a
+            hook's per-request state under it, not under the id.
     """
 
     kind: EventKind
@@ -166,6 +170,7 @@ class HedgeEvent:
     reason: str | None = None
     until: float | None = None
     report: Report | None = attrs.field(default=None, eq=False)
+    request_key: object | None = attrs.field(default=None, eq=False, repr=False)
 
 
 EventHook = Callable[[HedgeEvent], "AbstractContextManager[object] | None"]

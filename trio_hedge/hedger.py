@@ -24,10 +24,13 @@ state across requests and consults it at each decision of the race (through the
   replica is cooling, the attempt waits for the earliest, at most ``max_pushback_wait``
   seconds (beyond that the primary raises [`ReplicasCooling`][trio_hedge.ReplicasCooling], a later
   attempt is not sent);
-* **whom to blame** — an error that is the replica's own fault (401/403, quota, unknown
-  model) ejects that replica at once and the request does not try it again; errors that are
-  the request's fault never count; an attempt counts as slow only when a later attempt of
-  the same request wins.
+* **whom to blame** — the evidence of the request decides, in one place
+  (``policy/_blame.py``, [`Attribution`][trio_hedge.policy.Attribution]): errors that are the
+  request's fault never count; a key, quota or "not found" error (401/403, quota, unknown
+  model) is its replica's only when another replica served the same request (then that
+  replica is ejected for that model), and the request does not try it again either way; an
+  attempt counts as slow only when a later attempt of the same request wins after it waited
+  the fleet's own delay; pushback and ejections for one model are kept per (replica, model).
 
 Where each part lives: the configuration in ``policy/_config.py``, the state every request
 shares (delay learner, budget, throttle, replica health, counters) in ``policy/_fleet.py``,
@@ -258,9 +261,11 @@ class Hedger:
                 raise TypeError(f"prompt_tokens must be an int or None, not {prompt_tokens!r}")
             if prompt_tokens < 0:
                 raise ValueError(f"prompt_tokens must be >= 0, not {prompt_tokens!r}")
+        model = request.get("model") if request is not None else None
+        if not isinstance(model, str) or not model:
+            model = None
         if group is None:
-            model = request.get("model") if request is not None else None
-            group = model if isinstance(model, str) and model else "default"
+            group = model or "default"
         elif not isinstance(group, str) or not group:
             raise TypeError(f"group must be a non-empty str or None, not {group!r}")
         check_request_id(request_id)
@@ -296,6 +301,7 @@ class Hedger:
             tokens=tokens,
             hedgeable=hedgeable,
             hedge_after=request_delay,
+            model=model,
         )
         return HedgedStream(
             planner,
@@ -327,8 +333,8 @@ class Hedger:
     def samples(self) -> list[dict[str, Any]]:
         """The TTFT observations the delay learner holds now (the last ``window`` seconds,
         at most ``max_samples`` per group and size class), oldest first, as the records
-        ``trio-hedge tune`` reads (write one JSON object per line): ``ts`` (Unix time of
-        the observation, seconds), ``group``, ``prompt_tokens``, ``replica``, ``attempt``
+        ``trio-hedge tune`` reads (write one JSON object per line): ``ts`` (Unix time the
+        attempt started, seconds), ``group``, ``prompt_tokens``, ``replica``, ``attempt``
         (1 for the primary) and either ``ttft`` (seconds from the attempt's start to its
         first token) or ``cancelled_at`` (seconds it ran before it was cancelled without
         one). Empty unless ``hedge_after`` is a [`LearnedDelay`][trio_hedge.LearnedDelay]. Call
@@ -350,7 +356,9 @@ class Hedger:
             now
         ):
             record: dict[str, Any] = {
-                "ts": round(at + offset, 6),
+                # The attempt's start, as tune's records have it (``at`` is when the first
+                # token or the cancel was observed: one TTFT later).
+                "ts": round(at - seconds + offset, 6),
                 "group": group,
                 "prompt_tokens": tokens,
                 "replica": replica,

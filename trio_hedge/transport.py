@@ -19,13 +19,15 @@ library's ``pool=None`` timeout).
 
 The workaround: [`ShardedTransport`][trio_hedge.transport.ShardedTransport] spreads requests over
 independent pools, each given at most ``per_shard`` (default 4) open responses, adding pools as
-concurrency grows, so every pool's scans stay short and opening *n* streams costs O(n). No pool has
-a connection limit. All pools share one SSL context (building one costs ~16-50 ms). Round-robin over
-a fixed number of pools was not enough: with 16 pools, a second wave of 1,000 streams (reusing
-1,000 idle keep-alive connections) took 5.7 s against 0.9 s raw, as a pool's cost per event
-is quadratic in its *idle* connections (the ``len([... for connection in
-self._connections])`` inside the loop over connections); with at most 16 open responses per
-pool, 2.4 s; with 4, 1.7-1.8 s (wave 1: 1.7-1.8 s).
+concurrency grows, so every pool's scans stay short and opening *n* streams costs O(n). A request
+goes to the oldest pool with room (at low load, always the first: its connections are reused),
+and a pool idle for ``keepalive_expiry`` is removed. No pool has a connection limit. All pools
+share one SSL context (building one costs ~16-50 ms). Round-robin over a fixed number of pools
+was not enough: with 16 pools, a second wave of 1,000 streams (reusing 1,000 idle keep-alive
+connections) took 5.7 s against 0.9 s raw, as a pool's cost per event is quadratic in its
+*idle* connections (the ``len([... for connection in self._connections])`` inside the loop
+over connections); with at most 16 open responses per pool, 2.4 s; with 4, 1.7-1.8 s (wave 1:
+1.7-1.8 s).
 
 With HTTP/2, every pool is hardened against cancelled requests (``trio_hedge/_cancel_safe.py``):
 a cancelled attempt can neither cut a write in half, corrupting a connection other streams
@@ -34,14 +36,17 @@ share, nor leave a connection open outside its pool.
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import functools
+import heapq
+import itertools
 import ssl
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpcore
 import httpx
+import trio
 
 from ._cancel_safe import cancel_safe_transport, harden
 
@@ -79,11 +84,19 @@ class ShardedTransport(httpx.AsyncBaseTransport):
     """An ``httpx`` transport that spreads requests over independent
     ``httpx.AsyncHTTPTransport`` pools, each kept to about ``per_shard`` connections.
 
-    Each request goes to the next pool (in FIFO order) with fewer than ``per_shard`` open
-    responses; when none has room, a new pool is added (pools are never removed; their idle
-    connections expire after ``keepalive_expiry``). So however many streams are
-    open, each pool scans at most ~``per_shard`` connections per request event, and opening
-    *n* streams costs O(n), not O(n²) (see the module docstring).
+    Each request goes to the *first* pool (the oldest) with fewer than ``per_shard`` open
+    responses; when none has room, a new pool is added. So however many streams are open,
+    each pool scans at most ~``per_shard`` connections per request event, and opening *n*
+    streams costs O(n), not O(n²) (see the module docstring). At low load every request goes
+    to the first pool and reuses its keep-alive connections; at high load the pools fill in
+    order. A pool that holds no open response for ``keepalive_expiry`` seconds (every
+    connection it keeps has expired) is closed and removed, newest first, as the next
+    request arrives; the first pool stays.
+
+    Why not a rotation: with requests handed to pools in turn, after a burst a request at low
+    load went to a different pool each time, whose connections had expired or been closed:
+    15 sequential requests after a burst of 400 streams opened 15 connections (issue 16,
+    ``tests/test_client.py``, ``benchmarks/pool_reuse.py``); and pools were never removed.
 
     Args:
         per_shard: connections per pool before another pool is added (>= 1).
@@ -95,7 +108,9 @@ class ShardedTransport(httpx.AsyncBaseTransport):
             pools are left as httpx builds them.
         **kwargs: passed to each ``httpx.AsyncHTTPTransport`` (``http1``, ``http2``,
             ``limits``, ``retries``, ``local_address``, ``socket_options``…); ``limits``
-            defaults to [`DEFAULT_LIMITS`][trio_hedge.transport.DEFAULT_LIMITS] (per pool).
+            defaults to [`DEFAULT_LIMITS`][trio_hedge.transport.DEFAULT_LIMITS] (per pool);
+            its ``keepalive_expiry`` (seconds; ``None``: never) is also how long a pool may
+            stay idle before it is removed.
     """
 
     def __init__(
@@ -116,13 +131,18 @@ class ShardedTransport(httpx.AsyncBaseTransport):
         self._kwargs = kwargs
         self._network_backend = network_backend
         self._http2 = bool(kwargs.get("http2", False))
+        limits = kwargs["limits"]
+        self._expiry: float | None = getattr(limits, "keepalive_expiry", None)
         self._shards: list[_Shard] = []
-        self._room: collections.deque[_Shard] = collections.deque()  # shards with room
+        # Shards with room, by age (a heap of (position, tiebreak, shard)): the first has
+        # the lowest position. A shard is listed at most once (``_Shard.listed``).
+        self._room: list[tuple[int, int, _Shard]] = []
+        self._tiebreak = itertools.count()
         self._closed = False
 
     @property
     def shards(self) -> int:
-        """How many pools exist so far."""
+        """How many pools exist now."""
         return len(self._shards)
 
     @property
@@ -136,20 +156,27 @@ class ShardedTransport(httpx.AsyncBaseTransport):
         streams a cancel orphaned."""
         return [shard.transport for shard in self._shards]
 
+    def _list(self, shard: _Shard) -> None:
+        heapq.heappush(self._room, (shard.position, next(self._tiebreak), shard))
+        shard.listed = True
+
     def _pick(self) -> _Shard:
-        # O(1): the first shard in the queue of shards with room (FIFO, so load spreads
-        # evenly and every pool's idle connections get reused), else a new shard.
-        room = self._room
+        # O(log pools): the oldest shard with room, else a new shard.
+        room, per_shard = self._room, self._per_shard
         while room:
-            shard = room.popleft()
-            if shard.in_flight < self._per_shard:
+            shard = room[0][2]
+            if not shard.retired and shard.in_flight < per_shard:
                 break
+            heapq.heappop(room)  # retired (or full): not a candidate
+            shard.listed = False
         else:
-            shard = _Shard(self._new_pool(), self)
+            shard = _Shard(self._new_pool(), self, len(self._shards))
             self._shards.append(shard)
+            self._list(shard)
         shard.in_flight += 1
-        if shard.in_flight < self._per_shard:
-            room.append(shard)
+        if shard.in_flight >= per_shard:
+            heapq.heappop(room)  # it is room[0]
+            shard.listed = False
         return shard
 
     def _new_pool(self) -> httpx.AsyncHTTPTransport:
@@ -160,12 +187,37 @@ class ShardedTransport(httpx.AsyncBaseTransport):
 
     def _release(self, shard: _Shard) -> None:
         shard.in_flight -= 1
-        if shard.in_flight == self._per_shard - 1:  # it was full: it has room again
-            self._room.append(shard)
+        if shard.in_flight == 0:
+            shard.idle_since = trio.current_time()
+        if not shard.listed and not shard.retired:  # it was full: it has room again
+            self._list(shard)
+
+    async def _retire_idle(self) -> None:
+        """Close and remove the newest pools while they have been idle for
+        ``keepalive_expiry`` seconds (their connections have all expired), keeping one."""
+        expiry, shards = self._expiry, self._shards
+        if expiry is None:
+            return
+        now = trio.current_time()
+        while len(shards) > 1:
+            last = shards[-1]
+            if last.in_flight or now - last.idle_since < expiry:
+                return
+            shards.pop()
+            last.retired = True
+            # Its connections are idle: closing them is quick, and must not be cut short.
+            with (
+                trio.CancelScope(shield=True, deadline=now + 1.0),
+                contextlib.suppress(Exception),
+            ):
+                await last.transport.aclose()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if self._closed:
             raise RuntimeError("the transport is closed")
+        shards = self._shards
+        if len(shards) > 1 and not shards[-1].in_flight:
+            await self._retire_idle()
         shard = self._pick()
         try:
             response = await shard.transport.handle_async_request(request)
@@ -181,16 +233,23 @@ class ShardedTransport(httpx.AsyncBaseTransport):
         shards, self._shards = self._shards, []
         self._room.clear()
         for shard in shards:
+            shard.retired = True
             await shard.transport.aclose()
 
 
 class _Shard:
-    __slots__ = ("in_flight", "owner", "transport")
+    __slots__ = ("idle_since", "in_flight", "listed", "owner", "position", "retired", "transport")
 
-    def __init__(self, transport: httpx.AsyncHTTPTransport, owner: ShardedTransport) -> None:
+    def __init__(
+        self, transport: httpx.AsyncHTTPTransport, owner: ShardedTransport, position: int
+    ) -> None:
         self.transport = transport
         self.owner = owner
+        self.position = position  # its index in the owner's list: lower is older
         self.in_flight = 0
+        self.idle_since = trio.current_time()
+        self.listed = False  # in the owner's heap of shards with room
+        self.retired = False  # closed and removed
 
 
 class _CountedStream(httpx.AsyncByteStream):

@@ -103,6 +103,9 @@ async def production() -> None:
         throttle=RetryThrottle(),
         backoff=Backoff(),
         outlier_detection=OutlierDetection(),
+        attribution=trio_hedge.policy.Attribution(
+            caller={"auth"}, replica=[trio_hedge.errors.ErrorKind.NOT_FOUND]
+        ),
         first_token_timeout=30.0,
         pick="peak_ewma",
     )

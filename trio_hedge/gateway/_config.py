@@ -21,6 +21,7 @@ import attrs
 
 from .. import HedgerConfig, LearnedDelay, Replica
 from ..events import FirstToken
+from ..policy import Attribution
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -41,6 +42,8 @@ __all__ = [
 #: A gateway relays every event, so the first one a client would see commits the race:
 #: content, reasoning or a tool-call fragment (the library's default counts content only).
 DEFAULT_HEDGER = HedgerConfig(first_token=FirstToken.ANY_OUTPUT)
+#: Whose fault errors are when clients' own keys are forwarded (``forward_client_key``).
+FORWARDED_KEYS = Attribution(caller={"auth", "quota_exceeded", "rate_limit"})
 
 
 class ConfigError(ValueError):
@@ -392,7 +395,12 @@ def parse_config(
         raise ConfigError("auth.keys_env must be a list of environment variable names")
     keys = [_env(var, f"auth.keys_env[{i}]", environ) for i, var in enumerate(keys_env)]
     limits = _build(Limits, _table(document.get("limits", {}), "limits"), "limits")
-    base = hedger_config(_table(document.get("hedger", {}), "hedger"), DEFAULT_HEDGER, "hedger")
+    hedger_table = _table(document.get("hedger", {}), "hedger")
+    base = DEFAULT_HEDGER
+    if auth.get("forward_client_key") is True:
+        # The client's own key goes upstream: its 401, quota and rate limit are the client's.
+        base = attrs.evolve(base, attribution=FORWARDED_KEYS)
+    base = hedger_config(hedger_table, base, "hedger")
     raw_replicas = document.get("replicas", [])
     if not isinstance(raw_replicas, list) or not raw_replicas:
         raise ConfigError("replicas: at least one [[replicas]] table is needed")

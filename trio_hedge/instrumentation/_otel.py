@@ -197,7 +197,10 @@ class OpenTelemetryHook:
             description="Caller-visible time to the first token (first content chunk).",
             explicit_bucket_boundaries_advisory=_TTFC_BUCKETS,
         )
-        self._requests: dict[str | None, _Request] = {}
+        # Open requests by HedgeEvent.request_key (the request itself: two requests may
+        # carry the same id), and the latest one of each id, for observe_response.
+        self._requests: dict[object, _Request] = {}
+        self._by_id: dict[str | None, _Request] = {}
 
     def observe_response(
         self,
@@ -208,8 +211,9 @@ class OpenTelemetryHook:
     ) -> None:
         """Record what the server reported for request ``request_id`` (``stream.request_id``):
         its ``usage`` object (``prompt_tokens``, ``completion_tokens``) and the model that
-        answered. Call it before the stream's ``async with`` exits; unknown ids are ignored."""
-        request = self._requests.get(request_id)
+        answered. Call it before the stream's ``async with`` exits; unknown ids are ignored
+        (two requests open with the same id: the later one)."""
+        request = self._by_id.get(request_id)
         if request is None:
             return
         if usage is not None:
@@ -223,7 +227,7 @@ class OpenTelemetryHook:
         kind = event.kind
         if kind is EventKind.ATTEMPT_STARTED and event.record is not None:
             return self._attempt_started(event, event.record)
-        request = self._requests.get(event.request_id)
+        request = self._requests.get(self._key(event))
         if request is None:
             return None
         record = event.record
@@ -235,7 +239,9 @@ class OpenTelemetryHook:
             self._attempt_changed(request, record)
         elif kind is EventKind.REQUEST_FINISHED and event.report is not None:
             self._finished(request, event, event.report)
-            del self._requests[event.request_id]
+            del self._requests[self._key(event)]
+            if self._by_id.get(event.request_id) is request:
+                del self._by_id[event.request_id]
         elif kind in (
             EventKind.HEDGE_REFUSED,
             EventKind.FAILOVER_REFUSED,
@@ -248,6 +254,10 @@ class OpenTelemetryHook:
             request.span.add_event(kind.value, fields, timestamp=request.ns(event.time))
         return None
 
+    @staticmethod
+    def _key(event: HedgeEvent) -> object:
+        return event.request_id if event.request_key is None else event.request_key
+
     def _model(self, event: HedgeEvent) -> str:
         # The Hedger's group is the request's "model" unless the caller named another group.
         return event.group or "unknown"
@@ -256,7 +266,7 @@ class OpenTelemetryHook:
         from opentelemetry import trace
 
         g = self._g
-        request = self._requests.get(event.request_id)
+        request = self._requests.get(self._key(event))
         model = self._model(event)
         name = f"{self._chat} {model}"
         if request is None:
@@ -278,7 +288,8 @@ class OpenTelemetryHook:
                 attributes=attributes,
                 start_time=request.ns(origin),
             )
-            self._requests[event.request_id] = request
+            self._requests[self._key(event)] = request
+            self._by_id[event.request_id] = request
         attributes = {
             g.GEN_AI_OPERATION_NAME: self._chat,
             g.GEN_AI_REQUEST_MODEL: model,

@@ -11,7 +11,7 @@ Configuration (values, validated at construction):
   [`HedgeBudget`][trio_hedge.policy.HedgeBudget],
   [`RetryThrottle`][trio_hedge.policy.RetryThrottle], [`Backoff`][trio_hedge.policy.Backoff]: the
   brakes on extra requests; [`OutlierDetection`][trio_hedge.policy.OutlierDetection]: when a replica
-  is ejected.
+  is ejected; [`Attribution`][trio_hedge.policy.Attribution]: whose fault each kind of error is.
 
 The race's advisor: [`Planner`][trio_hedge.policy.Planner] (the protocol the race consults at each
 decision) and [`StaticPlanner`][trio_hedge.policy.StaticPlanner] (a fixed, ordered list and delay).
@@ -27,13 +27,15 @@ Statistics (frozen snapshots): [`HedgerStatistics`][trio_hedge.policy.HedgerStat
 Inside, one job per module: ``_config`` (the two config classes), ``_delay`` (the delay
 learner), ``_quantiles`` (the estimators), ``_prefill`` (the prefill model), ``_budget``
 (the hedge budget), ``_throttle`` (the retry throttle), ``_backoff`` (the back-off),
-``_health`` (replica health and ejection), ``_sizing`` (prompt size and size classes),
+``_blame`` (whose fault an attempt's outcome is: every consumer asks it), ``_health``
+(replica health and ejection), ``_sizing`` (prompt size and size classes),
 ``_stats`` (snapshots), ``_static`` (the static planner), ``_fleet`` (the state shared by
 every request of a Hedger), ``_planner`` (one request's decisions over that state).
 """
 
 from .._plan import Planner
 from ._backoff import Backoff
+from ._blame import Attribution
 from ._budget import HedgeBudget
 from ._config import HedgePolicy, HedgerConfig
 from ._delay import LearnedDelay
@@ -46,6 +48,7 @@ from ._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
 from ._throttle import RetryThrottle
 
 __all__ = [
+    "Attribution",
     "Backoff",
     "DelayStatistics",
     "HedgeBudget",

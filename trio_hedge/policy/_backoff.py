@@ -3,7 +3,8 @@
 [`Backoff`][trio_hedge.policy.Backoff] is gRPC's retry back-off (gRFC A6): the ``n``-th
 repeat waits ``random(0, min(initial × multiplier^(n−1), maximum))`` seconds after that
 replica's last failure (``backoff_delay``, a pure function; the random draw comes from
-``jitter_draw``, derived from the request id, so a schedule is reproducible). Unlike the
+``jitter_draw``, derived from the request id and the request's number, so a schedule is
+reproducible). Unlike the
 hedge budget and the retry throttle, it is not shared state: each request's planner applies
 it to its own attempts.
 """
@@ -37,8 +38,9 @@ class Backoff:
         maximum: the longest wait, in seconds. Default 5 (an LLM replica that failed fast
             five times in a row is not coming back within the request).
         jitter: ``True`` (default) scales each wait by a draw in ``[0, 1)`` derived from the
-            request id (``jitter_draw``): reproducible for one request, spread across
-            requests, exact in virtual time; ``False`` waits the full ceiling.
+            request (its id and its number in the Hedger, ``jitter_draw``): reproducible for
+            one request, spread across requests (also two with the same id), exact in
+            virtual time; ``False`` waits the full ceiling.
 
     Raises:
         TypeError, ValueError: on a bad field or ``initial > maximum``.
@@ -65,11 +67,12 @@ def backoff_delay(repeat: int, backoff: Backoff, draw: float = 1.0) -> float:
     return ceiling * draw if backoff.jitter else ceiling
 
 
-def jitter_draw(request_id: str, replica: str, repeat: int) -> float:
-    """A draw in ``[0, 1)`` for ``backoff_delay``, derived from the request id, replica
-    and repeat: the same request always gets the same schedule (reproducible from its logs,
-    exact in virtual-time tests), different requests get independent-looking ones (request
-    ids are UUID4s by default)."""
-    key = f"{request_id}\x00{replica}\x00{repeat}".encode("utf-8", "surrogatepass")
+def jitter_draw(request_id: str, replica: str, repeat: int, request: int = 0) -> float:
+    """A draw in ``[0, 1)`` for ``backoff_delay``, derived from the request id, the request's
+    number in its Hedger (``request``: 1 for its first request), replica and repeat: the same
+    request always gets the same schedule (exact in virtual-time tests), different requests
+    get independent-looking ones -- also two that carry the same id (a client may choose
+    it: ``X-Request-ID``)."""
+    key = f"{request_id}\x00{request}\x00{replica}\x00{repeat}".encode("utf-8", "surrogatepass")
     digest = hashlib.blake2b(key, digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2.0**64

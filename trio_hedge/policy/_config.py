@@ -22,6 +22,7 @@ from .._validate import (
 )
 from ..events import FirstToken
 from ._backoff import Backoff
+from ._blame import Attribution
 from ._budget import HedgeBudget
 from ._delay import LearnedDelay
 from ._health import OutlierDetection
@@ -63,6 +64,14 @@ class _SharedFields:
     def close_timeout() -> Any:
         return attrs.field(default=1.0, validator=positive_seconds)
 
+    @staticmethod
+    def backoff() -> Any:
+        return attrs.field(factory=Backoff, validator=optional_instance_of(Backoff))
+
+    @staticmethod
+    def max_pushback_wait() -> Any:
+        return attrs.field(default=10.0, validator=seconds_or_none)
+
 
 _shared = _SharedFields
 
@@ -95,12 +104,26 @@ class HedgePolicy:
         first_token_timeout: seconds, over all attempts, to wait for a first token before
             failing with [`AllAttemptsFailed`][trio_hedge.AllAttemptsFailed] (``kind="timeout"``);
             ``None`` waits as long as the caller's own cancel scope allows. Default ``None``.
-        stall_timeout: after commit, seconds the winner may go without content before the
-            stream fails with [`StreamInterrupted`][trio_hedge.StreamInterrupted]
-            (``kind="stall"``). Keep-alive comments, role-only deltas and empty events do not reset
-            it (Envoy's ``per_try_idle_timeout``). ``None`` disables it. Default ``None``.
+        stall_timeout: after commit, seconds of the upstream's silence before the stream
+            fails with [`StreamInterrupted`][trio_hedge.StreamInterrupted] (``kind="stall"``):
+            the time the caller spends *waiting* for the winner's next batch with no output
+            (content, reasoning or tool-call fragments, whatever ``first_token``) arriving.
+            Time the caller spends between reads does not count; keep-alive comments,
+            role-only deltas, usage and empty events do not reset it (Envoy's
+            ``per_try_idle_timeout``, an upstream idle timeout). ``None`` disables it.
+            Default ``None``.
         close_timeout: seconds a loser's close may take before it is abandoned (its socket is
             closed regardless). Default 1.0.
+        backoff: a [`Backoff`][trio_hedge.policy.Backoff] for repeated attempts on one replica
+            (only with ``attempts_per_replica > 1``): the ``n``-th repeat waits up to
+            ``min(0.1 × 2^(n−1), 5)`` seconds after that replica's last failure (full jitter,
+            drawn from the request id), as the Hedger's do (gRFC A6). ``None`` repeats at
+            once. Default ``Backoff()``: bounded by default, as stamina's retries are
+            (before, 1,000 attempts on two dead replicas went out in 0 s).
+        max_pushback_wait: seconds a repeat on a replica that answered ``Retry-After`` (or
+            ``retry-after-ms``) may wait for it to pass; a replica that asked for longer is
+            not tried again by this request. ``None`` waits as long as the caller's cancel
+            scope allows. Default 10, as the Hedger's.
 
     Raises:
         TypeError, ValueError: on a badly typed or out-of-range field.
@@ -114,6 +137,8 @@ class HedgePolicy:
     first_token_timeout: float | None = _shared.first_token_timeout()
     stall_timeout: float | None = _shared.stall_timeout()
     close_timeout: float = _shared.close_timeout()
+    backoff: Backoff | None = _shared.backoff()  # noqa: RUF009 (an attrs field)
+    max_pushback_wait: float | None = _shared.max_pushback_wait()
 
 
 def _check_hedge_after(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -141,7 +166,9 @@ class HedgerConfig:
         first_token_timeout: seconds over all attempts to wait for a first token, else
             [`AllAttemptsFailed`][trio_hedge.AllAttemptsFailed] (``kind="timeout"``). Default
             ``None`` (the caller's own cancel scope is the deadline).
-        stall_timeout: after commit, seconds the winner may go without content before
+        stall_timeout: after commit, seconds of the upstream's silence (the caller waiting
+            on the winner with no output arriving; the caller's own pauses do not count, as
+            in [`HedgePolicy`][trio_hedge.HedgePolicy]) before
             [`StreamInterrupted`][trio_hedge.StreamInterrupted] (``kind="stall"``); it counts
             against the replica's health. Default ``None``.
         close_timeout: seconds a loser's close may take. Default 1.0.
@@ -152,6 +179,11 @@ class HedgerConfig:
         outlier_detection: an [`OutlierDetection`][trio_hedge.policy.OutlierDetection] (default 5
             failures in a row, 10 s doubling up to 300 s, at most a third of the replicas) or
             ``None`` to never eject.
+        attribution: an [`Attribution`][trio_hedge.policy.Attribution]: whose fault each kind
+            of attempt error is. Default ``Attribution()``: the request's evidence decides (a
+            key, quota or "not found" error is a replica's only when another replica served
+            the same request); a gateway that forwards its clients' keys says
+            ``Attribution(caller={"auth"})``.
         backoff: a [`Backoff`][trio_hedge.policy.Backoff] for a request's repeated attempts on one
             replica (only with ``attempts_per_replica > 1``; default 0.1 s doubling up to
             5 s, full jitter) or ``None`` to repeat at once (the throttle still applies).
@@ -205,8 +237,11 @@ class HedgerConfig:
     outlier_detection: OutlierDetection | None = attrs.field(
         factory=OutlierDetection, validator=optional_instance_of(OutlierDetection)
     )
-    backoff: Backoff | None = attrs.field(factory=Backoff, validator=optional_instance_of(Backoff))
-    max_pushback_wait: float | None = attrs.field(default=10.0, validator=seconds_or_none)
+    attribution: Attribution = attrs.field(
+        factory=Attribution, validator=attrs.validators.instance_of(Attribution)
+    )
+    backoff: Backoff | None = _shared.backoff()  # noqa: RUF009 (an attrs field)
+    max_pushback_wait: float | None = _shared.max_pushback_wait()
     pick: Literal["peak_ewma", "least_loaded", "in_order"] = attrs.field(
         default="peak_ewma",
         validator=attrs.validators.in_(("peak_ewma", "least_loaded", "in_order")),

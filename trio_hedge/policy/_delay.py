@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import attrs
 
 from .._validate import fraction, integer, number
 from ._prefill import PrefillFit, fit_prefill, prefill_spread
-from ._quantiles import km_quantiles
+from ._quantiles import km_quantile, km_quantiles
 from ._sizing import SizeClasses
 
 __all__ = ["DelayModel", "LearnedDelay", "TTFTWindow"]
@@ -56,12 +56,14 @@ class LearnedDelay:
     Until a class has ``min_samples`` observations in the window, its delay comes from the
     group's *prefill model* ([`PrefillFit`][trio_hedge.policy.PrefillFit]):
     ``TTFT ≈ (a + b·tokens) · E``, a line fitted on the censoring-aware medians of the
-    classes that have at least half ``min_samples`` observations (``min_samples`` in all),
+    classes that have at least half ``min_samples`` observations (``min_samples`` in all;
+    a class gives a point per run of that many observations of neighbouring prompt sizes),
     with a spread ``E`` estimated (Kaplan–Meier) from every observation divided by the
-    line, evaluated at the request's own prompt size. Beyond the
-    largest size it was fitted on the model grows in proportion to tokens, and the delay is
-    never below the nearest smaller learned class's delay scaled by the ratio of prompt
-    sizes: the delay grows at least as fast as prefill does. Rare long prompts rarely fill
+    line, evaluated at the request's own prompt size. Beyond the largest size it was fitted
+    on the line goes on with its intercept (a flat one, which measured no growth, in
+    proportion to tokens), and the delay is never below the nearest smaller learned class's
+    delay scaled by the line's growth between the two prompt sizes: the delay grows as
+    prefill does. Rare long prompts rarely fill
     their own class; a delay that grows slower than their prefill hedges them, and each such
     backup repeats the whole prefill on a second replica (on llama.cpp, which aborts a
     prefill only when it ends, both stay busy): the tail gets worse (field notes; issue 9:
@@ -86,8 +88,10 @@ class LearnedDelay:
         fallback: the delay in seconds while the group has no data. Default 1.0.
         min_delay: the clamp's lower bound, in seconds. Default 0.05.
         max_delay: the clamp's upper bound, in seconds. Default 60.
-        refresh: seconds an estimate is cached before it is recomputed (Finagle refreshes
-            every 3 s); 0 recomputes whenever new data arrived. Default 1.0.
+        refresh: seconds an estimate (and the prefill model) is cached before it is
+            recomputed, when new data arrived or old data expired (Finagle refreshes every
+            3 s); 0 recomputes at the first lookup after a change, never on a lookup alone.
+            Default 1.0.
         max_samples: observations kept per class (memory bound; oldest dropped). Default 2048.
         classes: the [`SizeClasses`][trio_hedge.policy.SizeClasses]. Default ``SizeClasses()``.
         censoring: use cancelled attempts as censored observations (Kaplan–Meier). ``False``
@@ -167,8 +171,10 @@ class TTFTWindow:
         "_config",
         "_dirty",
         "_median",
+        "_points",
         "_samples",
         "_tokens",
+        "version",
     )
 
     def __init__(self, config: LearnedDelay) -> None:
@@ -177,8 +183,12 @@ class TTFTWindow:
         self._cached: float | None = None
         self._median: float | None = None
         self._tokens = 0
+        self._points: list[tuple[int, float, int]] = []
         self._cached_at = -math.inf
         self._dirty = False
+        #: How many times the estimates were recomputed (each time the observations changed
+        #: and ``refresh`` had passed): the group's prefill model is refitted when it moves.
+        self.version = 0
 
     def add(
         self,
@@ -203,6 +213,11 @@ class TTFTWindow:
             samples.popleft()
             self._dirty = True
 
+    def size(self, now: float) -> int:
+        """Observations in the window (without counting the censored ones: cheap)."""
+        self._expire(now)
+        return len(self._samples)
+
     def count(self, now: float) -> tuple[int, int]:
         """``(observations, censored)`` in the window."""
         self._expire(now)
@@ -222,6 +237,7 @@ class TTFTWindow:
         samples = self._samples
         n = len(samples)
         self._cached = self._median = None
+        self._points = []
         if n >= _fit_samples(config):
             observations = [(s[1], s[2]) for s in samples]
             self._median, percentile = km_quantiles(observations, (0.5, config.percentile))
@@ -231,8 +247,10 @@ class TTFTWindow:
                     percentile = min(percentile, ratio * self._median)  # not a stuck mode
                 self._cached = percentile
             self._tokens = _median_int([s[3] for s in samples])
+            self._points = _size_points(samples, _fit_samples(config))
         self._cached_at = now
         self._dirty = False
+        self.version += 1
 
     def estimate(self, now: float) -> float | None:
         """The percentile (unclamped), or ``None`` below ``min_samples`` observations."""
@@ -246,6 +264,32 @@ class TTFTWindow:
         if self._median is None or len(self._samples) < _fit_samples(self._config):
             return None
         return self._median, self._tokens, len(self._samples)
+
+    def points(self, now: float) -> list[tuple[int, float, int]]:
+        """The class's points of the prefill model: ``(median prompt tokens, median TTFT,
+        observations)`` of each run of neighbouring prompt sizes (empty with too few)."""
+        self._update(now)
+        return self._points
+
+
+def _size_points(samples: Iterable[Sample], need: int) -> list[tuple[int, float, int]]:
+    """The observations sorted by prompt size and cut into runs of at least ``need``: each
+    run's median prompt size (``≥ 1``), censoring-aware median TTFT and count (a run too
+    censored for a median is left out). Why not one point per class: a class spans a factor
+    ``base`` of prompt sizes, and the TTFT's growth across it is what tells the line's
+    intercept from its slope when a group has a single learned class (issue 16: one point
+    gives no slope, and the proportional continuation through the origin hedged a 300-token
+    prompt at 3.68 s against its own P95 of 0.68 s)."""
+    ordered = sorted(samples, key=lambda sample: sample[3])
+    parts = len(ordered) // need
+    points = []
+    for k in range(parts):
+        run = ordered[k * len(ordered) // parts : (k + 1) * len(ordered) // parts]
+        median = km_quantile([(sample[1], sample[2]) for sample in run], 0.5)
+        if median is not None:
+            tokens = _median_int([sample[3] for sample in run])
+            points.append((max(tokens, 1), median, len(run)))
+    return points
 
 
 def _fit_samples(config: LearnedDelay) -> int:
@@ -262,13 +306,25 @@ def _median_int(values: list[int]) -> int:
 class _Group:
     """The windows of one group and its cached prefill model."""
 
-    __slots__ = ("fit", "fit_at", "spread_at", "windows")
+    __slots__ = ("fit", "fit_at", "fit_version", "spread_version", "windows")
 
     def __init__(self, count: int) -> None:
         self.windows: list[TTFTWindow | None] = [None] * count
         self.fit: PrefillFit | None = None
         self.fit_at = -math.inf
-        self.spread_at = -math.inf
+        self.fit_version = -1  # the windows' version the fit was made from
+        self.spread_version = -1  # ... and its spread
+
+    def version(self, now: float) -> int:
+        """A number that changes whenever a window's estimates are recomputed (its
+        observations changed and its ``refresh`` passed): each window's version only grows,
+        so their sum changes when any does."""
+        total = 0
+        for window in self.windows:
+            if window is not None:
+                window._update(now)
+                total += window.version
+        return total
 
 
 class DelayModel:
@@ -276,22 +332,36 @@ class DelayModel:
     (internal to the Hedger), and each group's prefill model
     ([`PrefillFit`][trio_hedge.policy.PrefillFit]).
 
-    Groups are kept in least-recently-used order and capped at ``max_groups``."""
+    Groups are kept in least-recently-used order and capped at ``max_groups``; at the cap a
+    group that has learned nothing goes first (``_evict``)."""
 
     def __init__(self, config: LearnedDelay, *, max_groups: int = 256) -> None:
         self.config = config
         self._max_groups = max_groups
         self._groups: OrderedDict[str, _Group] = OrderedDict()
 
-    def _group(self, group: str) -> _Group:
+    def _group(self, group: str, now: float) -> _Group:
         entry = self._groups.get(group)
         if entry is None:
             entry = self._groups[group] = _Group(self.config.classes.count)
             if len(self._groups) > self._max_groups:
-                self._groups.popitem(last=False)
+                self._evict(now)
         else:
             self._groups.move_to_end(group)
         return entry
+
+    def _evict(self, now: float) -> None:
+        """Forget the least recently used group that has learned nothing (no class with
+        ``min_samples`` observations in the window), else the least recently used: the group
+        is a client-chosen string (the model), and a flood of new names must not push out
+        what the fleet learned for the models it serves (then the newest, with one
+        observation, is the one forgotten)."""
+        need = self.config.min_samples
+        for name, entry in self._groups.items():  # least recently used first
+            if not any(w is not None and w.size(now) >= need for w in entry.windows):
+                del self._groups[name]
+                return
+        self._groups.popitem(last=False)  # pragma: no cover - the newest has learned nothing
 
     def tokens_of(self, size_class: int) -> int:
         """The prompt size assumed for an observation or request of unknown size: the
@@ -312,7 +382,7 @@ class DelayModel:
         replica: str | None = None,
         attempt: int = 1,
     ) -> None:
-        windows = self._group(group).windows
+        windows = self._group(group, now).windows
         window = windows[size_class]
         if window is None:
             window = windows[size_class] = TTFTWindow(self.config)
@@ -334,30 +404,31 @@ class DelayModel:
         return None if window is None else window.estimate(now)
 
     def fit(self, group: str, now: float, *, spread: bool = False) -> PrefillFit | None:
-        """The group's prefill model (cached for ``refresh`` seconds), or ``None`` while no
-        class has enough observations. ``spread``: also estimate the spread (a pass over
-        every observation of the group; only needed for a delay of an unlearned class)."""
+        """The group's prefill model, or ``None`` while no class has enough observations.
+        It is refitted when ``refresh`` seconds have passed *and* the group's observations
+        changed since (with ``refresh=0``: whenever they changed, never on a lookup alone).
+        ``spread``: also estimate the spread (a pass over every observation of the group;
+        only needed for a delay of an unlearned class)."""
         entry = self._groups.get(group)
         if entry is None:
             return None
-        config = self.config
-        if now - entry.fit_at >= config.refresh:
-            entry.fit = self._fit_line(group, entry, now)
-            entry.fit_at = now
-            entry.spread_at = -math.inf
+        if now - entry.fit_at >= self.config.refresh:
+            version = entry.version(now)
+            if version != entry.fit_version:
+                entry.fit = self._fit_line(group, entry, now)
+                entry.fit_at = now
+                entry.fit_version = version
         fit = entry.fit
-        if spread and fit is not None and (fit.spread is None or entry.spread_at < entry.fit_at):
+        if spread and fit is not None and entry.spread_version != entry.fit_version:
             fit = entry.fit = attrs.evolve(fit, spread=self._spread(entry, fit, now))
-            entry.spread_at = entry.fit_at
+            entry.spread_version = entry.fit_version
         return fit
 
     def _fit_line(self, group: str, entry: _Group, now: float) -> PrefillFit | None:
         points: list[tuple[int, float, int]] = []
         for window in entry.windows:
-            summary = None if window is None else window.summary(now)
-            if summary is not None:
-                median, tokens, n = summary
-                points.append((max(tokens, 1), median, n))
+            if window is not None:
+                points += window.points(now)
         return fit_prefill(group, points)
 
     def _spread(self, entry: _Group, fit: PrefillFit, now: float) -> float | None:
@@ -411,9 +482,12 @@ class DelayModel:
         self, group: str, entry: _Group, size_class: int, now: float, tokens: int
     ) -> float | None:
         """The delay of a class short of data: the prefill model's percentile at ``tokens``,
-        and never below the nearest smaller learned class's delay scaled by the prompt sizes'
-        ratio (so the delay grows at least linearly with the prompt, from what was learned)."""
+        and never below the nearest smaller learned class's delay scaled by the model's
+        growth from that class's median prompt to ``tokens`` (its intercept kept: the fixed
+        part of a TTFT does not grow with the prompt; a flat model, which measured no
+        growth, scales in proportion to the prompt sizes)."""
         estimate: float | None = None
+        fit = self.fit(group, now, spread=True)
         for smaller in range(size_class - 1, -1, -1):
             window = entry.windows[smaller]
             learned = None if window is None else window.estimate(now)
@@ -421,9 +495,11 @@ class DelayModel:
                 assert window is not None
                 summary = window.summary(now)
                 assert summary is not None  # learned implies enough for a summary
-                estimate = learned * tokens / max(summary[1], 1)
+                base = max(summary[1], 1)
+                at_base = 0.0 if fit is None else fit.median(base)
+                growth = fit.median(tokens) / at_base if fit and at_base > 0 else tokens / base
+                estimate = learned * growth
                 break
-        fit = self.fit(group, now, spread=True)
         # Pooled over classes, the model needs as many observations as a class needs alone.
         enough = fit is not None and fit.observations >= self.config.min_samples
         modelled = fit.quantile(tokens) if fit is not None and enough else None

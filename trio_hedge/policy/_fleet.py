@@ -6,7 +6,8 @@ budget and the retry throttle, each replica's health and load, and the counters 
 [`statistics`][trio_hedge.Hedger.statistics]. It also makes the decisions that need the whole fleet:
 where an attempt goes among eligible replicas (`FleetState.pick`), how much of a TTFT a
 prompt's size explains (`FleetState.prefill`), and whether a failing replica is ejected
-under the fleet-wide cap (`FleetState.health_failure`).
+under the fleet-wide cap (`FleetState.health_failure`, `FleetState.eject_for_model`; whether
+it failed by its own fault, ``_blame.py`` decides).
 
 Trio is single-threaded, so the shared state needs no locks; every structure is bounded
 (sliding windows with a sample cap, a capped number of groups), so thousands of concurrent
@@ -22,14 +23,15 @@ from collections.abc import Sequence
 import attrs
 import trio
 
-from .._hooks import emit
+from .._hooks import Scopes, emit
 from .._source import Source
-from ..events import EventHook, EventKind, HedgeEvent
+from ..events import EventHook, HedgeEvent
 from ..sources._bindable import BindableReplica
+from ._blame import Attribution
 from ._budget import BudgetState
 from ._config import HedgerConfig
 from ._delay import DelayModel, LearnedDelay
-from ._health import ReplicaState
+from ._health import ModelState, ModelStates, ReplicaState
 from ._quantiles import empirical_quantile
 from ._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
 from ._throttle import ThrottleState
@@ -38,6 +40,9 @@ __all__ = ["FleetCounts", "FleetState"]
 
 #: Commits kept for the caller-visible TTFT percentiles in ``statistics()``.
 _TTFT_SAMPLES = 4096
+#: (replica, model) records kept (cooldowns and ejections for one model): a bound on state a
+#: client-chosen model name can reach.
+MODEL_STATES = 1024
 
 
 @attrs.define(slots=True)
@@ -113,6 +118,18 @@ class FleetState:
         #: (time of commit, time of first token) of recent winners, for the percentiles.
         self.ttfts: deque[tuple[float, float]] = deque(maxlen=_TTFT_SAMPLES)
         self.counts = FleetCounts()
+        self.attribution: Attribution = config.attribution
+        self.models = ModelStates(MODEL_STATES)
+        self._serial = 0
+
+    def next_serial(self) -> int:
+        """A number for a new request, distinct from every other request of this Hedger (its
+        request id may not be: a client chooses it)."""
+        self._serial += 1
+        return self._serial
+
+    def model_state(self, replica: ReplicaState, model: str) -> ModelState | None:
+        return self.models.get(replica.index, model)
 
     def pick(self, eligible: list[ReplicaState], now: float) -> ReplicaState:
         pick = self.config.pick
@@ -140,43 +157,85 @@ class FleetState:
         fit = self.model.fit(group, now)
         return 0.0 if fit is None else fit.median(tokens) - fit.intercept
 
-    def emit(self, event: HedgeEvent) -> None:
+    def emit(self, event: HedgeEvent, scopes: Scopes | None = None) -> None:
+        """Hand ``event`` to the hooks; ``scopes``: the request's open hook contexts."""
         if self.on_event:
-            emit(self.on_event, event)
+            emit(self.on_event, event, scopes)
 
-    def health_failure(
-        self,
-        replica: ReplicaState,
-        now: float,
-        reason: str,
-        request_id: str,
-        group: str,
-        *,
-        at_once: bool = False,
-    ) -> None:
-        """Count one failure against ``replica``; eject it if it is due and the fleet-wide
-        cap (``max_ejection_percent``, never the last replica) has room."""
+    def health_failure(self, replica: ReplicaState, now: float) -> float | None:
+        """Count one failure in ``replica``'s run; eject it if it is due and the fleet-wide
+        cap (``max_ejection_percent``, never the last replica) has room. Returns when the
+        ejection ends, or ``None`` (not ejected)."""
         config = self.config.outlier_detection
-        if not replica.failure(now, config, at_once=at_once):
-            return
+        if not replica.failure(now, config):
+            return None
         assert config is not None
         ejected = 0
         for r in self.replicas:
-            ejected += r.ejected_until > now
+            ejected += r.ejected_until > now or r.model_ejected_until > now
         if ejected >= self.ejection_limit:
             self.counts.ejections_capped += 1
-            return
+            return None
         replica.eject(now, config)
-        self.emit(
-            HedgeEvent(
-                EventKind.REPLICA_EJECTED,
-                now,
-                request_id,
-                group,
-                replica.name,
-                reason=reason,
-                until=replica.ejected_until,
-            )
+        return replica.ejected_until
+
+    def eject_for_model(self, replica: ReplicaState, model: str, now: float) -> float | None:
+        """Eject ``replica`` for ``model`` at once (an error that is its own fault for that
+        model), under the same cap, counted among the replicas out for that model. Returns
+        when the ejection ends, or ``None`` (not ejected: out already, or the cap)."""
+        config = self.config.outlier_detection
+        if config is None:
+            return None
+        current = self.models.get(replica.index, model)
+        if replica.ejected(now) or (current is not None and current.ejected_until > now):
+            return None
+        ejected = 0
+        for r in self.replicas:
+            state = self.models.get(r.index, model)
+            ejected += r.ejected_until > now or (state is not None and state.ejected_until > now)
+        if ejected >= self.ejection_limit:
+            self.counts.ejections_capped += 1
+            return None
+        state = self.models.make(replica.index, model)
+        state.ejections += 1
+        replica.times_ejected += 1
+        state.ejected_until = now + config.ejection_time(state.ejections)
+        replica.model_ejected_until = max(replica.model_ejected_until, state.ejected_until)
+        return state.ejected_until
+
+    def _replica_statistics(self, r: ReplicaState, now: float) -> ReplicaStatistics:
+        cooling_until = ejected_until = -math.inf
+        cooling_models: list[str] = []
+        ejected_models: list[str] = []
+        for model, entry in self.models.of(r.index):
+            if entry.cooling_until > now:
+                cooling_models.append(model)
+                cooling_until = max(cooling_until, entry.cooling_until)
+            if entry.ejected_until > now:
+                ejected_models.append(model)
+                ejected_until = max(ejected_until, entry.ejected_until)
+        ejected_until = max(ejected_until, r.ejected_until)
+        state = (
+            "ejected" if ejected_until > now else "cooling" if cooling_until > now else "healthy"
+        )
+        return ReplicaStatistics(
+            name=r.name,
+            state=state,
+            in_flight=r.in_flight,
+            attempts=r.attempts,
+            wins=r.wins,
+            failures=r.failures,
+            cooling_for=max(0.0, cooling_until - now),
+            ejected_for=max(0.0, ejected_until - now),
+            times_ejected=r.times_ejected,
+            consecutive_failures=r.consecutive,
+            latency=r.load(now, self.config.latency_decay)[0]
+            if self.config.pick == "peak_ewma"
+            else 0.0,
+            lingering=len(r.lingering),
+            lost_races=r.lost_races,
+            cooling_models=tuple(sorted(cooling_models)),
+            ejected_models=tuple(sorted(ejected_models)),
         )
 
     def statistics(self) -> HedgerStatistics:
@@ -203,25 +262,7 @@ class FleetState:
                         learned=learned,
                     )
                 )
-        decay = self.config.latency_decay
-        peak_ewma = self.config.pick == "peak_ewma"
-        replicas = tuple(
-            ReplicaStatistics(
-                name=r.name,
-                state="ejected" if r.ejected(now) else "cooling" if r.cooling(now) else "healthy",
-                in_flight=r.in_flight,
-                attempts=r.attempts,
-                wins=r.wins,
-                failures=r.failures,
-                cooling_for=max(0.0, r.cooling_until - now),
-                ejected_for=max(0.0, r.ejected_until - now),
-                times_ejected=r.times_ejected,
-                consecutive_failures=r.consecutive,
-                latency=r.load(now, decay)[0] if peak_ewma else 0.0,
-                lingering=len(r.lingering),
-            )
-            for r in self.replicas
-        )
+        replicas = tuple(self._replica_statistics(r, now) for r in self.replicas)
         return HedgerStatistics(
             time=now,
             requests=c.requests,

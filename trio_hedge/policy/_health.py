@@ -1,27 +1,30 @@
 """Per-replica health: server pushback (cooldown) and outlier ejection.
 
+Whose fault an error is (and so what reaches this state) is decided in ``_blame.py``.
+
 * Cooldown: an attempt that fails with ``retry_after`` (a 429/503 with ``Retry-After`` or
   ``retry-after-ms``; gRPC's ``grpc-retry-pushback-ms``, gRFC A6) puts its replica in cooldown
-  for exactly that many seconds: no new attempt goes there before it ends.
+  *for that model* for exactly that many seconds: no new attempt for the model goes there
+  before it ends (a provider's rate limit is per model; `ModelStates`, bounded).
 * Ejection (Envoy's outlier detection, ``consecutive_5xx`` / ``base_ejection_time`` /
   ``max_ejection_time`` / ``max_ejection_percent``): ``consecutive_failures`` failures in a
   row eject the replica for ``base_ejection × 2^(n−1)`` seconds, ``n`` counting ejections
   since its last success, capped at ``max_ejection``; an error that is the replica's own
-  fault (401/403, quota, unknown model: [`replica_fault`][trio_hedge.AttemptError.replica_fault])
-  ejects it at once. A success resets both counts. Never more than ``max_ejection_percent``
-  of the replicas are out at once (at least one may be, the last one never is).
+  fault for a model (401/403, quota, unknown model, once the request's evidence shows it)
+  ejects it for that model at once. A success resets both counts. Never more than
+  ``max_ejection_percent`` of the replicas are out at once (at least one may be, the last
+  one never is).
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Any
 
 import attrs
 
-from .._attempt_error import TRANSIENT_KINDS
 from .._validate import integer, number
-from ..errors import AttemptError, ErrorKind
 
 __all__ = ["OutlierDetection"]
 
@@ -42,8 +45,9 @@ class OutlierDetection:
         base_ejection: the first ejection's length. Default 10.
         max_ejection: the longest ejection. Default 300 (Envoy).
         count_slow: whether an attempt that was hedged for lack of a first token within the
-            hedge delay, and then lost to a later attempt of the same request, counts as a
-            failure of its replica. Default ``True``.
+            hedge delay, and then lost to a later attempt of the same request after waiting
+            the fleet's own delay (not a caller's shorter ``hedge_after``), counts as a
+            failure in its replica's run. Default ``True``.
         max_ejection_percent: at most this percentage of the replicas is ejected at any
             moment, rounded down (Envoy's ``max_ejection_percent``: a replica is ejected
             only if ``ejected + 1 <= percent × replicas / 100``). At least one replica may
@@ -55,12 +59,15 @@ class OutlierDetection:
             to. A replica that reaches its threshold while the cap is full stays in, at
             the threshold, and goes at its next failure once there is room.
 
-    What counts (see ``docs/policy.md``): a retryable error of the replica's making (5xx,
-    overload, connection, timeout, truncated or broken stream: one failure; a plain 429
-    only cools it), an error that is the replica's own fault (ejects it at once), the winner
-    stalling or breaking after commit (one failure), and with ``count_slow`` a hedged
-    attempt that lost (one failure). Errors that are the request's fault (400, 413, 422,
-    context length) never count.
+    What counts (``docs/guarantees.md``, "Who is blamed for what"; decided in one place,
+    [`Attribution`][trio_hedge.policy.Attribution]): a transient error of the replica's
+    making (5xx, overload, connection, timeout, truncated or broken stream: one failure; a
+    plain 429 only cools it for that model), a key, quota or "not found" error while another
+    replica served the same request (ejects it for that model at once), the winner stalling
+    or breaking after commit (one failure), and with ``count_slow`` a hedged attempt that
+    lost after waiting the fleet's own delay (one failure). Errors that are the request's
+    fault (400, 413, 422, context length; a key, quota or "not found" error every replica
+    tried gave) never count.
 
     Raises:
         TypeError, ValueError: on a bad field or ``base_ejection > max_ejection``.
@@ -79,21 +86,16 @@ class OutlierDetection:
                 f"({self.max_ejection})"
             )
 
+    def ejection_time(self, ejections: int) -> float:
+        """Seconds of the ``ejections``-th ejection in a row: ``base_ejection × 2^(n−1)``, at
+        most ``max_ejection``."""
+        return min(self.base_ejection * 2.0 ** min(ejections - 1, 64), self.max_ejection)
+
     def ejection_limit(self, replicas: int) -> int:
         """How many of ``replicas`` may be ejected at once: ``max_ejection_percent`` of them
         rounded down, but at least one, and never all."""
         share = math.floor(replicas * self.max_ejection_percent / 100 + 1e-9)
         return min(replicas - 1, max(1, share))
-
-
-def counts_against_replica(error: AttemptError) -> bool:
-    """Whether an attempt's error says something about its replica's health: the replica's
-    own fault, or a retryable, transient error other than a plain rate limit (pushback,
-    handled by the cooldown). Errors that are the request's fault never count."""
-    if error.replica_fault:
-        return True
-    kind = error.kind
-    return error.retryable and kind in TRANSIENT_KINDS and kind is not ErrorKind.RATE_LIMIT
 
 
 @attrs.define(slots=True)
@@ -104,14 +106,16 @@ class ReplicaState:
     name: str
     source: Any  # a Replica or a Source
     in_flight: int = 0
-    cooling_until: float = float("-inf")
     ejected_until: float = float("-inf")
+    # The latest end of an ejection of it for some model (for the fleet-wide cap).
+    model_ejected_until: float = float("-inf")
     consecutive: int = 0
     ejections: int = 0  # since the last success: drives the growing back-off
     times_ejected: int = 0  # ever, for statistics
     attempts: int = 0
     wins: int = 0
-    failures: int = 0
+    failures: int = 0  # attempts that failed by its fault, winners failing after the commit
+    lost_races: int = 0  # attempts cancelled because another attempt of the request won
     # The latency-aware pick (peak EWMA, Finagle/Linkerd): a recent TTFT estimate (seconds,
     # at ``latency_at``; it decays toward zero from there), the start times of attempts still
     # waiting for a first token (keyed per attempt, oldest first), and (until, started) of
@@ -129,11 +133,18 @@ class ReplicaState:
             return 0.0
         return self.latency * math.exp((self.latency_at - now) / decay)
 
+    def observe_lower_bound(self, now: float, seconds: float, decay: float) -> None:
+        """An attempt cancelled ``seconds`` after it started, without a first token: its TTFT
+        is at least that. Raises the estimate if it is higher, never lowers it (a lost race
+        is no evidence that a replica is fast)."""
+        if seconds > self.latency_now(now, decay):
+            self.latency = seconds
+            self.latency_at = now
+
     def observe_latency(self, now: float, seconds: float, decay: float) -> None:
-        """One TTFT sample (a lower bound for an attempt that never got a first token): a
-        sample above the decayed estimate replaces it at once (the *peak*); a lower one pulls
-        it down as an EWMA weighted by the time since the last sample (tower's
-        ``PeakEwma``)."""
+        """One TTFT sample: a sample above the decayed estimate replaces it at once (the
+        *peak*); a lower one pulls it down as an EWMA weighted by the time since the last
+        sample (tower's ``PeakEwma``)."""
         current = self.latency_now(now, decay)
         if seconds < current:
             recency = 1.0 - math.exp((self.latency_at - now) / decay)
@@ -165,36 +176,78 @@ class ReplicaState:
             n += len(self.lingering)
         return latency, n
 
-    def cooling(self, now: float) -> bool:
-        return self.cooling_until > now
-
     def ejected(self, now: float) -> bool:
         return self.ejected_until > now
-
-    def push_back(self, now: float, seconds: float) -> None:
-        self.cooling_until = max(self.cooling_until, now + seconds)
 
     def success(self) -> None:
         self.consecutive = 0
         self.ejections = 0
         self.wins += 1
 
-    def failure(self, now: float, config: OutlierDetection | None, *, at_once: bool) -> bool:
-        """Count one failure; returns whether the replica is due for ejection (the caller
-        checks the fleet-wide cap, then calls `eject`). ``at_once``: the replica's own
-        fault, due now whatever its count."""
-        self.failures += 1
+    def failure(self, now: float, config: OutlierDetection | None) -> bool:
+        """Count one failure in its run; returns whether the replica is due for ejection
+        (the caller checks the fleet-wide cap, then calls `eject`). A replica held at the
+        threshold while the cap keeps it in goes at its next failure once there is room."""
         if config is None or self.ejected(now):
             return False
-        threshold = config.consecutive_failures
-        # Held at the threshold while the cap keeps it in: it goes at its next failure once
-        # there is room.
-        self.consecutive = max(self.consecutive + 1, threshold if at_once else 0)
-        return self.consecutive >= threshold
+        self.consecutive += 1
+        return self.consecutive >= config.consecutive_failures
 
     def eject(self, now: float, config: OutlierDetection) -> None:
         self.consecutive = 0
         self.ejections += 1
         self.times_ejected += 1
-        growth = 2.0 ** min(self.ejections - 1, 64)
-        self.ejected_until = now + min(config.base_ejection * growth, config.max_ejection)
+        self.ejected_until = now + config.ejection_time(self.ejections)
+
+
+@attrs.define(slots=True)
+class ModelState:
+    """What one replica's record holds for one model (internal): its cooldown after server
+    pushback, and its ejection for an error that is its own fault for that model (a key,
+    quota or "not found" error another replica served the request through)."""
+
+    cooling_until: float = float("-inf")
+    ejected_until: float = float("-inf")
+    ejections: int = 0  # for this model, since its last success there
+
+    def push_back(self, now: float, seconds: float) -> None:
+        self.cooling_until = max(self.cooling_until, now + seconds)
+
+
+class ModelStates:
+    """`ModelState` per (replica index, model), least recently written first, at most
+    ``cap`` of them (internal): the model is a string a client chooses, so it must never make
+    the state grow. An entry is made only by evidence (pushback, a replica's fault), never by a
+    request alone; the oldest is dropped when full (it forgets a cooldown or an ejection, which
+    the next error makes again)."""
+
+    __slots__ = ("_cap", "_entries")
+
+    def __init__(self, cap: int) -> None:
+        self._cap = cap
+        self._entries: OrderedDict[tuple[int, str], ModelState] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, index: int, model: str) -> ModelState | None:
+        return self._entries.get((index, model))
+
+    def make(self, index: int, model: str) -> ModelState:
+        key = (index, model)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = ModelState()
+            if len(self._entries) > self._cap:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(key)
+        return entry
+
+    def succeeded(self, index: int, model: str) -> None:
+        entry = self._entries.get((index, model))
+        if entry is not None:
+            entry.ejections = 0
+
+    def of(self, index: int) -> list[tuple[str, ModelState]]:
+        return [(model, e) for (i, model), e in self._entries.items() if i == index]

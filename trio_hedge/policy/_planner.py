@@ -11,24 +11,29 @@
 * **whether a hedge or failover may go** -- the budget and the throttle, checked at the
   moment;
 * **what happened** -- each attempt's start, commit, failure or cancellation updates the
-  delay learner, the replica's health and load, the budget, the throttle and the counters.
+  delay learner, the replica's health and load, the budget, the throttle and the counters,
+  as far as ``_blame.py`` says the evidence of this request blames the replica (some
+  verdicts wait for the request's end).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
+from .._hooks import Scopes
 from .._source import Source
 from ..errors import AttemptError, ReplicasCooling, StreamInterrupted
 from ..events import EventKind, HedgeEvent
 from ..report import AttemptOutcome, AttemptRecord, Report
 from ..sources._bindable import BindableReplica
 from ._backoff import backoff_delay, jitter_draw
+from ._blame import Fault, is_slow
 from ._fleet import FleetState
-from ._health import ReplicaState, counts_against_replica
+from ._health import ReplicaState
 
 __all__ = ["RequestPlanner"]
 
@@ -53,11 +58,14 @@ class RequestPlanner:
         tokens: int | None,
         hedgeable: bool,
         hedge_after: float | None = None,
+        model: str | None = None,
     ) -> None:
         self._fleet = fleet
         self._make_source = bind
         self._request_id = request_id
+        self._serial = fleet.next_serial()  # this request, whatever its id
         self._group = group
+        self._model = group if model is None else model  # what per-model state is kept by
         self._class = size_class
         self._tokens = tokens
         self._hedgeable = hedgeable
@@ -71,8 +79,15 @@ class RequestPlanner:
         self._running: dict[int, ReplicaState] = {}  # attempt number -> replica
         # Replica index -> when this request may try it again (back-off); made on first use.
         self._retry_at: dict[int, float] | None = None
-        # Attempts a hedge was sent for: counted slow if another attempt wins.
-        self._hedged_over: list[int] | None = None
+        # Attempts a hedge was sent for, (number, started, the fleet's delay): slow if
+        # another attempt wins after it waited the fleet's delay (_blame.is_slow).
+        self._hedged_over: list[tuple[int, float, float | None]] | None = None
+        self._fleet_delays: dict[int, float | None] | None = None  # attempt -> fleet's delay
+        # Errors whose fault the request's end decides (_blame.Fault.UNDECIDED).
+        self._undecided: list[tuple[ReplicaState, AttemptError]] | None = None
+        self._taken = 0  # throttle thousandths this request's failures took (refunded if served)
+        self._scopes: Scopes = {}  # the hooks' context managers open for this request's attempts
+        self._key = object()  # HedgeEvent.request_key: this request, whatever its id
         self._winner: ReplicaState | None = None
         self._started = 0
         self._finished = False
@@ -100,12 +115,19 @@ class RequestPlanner:
         ready: list[ReplicaState] = []
         wait_until = beyond = math.inf
         retry_at = self._retry_at
+        models, model = self._fleet.models, self._model
         for r in candidates:
             at = r.ejected_until
+            cooling = -math.inf
+            state = models.get(r.index, model) if len(models) else None
+            if state is not None:
+                cooling = state.cooling_until
+                if state.ejected_until > at:
+                    at = state.ejected_until
             if at > now and not primary:
                 continue
-            if r.cooling_until > at:
-                at = r.cooling_until
+            if cooling > at:
+                at = cooling
             if at > deadline:
                 beyond = min(beyond, at)
                 continue
@@ -167,13 +189,26 @@ class RequestPlanner:
     def hedge_delay(self, number: int) -> float | None:
         if not self._hedgeable:
             return None
+        delay = self._fleet_delay(number, trio.current_time())
+        # What the fleet would have waited: an attempt hedged sooner (the caller's own
+        # shorter delay) is not slow for losing (_blame.is_slow).
+        if self._fleet_delays is None:
+            self._fleet_delays = {}
+        self._fleet_delays[number] = delay
         if self._hedge_after is not None:
             return self._hedge_after  # the caller's own delay for this request, as given
-        now = trio.current_time()
+        assert delay is not None  # hedgeable without a delay of its own
+        return delay
+
+    def _fleet_delay(self, number: int, now: float) -> float | None:
+        """The delay the fleet would hedge attempt ``number`` at (learned or fixed; ``None``:
+        never on time), whatever delay the caller chose for this request."""
         model = self._fleet.model
         if model is None:
             fixed = self._fleet.config.hedge_after
-            assert isinstance(fixed, (int, float))
+            assert fixed is None or isinstance(fixed, (int, float))
+            if fixed is None:
+                return None
             delay = float(fixed)
         else:
             delay = model.delay(self._group, self._class, now, self._tokens)
@@ -192,6 +227,24 @@ class RequestPlanner:
                     return 0.0
                 break  # the first is the oldest
         return delay
+
+    def _emit(self, kind: EventKind, now: float, replica: str | None = None, **fields: Any) -> None:
+        fleet = self._fleet
+        if fleet.on_event or self._scopes:  # (contexts still open are exited at their end)
+            event = HedgeEvent(
+                kind,
+                now,
+                self._request_id,
+                self._group,
+                replica,
+                request_key=self._key,
+                **fields,
+            )
+            fleet.emit(event, self._scopes)
+
+    def _ejected(self, replica: ReplicaState, until: float | None, reason: str, now: float) -> None:
+        if until is not None:
+            self._emit(EventKind.REPLICA_EJECTED, now, replica.name, reason=reason, until=until)
 
     def may_hedge(self) -> bool:
         """Whether a backup may go now. Only checks: the budget is spent when it starts."""
@@ -214,13 +267,12 @@ class RequestPlanner:
         fleet = self._fleet
         fleet.counts.refused(reason, failover=failover)
         kind = EventKind.FAILOVER_REFUSED if failover else EventKind.HEDGE_REFUSED
-        fleet.emit(HedgeEvent(kind, now, self._request_id, self._group, reason=reason))
+        self._emit(kind, now, reason=reason)
         return False
 
     # -- what happened -----------------------------------------------------------------------
 
     def attempt_changed(self, source: Source, record: AttemptRecord) -> None:
-        fleet = self._fleet
         replica = self._by_source[id(source)]
         now = trio.current_time()
         outcome = record.outcome
@@ -241,6 +293,8 @@ class RequestPlanner:
             # (a hedged attempt that lost was blamed at the commit), a censored sample.
             kind = EventKind.ATTEMPT_CANCELLED
             self._end(record.number)
+            if self._winner is not None:
+                replica.lost_races += 1
             if (
                 record.ttft is None
                 and record.started_at is not None
@@ -249,9 +303,7 @@ class RequestPlanner:
                 self._censored(replica, record, record.ended_at - record.started_at, now)
         else:  # pragma: no cover - the race reports no other outcome
             return
-        fleet.emit(
-            HedgeEvent(kind, now, self._request_id, self._group, replica.name, record=record)
-        )
+        self._emit(kind, now, replica.name, record=record)
 
     def _censored(
         self, replica: ReplicaState, record: AttemptRecord, ran: float, now: float
@@ -277,8 +329,10 @@ class RequestPlanner:
                     if len(lingering) < _MAX_LINGERING:
                         lingering.append((now - ran + expected, now - ran))
         if fleet.config.pick == "peak_ewma":
+            # A lower bound: it only ever raises the estimate (_blame: a lost race is no
+            # evidence that a replica is fast).
             excess = ran - fleet.prefill(self._group, tokens, now)
-            replica.observe_latency(now, max(excess, 0.0), fleet.config.latency_decay)
+            replica.observe_lower_bound(now, max(excess, 0.0), fleet.config.latency_decay)
 
     def _start(self, replica: ReplicaState, record: AttemptRecord, now: float) -> None:
         fleet = self._fleet
@@ -300,11 +354,20 @@ class RequestPlanner:
             if fleet.budget is not None:
                 fleet.budget.spend(now)  # spent now it really started, not when checked
             # The attempt before had no first token within the hedge delay. Whether that
-            # makes it slow is known only at the end: only if another attempt wins.
-            if record.number - 1 in self._running:
+            # makes it slow is known only at the end: only if another attempt wins, after it
+            # waited as long as the fleet would have (not the caller's own shorter delay).
+            before = self._running.get(record.number - 1)
+            started = None if before is None else before.waiting.get((self, record.number - 1))
+            if started is not None:
                 if self._hedged_over is None:
                     self._hedged_over = []
-                self._hedged_over.append(record.number - 1)
+                number = record.number - 1
+                asked = self._fleet_delays
+                if asked is not None and number in asked:
+                    fleet_delay = asked[number]
+                else:  # a planner driven without hedge_delay (tests): the fleet's now
+                    fleet_delay = self._fleet_delay(number, now)
+                self._hedged_over.append((number, started, fleet_delay))
         elif record.trigger == "failover":
             counts.failovers += 1
 
@@ -312,8 +375,12 @@ class RequestPlanner:
         fleet = self._fleet
         self._winner = replica
         replica.success()
+        fleet.models.succeeded(replica.index, self._model)
         if fleet.throttle is not None:
             fleet.throttle.success()
+            if self._taken:  # the fleet served this request: its failures were no storm
+                fleet.throttle.refund(self._taken)
+                self._taken = 0
         replica.waiting.pop((self, record.number), None)
         if record.ttft is not None:  # None: an empty answer won, with no token to time
             model = fleet.model
@@ -338,10 +405,14 @@ class RequestPlanner:
         hedged_over, self._hedged_over = self._hedged_over, None
         outlier = fleet.config.outlier_detection
         if hedged_over is not None and outlier is not None and outlier.count_slow:
-            for number in hedged_over:
+            for number, started, fleet_delay in hedged_over:
                 slow = self._running.get(number)  # still running: it loses now
-                if number != record.number and slow is not None:
-                    fleet.health_failure(slow, now, "slow", self._request_id, self._group)
+                if slow is not None and is_slow(
+                    another_won=number != record.number,
+                    waited=now - started,
+                    fleet_delay=fleet_delay,
+                ):
+                    self._ejected(slow, fleet.health_failure(slow, now), "slow", now)
 
     def _end(self, number: int) -> None:
         replica = self._running.pop(number, None)
@@ -351,37 +422,56 @@ class RequestPlanner:
 
     def _failed(self, replica: ReplicaState, error: AttemptError, now: float) -> None:
         fleet = self._fleet
-        if error.retry_after is not None and error.retry_after > 0:
-            replica.push_back(now, error.retry_after)
-            fleet.emit(
-                HedgeEvent(
-                    EventKind.REPLICA_COOLING,
-                    now,
-                    self._request_id,
-                    self._group,
-                    replica.name,
-                    reason=error.kind.value,
-                    until=replica.cooling_until,
-                )
-            )
-        fault = error.replica_fault
-        if counts_against_replica(error):
-            fleet.health_failure(
-                replica, now, error.kind.value, self._request_id, self._group, at_once=fault
-            )
+        fault = fleet.attribution.fault(error)
+        retry_after = error.retry_after
+        # Pushback cools the replica for this model, unless the error is the request's (or
+        # waits for the evidence: a quota error's pushback is as much the caller's as it).
+        if retry_after and retry_after > 0 and fault not in (Fault.REQUEST, Fault.UNDECIDED):
+            self._cool(replica, retry_after, error, now)
+        if fault is Fault.REPLICA:
+            replica.failures += 1
+            self._ejected(replica, fleet.health_failure(replica, now), error.kind.value, now)
+        elif fault is Fault.MISCONFIGURED:
+            self._misconfigured(replica, error, now)
+        elif fault is Fault.UNDECIDED:
+            if self._undecided is None:
+                self._undecided = []
+            self._undecided.append((replica, error))
         index = replica.index
-        if fault:
-            self._used[index] = self._per_replica  # misconfigured: not again in this request
+        if error.replica_fault:
+            self._used[index] = self._per_replica  # it would answer the same: not again
         elif self._used[index] < self._per_replica and fleet.config.backoff is not None:
             # It may be tried again by this request: not before its back-off has passed.
             backoff = fleet.config.backoff
             repeat = self._used[index]
-            draw = jitter_draw(self._request_id, replica.name, repeat) if backoff.jitter else 1.0
+            draw = (
+                jitter_draw(self._request_id, replica.name, repeat, self._serial)
+                if backoff.jitter
+                else 1.0
+            )
             if self._retry_at is None:
                 self._retry_at = {}
             self._retry_at[index] = now + backoff_delay(repeat, backoff, draw)
-        if error.retryable and fleet.throttle is not None:
-            fleet.throttle.failure()
+        if (fault is Fault.REPLICA or fault is Fault.PUSHBACK) and fleet.throttle is not None:
+            self._taken += fleet.throttle.failure()
+
+    def _cool(self, replica: ReplicaState, seconds: float, error: AttemptError, now: float) -> None:
+        """Server pushback: no attempt for this model goes to ``replica`` for ``seconds``."""
+        state = self._fleet.models.make(replica.index, self._model)
+        state.push_back(now, seconds)
+        self._emit(
+            EventKind.REPLICA_COOLING,
+            now,
+            replica.name,
+            reason=error.kind.value,
+            until=state.cooling_until,
+        )
+
+    def _misconfigured(self, replica: ReplicaState, error: AttemptError, now: float) -> None:
+        """An error that is ``replica``'s own fault for this model: ejected for it at once."""
+        replica.failures += 1
+        until = self._fleet.eject_for_model(replica, self._model, now)
+        self._ejected(replica, until, error.kind.value, now)
 
     def request_finished(self, report: Report) -> None:
         if self._finished:
@@ -397,33 +487,30 @@ class RequestPlanner:
         if not report.attempts:
             if isinstance(report.error, ReplicasCooling):
                 counts.refused_requests += 1
-                fleet.emit(
-                    HedgeEvent(
-                        EventKind.REQUEST_FINISHED,
-                        now,
-                        self._request_id,
-                        self._group,
-                        report=report,
-                    )
-                )
+                self._emit(EventKind.REQUEST_FINISHED, now, report=report)
             return  # else cancelled before anything was sent (e.g. while every replica cooled)
         counts.finished += 1
         if report.error is not None:
             counts.failed += 1
+        winner = self._winner
+        undecided, self._undecided = self._undecided, None
+        if undecided is not None:
+            # The evidence is complete: a key, quota or "not found" error was its replica's
+            # only if another replica served this same request (_blame.Attribution.settle).
+            settle = fleet.attribution.settle
+            for replica, failure in undecided:
+                served = winner is not None and winner is not replica
+                if settle(served_elsewhere=served) is Fault.MISCONFIGURED:
+                    self._misconfigured(replica, failure, now)
         error = report.error
         if (
             isinstance(error, StreamInterrupted)
-            and self._winner is not None
-            and counts_against_replica(error.error)
+            and winner is not None
+            and fleet.attribution.after_commit(error.error) is Fault.REPLICA
         ):
             # The winner failed after commit (a stall, a cut): its replica's health suffers.
-            fleet.health_failure(
-                self._winner, now, error.error.kind.value, self._request_id, self._group
-            )
+            winner.failures += 1
+            self._ejected(winner, fleet.health_failure(winner, now), error.error.kind.value, now)
         counts.wasted += report.wasted_tokens
         counts.prompt_resent += report.prompt_tokens_resent or 0
-        fleet.emit(
-            HedgeEvent(
-                EventKind.REQUEST_FINISHED, now, self._request_id, self._group, report=report
-            )
-        )
+        self._emit(EventKind.REQUEST_FINISHED, now, report=report)

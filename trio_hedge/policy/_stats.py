@@ -46,21 +46,32 @@ class ReplicaStatistics:
 
     Attributes:
         name: the replica's name.
-        state: ``"healthy"``, ``"cooling"`` (server pushback) or ``"ejected"``.
+        state: ``"healthy"``, ``"cooling"`` (server pushback, for some model) or
+            ``"ejected"`` (for every model, or for some: ``ejected_models``).
         in_flight: attempts running on it now (a committed winner counts until its stream
             ends).
         attempts: attempts started on it since the Hedger was created.
         wins: requests it won since the Hedger was created.
-        failures: attempts on it that failed since the Hedger was created.
-        cooling_for: seconds left of its cooldown after server pushback (0 when none).
-        ejected_for: seconds left of its ejection by outlier detection (0 when none).
-        times_ejected: ejections since the Hedger was created.
-        consecutive_failures: failures in a row now.
+        failures: attempts on it that failed by its own fault (as ``docs/guarantees.md``,
+            "Who is blamed for what", decides: not the request's errors), and its winners
+            that failed after the commit, since the Hedger was created. Lost races are not
+            failures (``lost_races``).
+        cooling_for: seconds left of its longest cooldown after server pushback (0 when
+            none).
+        ejected_for: seconds left of its longest ejection by outlier detection (0 when none).
+        times_ejected: ejections since the Hedger was created (for every model or one).
+        consecutive_failures: failures in a row now (slow lost races included: the run
+            that ejects it).
         latency: what the ``peak_ewma`` pick sees now, in seconds: the peak-EWMA TTFT
             estimate (excess over predicted prefill), raised to the age of the oldest
             attempt waiting there for its first token (0 with other picks).
         lingering: cancelled attempts the server may still be prefilling (counted as in
             flight by the ``peak_ewma`` pick).
+        lost_races: its attempts cancelled because another attempt of the same request won,
+            since the Hedger was created.
+        cooling_models: the models it is cooling for now (pushback is kept per model).
+        ejected_models: the models it is ejected for now (an error that was its own fault
+            for that model), not counting an ejection for every model (``state``).
     """
 
     name: str
@@ -75,6 +86,9 @@ class ReplicaStatistics:
     consecutive_failures: int
     latency: float = 0.0
     lingering: int = 0
+    lost_races: int = 0
+    cooling_models: tuple[str, ...] = ()
+    ejected_models: tuple[str, ...] = ()
 
 
 @attrs.frozen

@@ -59,8 +59,18 @@ class ThrottleState:
     def tokens(self) -> float:
         return self._milli / 1000
 
-    def failure(self) -> None:
-        self._milli = max(0, self._milli - 1000)
+    def failure(self) -> int:
+        """Take a token for a failed attempt; returns the thousandths taken (less than a
+        token near 0), for `refund`."""
+        taken = min(1000, self._milli)
+        self._milli -= taken
+        return taken
+
+    def refund(self, milli: int) -> None:
+        """Give back what `failure` took for the attempts of a request another attempt then
+        served: the fleet answered it (the throttle bounds storms of a failing *fleet*, not
+        failovers to a replica that answers)."""
+        self._milli = min(self._max, self._milli + milli)
 
     def success(self) -> None:
         self._milli = min(self._max, self._milli + self._ratio)

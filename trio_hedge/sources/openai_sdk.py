@@ -13,12 +13,18 @@ events (a [`Delta`][trio_hedge.events.Delta] that keeps the ``chunk``): iterate 
 ``str`` tokens, or [`sdk_chunks`][trio_hedge.sources.openai_sdk.sdk_chunks] for the SDK's own
 chunk objects.
 
-Errors are classified as the HTTP source classifies them (one set of rules,
-[`classify_http_error`][trio_hedge.sources.openai.classify_http_error]):
+The response is read as the HTTP source reads its own, by the same code (its status and
+content type, [`ChunkDecoder`][trio_hedge.sources.openai.ChunkDecoder],
+[`decode_json_body`][trio_hedge.sources.openai.decode_json_body]): the SDK's own stream is
+never iterated, so a replica's quirk (an empty keep-alive ``data:`` line, vLLM's
+``{"object": "error", ...}`` event, a JSON answer from a server that ignores ``stream: true``)
+is handled alike by both sources (``tests/test_source_parity.py`` serves every shared case and
+fault to both). What ``create()`` raises is classified by the HTTP source's rules
+([`classify_http_error`][trio_hedge.sources.openai.classify_http_error]):
 ``openai.APIStatusError`` by its status code, headers (``Retry-After``) and body;
-``APITimeoutError`` is a timeout; ``APIConnectionError`` and transport errors a connection error
-(a truncated stream once data arrived); an ``APIError`` raised inside a 200 stream (an in-band
-error event) by its error object.
+``APITimeoutError`` is a timeout; ``APIConnectionError`` a connection error (a failed TLS
+handshake a protocol error, as the HTTP source names it); a cut once data arrived is a
+truncated stream.
 
 Retries: the SDK retries 408/409/429/5xx and connection errors itself (``max_retries``, default
 2, with backoff of 0.5–8 s) *inside* one call, which would hide a failing replica from the race
@@ -29,20 +35,30 @@ connection pool, made once per client): the race is the retry policy.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import httpx
+import trio
 
 from .._redact import Redactor, protect_in_logs
 from .._source import AttemptInfo
 from .._validate import check_headers
 from ..errors import AttemptError, ErrorKind
-from ..events import Delta, ToolCallDelta
-from .openai._errors import _in_band_error, classify_http_error
-from .openai._http import ERROR_BODY_LIMIT, HeaderNames, attempt_headers
+from ..events import Delta
+from .openai._errors import _in_band_error, classify_http_error, tls_failure
+from .openai._http import (
+    ERROR_BODY_LIMIT,
+    HeaderNames,
+    HTTPAttempt,
+    TransportErrors,
+    attempt_for,
+    attempt_headers,
+)
+from .openai._json import _loads
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -84,10 +100,11 @@ def _without_retries(client: AsyncOpenAI) -> AsyncOpenAI:
     return copy
 
 
-def _transport_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
-    """(timeouts, transport errors) of httpx and of httpx2 (the openai SDK 3.x client)."""
-    timeouts: list[type[BaseException]] = [httpx.TimeoutException]
-    transport: list[type[BaseException]] = [httpx.TransportError]
+def _transport_errors() -> TransportErrors:
+    """The exception classes of httpx and of httpx2 (the openai SDK 3.x client)."""
+    timeouts: list[type[Exception]] = [httpx.TimeoutException]
+    transport: list[type[Exception]] = [httpx.TransportError]
+    every: list[type[Exception]] = [httpx.HTTPError]
     try:
         import httpx2
     except ImportError:
@@ -95,82 +112,68 @@ def _transport_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[Bas
     else:
         timeouts.append(httpx2.TimeoutException)
         transport.append(httpx2.TransportError)
-    return tuple(timeouts), tuple(transport)
+        every.append(httpx2.HTTPError)
+    return TransportErrors(tuple(timeouts), tuple(transport), tuple(every))
 
 
-def _tool_calls(raw: Any) -> tuple[ToolCallDelta, ...]:
-    if not raw:
-        return ()
-    calls = []
-    for call in raw:
-        function = call.function
-        calls.append(
-            ToolCallDelta(
-                index=call.index,
-                id=call.id,
-                name=function.name if function is not None else None,
-                arguments=(function.arguments or "") if function is not None else "",
-            )
-        )
-    return tuple(calls)
+def _sdk_delta(delta: Delta) -> SDKChunkDelta:
+    """``delta`` with the SDK's ``ChatCompletionChunk`` of its event (built as the SDK builds
+    its own: ``construct``, no validation); a whole JSON answer gets the chunk it stands for."""
+    from openai.types.chat import ChatCompletionChunk
 
-
-def _delta(chunk: ChatCompletionChunk) -> SDKChunkDelta:
-    usage = chunk.usage.model_dump() if chunk.usage is not None else None
-    choice = next((c for c in chunk.choices if c.index == 0), None)
-    if choice is None:
-        return SDKChunkDelta(usage=usage, chunk=chunk)
-    delta = choice.delta
-    # Reasoning text is not in the SDK's schema; servers send it as an extra field.
-    extra = delta.model_extra or {}
-    reasoning = extra.get("reasoning_content") or extra.get("reasoning") or ""
+    obj = _loads(delta.raw) if delta.raw is not None else None
+    if type(obj) is not dict:
+        obj = _chunk_object(delta)
     return SDKChunkDelta(
-        content=delta.content or "",
-        reasoning=reasoning if isinstance(reasoning, str) else "",
-        tool_calls=_tool_calls(delta.tool_calls),
-        finish_reason=choice.finish_reason,
-        usage=usage,
-        role=delta.role,
-        chunk=chunk,
+        delta.content,
+        delta.reasoning,
+        delta.tool_calls,
+        delta.finish_reason,
+        delta.usage,
+        delta.role,
+        delta.raw,
+        chunk=ChatCompletionChunk.construct(**obj),
     )
 
 
-class _SDKAttempt:
-    """One open ``AsyncStream``: one delta per chunk."""
+def _chunk_object(delta: Delta) -> dict[str, Any]:
+    """The chunk a non-streamed answer's Delta stands for (its id and model are not kept)."""
+    fields: dict[str, Any] = {"role": delta.role, "content": delta.content or None}
+    if delta.tool_calls:
+        fields["tool_calls"] = [
+            {
+                "index": call.index,
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            for call in delta.tool_calls
+        ]
+    if delta.reasoning:
+        fields["reasoning_content"] = delta.reasoning
+    return {
+        "id": "",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "",
+        "choices": [{"index": 0, "delta": fields, "finish_reason": delta.finish_reason}],
+        "usage": delta.usage,
+    }
 
-    __slots__ = ("_data", "_errors", "_finished", "_stream")
 
-    task_bound = False  # an AsyncStream holds no cancel scope between chunks
+class _SDKAttempt(HTTPAttempt):
+    """The SDK's response read as the HTTP source reads its own (one decoder, one set of
+    rules for keep-alives, in-band errors and JSON answers), each Delta with its SDK chunk."""
 
-    def __init__(self, stream: Any, errors: _Classifier) -> None:
-        self._stream = stream
-        self._errors = errors
-        self._data = False  # a chunk arrived (a cut after it is a truncated stream)
-        self._finished = False  # a finish reason arrived
+    __slots__ = ()
+
+    task_bound = False  # the response holds no cancel scope between reads
 
     async def receive(self) -> Sequence[Delta] | None:
-        try:
-            chunk = await self._stream.__anext__()
-        except StopAsyncIteration:
-            if self._data and not self._finished:
-                raise AttemptError(
-                    ErrorKind.STREAM_TRUNCATED, "the stream ended without a finish reason"
-                ) from None
-            if not self._data:
-                raise AttemptError(
-                    ErrorKind.EMPTY_STREAM, "the stream ended without a chunk"
-                ) from None
+        deltas = await super().receive()
+        if deltas is None:
             return None
-        except Exception as exc:
-            raise self._errors.classify(exc, after_data=self._data) from exc
-        self._data = True
-        delta = _delta(chunk)
-        if delta.finish_reason:
-            self._finished = True
-        return (delta,)
-
-    async def aclose(self) -> None:
-        await self._stream.close()
+        return [_sdk_delta(delta) for delta in deltas]
 
 
 class _Classifier:
@@ -181,29 +184,36 @@ class _Classifier:
         import openai
 
         self._openai = openai
-        self._redact = redact
-        self._timeouts, self._transport = _transport_errors()
+        self.redact = redact
+        self.errors = _transport_errors()
 
-    def classify(self, exc: BaseException, *, after_data: bool) -> AttemptError:
+    def classify(self, exc: BaseException) -> AttemptError:
         openai = self._openai
         error: AttemptError
         if isinstance(exc, AttemptError):
             error = exc
         elif isinstance(exc, openai.APIStatusError):
             error = classify_http_error(
-                exc.status_code, exc.response.headers, _body(exc), redact=self._redact
+                exc.status_code, exc.response.headers, _body(exc), redact=self.redact
             )
-        elif isinstance(exc, (openai.APITimeoutError, *self._timeouts)):
-            error = AttemptError(ErrorKind.TIMEOUT, self._redact(f"{type(exc).__name__}: {exc}"))
-        elif isinstance(exc, (openai.APIConnectionError, *self._transport)):
-            kind = ErrorKind.STREAM_TRUNCATED if after_data else ErrorKind.CONNECTION
-            error = AttemptError(kind, self._redact(f"{type(exc).__name__}: {exc}"))
+        elif isinstance(exc, (openai.APITimeoutError, *self.errors.timeout)):
+            error = AttemptError(ErrorKind.TIMEOUT, self.redact(f"{type(exc).__name__}: {exc}"))
+        elif isinstance(exc, (openai.APIConnectionError, *self.errors.transport)):
+            # A failed TLS handshake is named as the HTTP source names it (PROTOCOL).
+            # (httpx's ``.request`` raises when unset; its ``_request`` is None then.)
+            request = exc.request if isinstance(exc, openai.APIError) else exc._request  # type: ignore[attr-defined]
+            tls = None if request is None else tls_failure(exc, request)
+            if tls is not None:
+                error = AttemptError(ErrorKind.PROTOCOL, self.redact(tls))
+            else:
+                message = self.redact(f"{type(exc).__name__}: {exc}")
+                error = AttemptError(ErrorKind.CONNECTION, message)
         elif isinstance(exc, openai.APIError):
-            # An error event inside a 200 stream: the SDK keeps the error object as body.
+            # Any other API error the SDK raises with an error object as body.
             body = exc.body if exc.body is not None else exc.message
-            error = _in_band_error({"error": body}, redact=self._redact)
+            error = _in_band_error({"error": body}, redact=self.redact)
         else:
-            message = self._redact(f"{type(exc).__name__}: {exc}")
+            message = self.redact(f"{type(exc).__name__}: {exc}")
             error = AttemptError(ErrorKind.UNKNOWN, message, retryable=False)
         return error
 
@@ -411,7 +421,7 @@ class OpenAISDKSource:
     def __repr__(self) -> str:
         return f"OpenAISDKSource(name={self._name!r})"
 
-    async def open(self, info: AttemptInfo) -> _SDKAttempt:
+    async def open(self, info: AttemptInfo) -> HTTPAttempt:
         errors = self._errors
         extra = attempt_headers(self._extra_headers, self._header_names, info)
         try:
@@ -419,8 +429,21 @@ class OpenAISDKSource:
                 **{**self._kwargs, "extra_headers": extra}
             )
         except Exception as exc:
-            raise errors.classify(exc, after_data=False) from exc
-        return _SDKAttempt(stream, errors)
+            raise errors.classify(exc) from exc
+        # The SDK's own stream is never iterated: its response is read as the HTTP source
+        # reads one (a replica's quirk is handled alike by both sources).
+        response = stream.response
+        try:
+            return await attempt_for(response, errors.redact, errors.errors, _SDKAttempt)
+        except BaseException as exc:
+            with (
+                trio.CancelScope(shield=True, deadline=trio.current_time() + 1.0),
+                contextlib.suppress(Exception),
+            ):
+                await response.aclose()
+            if isinstance(exc, Exception):
+                raise errors.classify(exc) from exc
+            raise
 
 
 _DEFAULT_HEADER_NAMES = HeaderNames()

@@ -427,7 +427,7 @@ def send_error(exc: Exception, request: httpx.Request, redact: Redact) -> Attemp
     if isinstance(exc, httpx.TimeoutException):
         return transport_error(ErrorKind.TIMEOUT, exc, redact)
     if isinstance(exc, httpx.ConnectError):
-        tls = _tls_failure(exc, request)
+        tls = tls_failure(exc, request)
         if tls is not None:
             return AttemptError(ErrorKind.PROTOCOL, redact(tls))
     # Any other transport error, and errors the HTTP stack should never raise: httpcore 1.0.9
@@ -455,7 +455,7 @@ def request_line(request: httpx.Request) -> str:
 _NOT_TLS = ("WRONG_VERSION_NUMBER", "wrong version number", "record layer failure", "HTTP_REQUEST")
 
 
-def _tls_failure(exc: BaseException, request: httpx.Request) -> str | None:
+def tls_failure(exc: BaseException, request: httpx.Request) -> str | None:
     """A message for a failed TLS handshake (``exc`` is a ``ConnectError``), or ``None``.
 
     httpx reports it as a ``ConnectError`` with an empty message; the ``ssl.SSLError`` is down

@@ -30,6 +30,7 @@ from ..._validate import (
 from ...errors import AttemptError, ErrorKind
 from ...events import Delta
 from ...transport import http2_connections
+from .._aclose import aclose_nested
 from ._codec import ChunkDecoder, decode_json_body
 from ._errors import (
     classify_http_error,
@@ -46,6 +47,8 @@ __all__ = [
     "OpenAIChatSource",
     "Replica",
     "StreamDecoder",
+    "TransportErrors",
+    "attempt_for",
 ]
 
 #: How much of an error body is read to classify it (bytes).
@@ -263,15 +266,6 @@ class Replica:
         )
 
 
-async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
-    body = bytearray()
-    async for chunk in response.aiter_bytes():
-        body += chunk
-        if len(body) >= limit:
-            break
-    return bytes(body[:limit])
-
-
 class StreamDecoder(Protocol):
     """What an HTTP attempt reads its body through: one per response (the chat codec's
     [`ChunkDecoder`][trio_hedge.sources.openai.ChunkDecoder], or another API's)."""
@@ -357,6 +351,7 @@ class HTTPSource:
         request = self._client.build_request(
             "POST", self._url, content=self._content, headers=headers
         )
+        request.stream = _Body(self._content)
         try:
             response = await self._client.send(request, stream=True)
         except BaseException as exc:
@@ -381,55 +376,17 @@ class HTTPSource:
             raise
 
     async def _attempt_for(self, response: httpx.Response) -> HTTPAttempt:
-        redact = self._redact
-        status = response.status_code
-        if not 200 <= status < 300:
-            try:
-                body = await _read_bounded(response, ERROR_BODY_LIMIT)
-            except httpx.HTTPError:
-                body = b""
-            error = classify_http_error(status, response.headers, body, redact=redact)
-            if status == 400 and b"plain HTTP request was sent to HTTPS port" in body:
-                # nginx's 400 page for http:// on a TLS port: the replica's URL is wrong, not
-                # the request (it would be fatal as a plain 400).
-                raise AttemptError(
-                    ErrorKind.PROTOCOL,
-                    redact(
-                        f"HTTP 400 from {request_line(response.request)}: the server speaks TLS on "
-                        "this port (a plain HTTP request was sent to an HTTPS port); use https://"
-                    ),
-                    status_code=status,
-                )
-            if status in (404, 405):
-                # A wrong path or base_url (the server's own message rarely names it).
-                where = request_line(response.request)
-                hint = "" if "/v1/" in where else "; OpenAI-compatible servers usually serve /v1/…"
-                error = with_context(error, redact(f"{where}{hint}"))
-            raise error
-        content_type = response.headers.get("content-type", "")
-        if content_type.startswith("text/html"):
-            # A web page (a proxy's login or landing page, an admin UI): never an event stream.
-            raise AttemptError(
-                ErrorKind.PROTOCOL,
-                redact(
-                    f"HTTP {status} with Content-Type {content_type} from "
-                    f"{request_line(response.request)}: a web page, not an event stream; is "
-                    "base_url the API's (often ending in /v1)?"
-                ),
-                status_code=status,
-            )
-        if content_type.startswith("application/json"):
-            body = await _read_bounded(response, JSON_BODY_LIMIT + 1)
-            if len(body) > JSON_BODY_LIMIT:
-                raise AttemptError(
-                    ErrorKind.PROTOCOL, f"JSON answer larger than {JSON_BODY_LIMIT} bytes"
-                )
-            whole = self._decode_whole(status, response.headers, body, redact)
-            return self._attempt(response, whole)
-        return self._attempt(response, None)
+        return await attempt_for(
+            response,
+            self._redact,
+            kind=self._attempt_kind(),
+            whole_decoder=self._whole_decoder,
+            stream_decoder=self._stream_decoder,
+        )
 
-    def _attempt(self, response: httpx.Response, whole: Sequence[Delta] | None) -> HTTPAttempt:
-        return HTTPAttempt(response, whole, self._redact, self._decoder(self._redact))
+    def _attempt_kind(self) -> Callable[..., HTTPAttempt] | None:
+        """What makes this source's attempts (``None``: ``HTTPAttempt``)."""
+        return None
 
 
 class OpenAIChatSource(HTTPSource):
@@ -443,6 +400,124 @@ class OpenAIChatSource(HTTPSource):
 Replica._source_class = OpenAIChatSource
 
 
+@attrs.frozen
+class TransportErrors:
+    """The exception classes of the HTTP library a response comes from: httpx for the HTTP
+    source, httpx2 as well for the openai SDK's client (one reader for both)."""
+
+    timeout: tuple[type[Exception], ...]
+    transport: tuple[type[Exception], ...]
+    any: tuple[type[Exception], ...]
+
+
+HTTPX_ERRORS = TransportErrors(
+    (httpx.TimeoutException,), (httpx.TransportError,), (httpx.HTTPError,)
+)
+
+
+class _Body(httpx.ByteStream):
+    """The request body, whose async iterator is an object, not a generator: httpx's
+    ``ByteStream.__aiter__`` is one, and a send cancelled while it is being written leaves it
+    for the garbage collector (httpx issue 3686; failing case: ``tests/test_cancel_fuzz.py``)."""
+
+    def __aiter__(self) -> _Once:
+        return _Once(self._stream)
+
+
+class _Once:
+    """Yields one ``bytes`` chunk, then stops; nothing to finalise."""
+
+    __slots__ = ("_chunk",)
+
+    def __init__(self, chunk: bytes) -> None:
+        self._chunk: bytes | None = chunk
+
+    def __aiter__(self) -> _Once:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk, self._chunk = self._chunk, None
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
+
+
+async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
+    body = bytearray()
+    chunks = response.aiter_bytes()
+    try:
+        async for chunk in chunks:
+            body += chunk
+            if len(body) >= limit:
+                break
+    finally:
+        await aclose_nested(chunks)  # left early: httpx's generators, closed here
+    return bytes(body[:limit])
+
+
+async def attempt_for(
+    response: httpx.Response,
+    redact: Redactor,
+    errors: TransportErrors = HTTPX_ERRORS,
+    kind: Callable[..., HTTPAttempt] | None = None,
+    *,
+    whole_decoder: Callable[..., list[Delta]] = decode_json_body,
+    stream_decoder: Callable[..., StreamDecoder] = ChunkDecoder,
+) -> HTTPAttempt:
+    """The attempt a response opens, by its status and content type: an error status raises
+    its classified error, a web page ``PROTOCOL``, a JSON answer is read whole and decoded
+    (``whole_decoder``: [`decode_json_body`][trio_hedge.sources.openai.decode_json_body] for
+    chat completions), anything else is read as an event stream (``stream_decoder``:
+    [`ChunkDecoder`][trio_hedge.sources.openai.ChunkDecoder]). Every source opens its attempts
+    here (one set of rules); ``errors`` are the classes of the library ``response`` comes
+    from, ``kind`` what makes the attempt (default ``HTTPAttempt``)."""
+    status = response.status_code
+    if not 200 <= status < 300:
+        try:
+            body = await _read_bounded(response, ERROR_BODY_LIMIT)
+        except errors.any:
+            body = b""
+        error = classify_http_error(status, response.headers, body, redact=redact)
+        if status == 400 and b"plain HTTP request was sent to HTTPS port" in body:
+            # nginx's 400 page for http:// on a TLS port: the replica's URL is wrong, not
+            # the request (it would be fatal as a plain 400).
+            raise AttemptError(
+                ErrorKind.PROTOCOL,
+                redact(
+                    f"HTTP 400 from {request_line(response.request)}: the server speaks TLS on "
+                    "this port (a plain HTTP request was sent to an HTTPS port); use https://"
+                ),
+                status_code=status,
+            )
+        if status in (404, 405):
+            # A wrong path or base_url (the server's own message rarely names it).
+            where = request_line(response.request)
+            hint = "" if "/v1/" in where else "; OpenAI-compatible servers usually serve /v1/…"
+            error = with_context(error, redact(f"{where}{hint}"))
+        raise error
+    content_type = response.headers.get("content-type", "")
+    if content_type.startswith("text/html"):
+        # A web page (a proxy's login or landing page, an admin UI): never an event stream.
+        raise AttemptError(
+            ErrorKind.PROTOCOL,
+            redact(
+                f"HTTP {status} with Content-Type {content_type} from "
+                f"{request_line(response.request)}: a web page, not an event stream; is "
+                "base_url the API's (often ending in /v1)?"
+            ),
+            status_code=status,
+        )
+    if content_type.startswith("application/json"):
+        body = await _read_bounded(response, JSON_BODY_LIMIT + 1)
+        if len(body) > JSON_BODY_LIMIT:
+            raise AttemptError(
+                ErrorKind.PROTOCOL, f"JSON answer larger than {JSON_BODY_LIMIT} bytes"
+            )
+        whole = whole_decoder(status, response.headers, body, redact=redact)
+        return (kind or HTTPAttempt)(response, whole, redact, errors, stream_decoder(redact=redact))
+    return (kind or HTTPAttempt)(response, None, redact, errors, stream_decoder(redact=redact))
+
+
 class HTTPAttempt:
     """One open HTTP attempt: reads SSE bytes, yields batches of
     [`Delta`][trio_hedge.events.Delta]."""
@@ -450,6 +525,7 @@ class HTTPAttempt:
     __slots__ = (
         "_chunks",
         "_decoder",
+        "_errors",
         "_exhausted",
         "_finished",
         "_ready",
@@ -462,9 +538,11 @@ class HTTPAttempt:
         response: httpx.Response,
         whole: Sequence[Delta] | None,
         redact: Redactor | None = None,
+        errors: TransportErrors = HTTPX_ERRORS,
         decoder: StreamDecoder | None = None,
     ) -> None:
         self._response = response
+        self._errors = errors
         self._redact = redact if redact is not None else Redactor()
         self._decoder = decoder if decoder is not None else ChunkDecoder(redact=self._redact)
         # Undecoded bytes skip httpx's content-decoder and re-chunking layers (hot path). A
@@ -500,9 +578,9 @@ class HTTPAttempt:
             except StopAsyncIteration:
                 self._finished = self._exhausted = True
                 return decoder.end() or None
-            except httpx.TimeoutException as exc:
+            except self._errors.timeout as exc:
                 raise transport_error(ErrorKind.TIMEOUT, exc, self._redact) from exc
-            except httpx.TransportError as exc:
+            except self._errors.transport as exc:
                 # A cut after data is a truncated stream; before any data, a connection error.
                 kind = ErrorKind.STREAM_TRUNCATED if decoder.data_events else ErrorKind.CONNECTION
                 raise transport_error(kind, exc, self._redact) from exc
@@ -515,10 +593,16 @@ class HTTPAttempt:
 
     async def aclose(self) -> None:
         finished = self._finished
-        if finished and not self._exhausted:
-            # After [DONE]: if the body does not end in time, the HTTP/2 stream is reset.
-            finished = await self._drain()
-        await _close_response(self._response, finished=finished)
+        try:
+            if finished and not self._exhausted:
+                # After [DONE]: if the body does not end in time, the HTTP/2 stream is reset.
+                finished = await self._drain()
+            await _close_response(self._response, finished=finished)
+        finally:
+            # Left before the body's end (a break, a cancel, a lost race): the response is
+            # closed, and so are httpx's generators under the body, here rather than by the
+            # garbage collector (nothing to do when the body was read to its end).
+            await aclose_nested(self._chunks)
 
     async def _drain(self) -> bool:
         """Read what follows ``[DONE]`` (normally just the body's last chunk, often already
@@ -541,7 +625,7 @@ class HTTPAttempt:
                     read += len(chunk)
                     if read > DRAIN_LIMIT:
                         return False
-            except httpx.HTTPError:
+            except self._errors.any:
                 return False
             return True
         return False
