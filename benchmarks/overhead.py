@@ -310,27 +310,16 @@ def _paths(port: int, tokens: int, slow_ms: int, stall: float | None = None) -> 
             in_trio(_hedged, pair, policy(0.005), 2),
             hedged=True,
         ),
-        Path_(
-            "trio_hedge Messages (1 replica)",
-            in_trio(
-                _hedged,
-                [AnthropicReplica(fast, name="fast")],
-                th.HedgePolicy(hedge_after=None),
-                1,
-                MESSAGES_BODY,
-            ),
-            chat_twin="trio_hedge (1 replica)",
-        ),
-        Path_(
-            "trio_hedge Responses (1 replica)",
-            in_trio(
-                _hedged,
-                [ResponsesReplica(fast, name="fast")],
-                th.HedgePolicy(hedge_after=None),
-                1,
-                RESPONSES_BODY,
-            ),
-            chat_twin="trio_hedge (1 replica)",
+        *(
+            Path_(
+                f"trio_hedge {api} (1 replica)",
+                in_trio(_hedged, [kind(fast, name="fast")], policy(None), 1, body),
+                chat_twin="trio_hedge (1 replica)",
+            )
+            for api, kind, body in (
+                ("Messages", AnthropicReplica, MESSAGES_BODY),
+                ("Responses", ResponsesReplica, RESPONSES_BODY),
+            )
         ),
         Path_(
             "asyncio bridge (1 replica)",

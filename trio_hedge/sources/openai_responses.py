@@ -54,7 +54,14 @@ from .._redact import Redactor
 from ..events import Delta, ToolCallDelta
 from ._event_stream import EventDecoder, decode_whole
 from .openai._errors import Redact, _in_band_error, _no_redact
-from .openai._http import HeaderNames, HTTPAttempt, HTTPSource, Replica, _check_path
+from .openai._http import (
+    HeaderNames,
+    HTTPAttempt,
+    HTTPSource,
+    Replica,
+    TransportErrors,
+    _check_path,
+)
 from .openai._sse import DEFAULT_MAX_EVENT_SIZE
 
 __all__ = ["ResponsesDecoder", "ResponsesReplica", "ResponsesSource"]
@@ -346,10 +353,15 @@ class ResponsesSource(HTTPSource):
     _stream_decoder = ResponsesDecoder
     _whole_decoder = staticmethod(decode_response_body)
 
-    def _attempt(self, response: httpx.Response, whole: Sequence[Delta] | None) -> HTTPAttempt:
-        decoder = ResponsesDecoder(redact=self._redact)
-        cleanup = self._delete if self._stored else None
-        return _ResponsesAttempt(response, whole, self._redact, decoder, cleanup)
+    def _attempt_kind(self) -> Callable[..., HTTPAttempt] | None:
+        if not self._stored:
+            return None
+        delete = self._delete
+
+        def attempt(*args: Any) -> HTTPAttempt:
+            return _ResponsesAttempt(*args, cleanup=delete)
+
+        return attempt
 
     async def _delete(self, response_id: str) -> None:
         """Delete one stored response (best effort: any failure is ignored)."""
@@ -372,12 +384,14 @@ class _ResponsesAttempt(HTTPAttempt):
         response: httpx.Response,
         whole: Sequence[Delta] | None,
         redact: Redactor,
+        errors: TransportErrors,
         decoder: ResponsesDecoder,
-        cleanup: Callable[[str], Coroutine[Any, Any, None]] | None,
+        *,
+        cleanup: Callable[[str], Coroutine[Any, Any, None]],
     ) -> None:
-        super().__init__(response, whole, redact, decoder)
+        super().__init__(response, whole, redact, errors, decoder)
         self._responses = decoder
-        self._cleanup = cleanup
+        self._cleanup: Callable[[str], Coroutine[Any, Any, None]] | None = cleanup
 
     async def aclose(self) -> None:
         complete = self._finished
