@@ -28,7 +28,7 @@ from .report import Report, _Recorder
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["AsyncCloseable", "EventIterator", "HedgedStream", "StreamSettings"]
+__all__ = ["AsyncCloseable", "BatchIterator", "EventIterator", "HedgedStream", "StreamSettings"]
 
 
 class StreamSettings(Protocol):
@@ -326,7 +326,17 @@ class HedgedStream:
         it (and the other way round) without repeating or losing content."""
         return EventIterator(self)
 
-    async def _next_event(self) -> Delta:
+    def batches(self) -> BatchIterator:
+        """Like [`events`][trio_hedge.HedgedStream.events], but each step yields every event
+        already received: the ones read before the commit first, then what each read of the
+        winner gave (never an empty list). For a relay that writes once per read rather than
+        once per event (the gateway: one ``send`` where a read brought several events). It
+        reads the same queue as ``events()`` and ``async for``, so mixing them never repeats
+        or loses an event."""
+        return BatchIterator(self)
+
+    async def _fill(self) -> None:
+        """Read the winner until the queue has an event; ``StopAsyncIteration`` at its end."""
         pending = self._pending
         while not pending:
             if self._ended:
@@ -338,6 +348,19 @@ class HedgedStream:
             else:
                 self._take(batch, trio.current_time())
                 pending.extend(batch)
+
+    async def _next_batch(self) -> list[Delta]:
+        pending = self._pending
+        if not pending:
+            await self._fill()
+        out = list(pending)
+        pending.clear()
+        return out
+
+    async def _next_event(self) -> Delta:
+        pending = self._pending
+        if not pending:
+            await self._fill()
         return pending.popleft()
 
     def _finish(self) -> None:
@@ -369,6 +392,23 @@ class EventIterator:
 
     def __anext__(self) -> Coroutine[Any, Any, Delta]:
         return self._stream._next_event()
+
+
+class BatchIterator:
+    """What ``batches()`` returns: each step awaits the stream's next non-empty list of
+    [`Delta`][trio_hedge.events.Delta] events. A class, not an async generator (see
+    `EventIterator`)."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: HedgedStream) -> None:
+        self._stream = stream
+
+    def __aiter__(self) -> BatchIterator:
+        return self
+
+    def __anext__(self) -> Coroutine[Any, Any, list[Delta]]:
+        return self._stream._next_batch()
 
 
 def _sole_error(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -43,9 +43,9 @@ from ._forward import (
     Completion,
     Rejected,
     RequestOptions,
-    _bad,
     _hedge_headers,
-    _loads,
+    check_stream_and_model,
+    parse_object,
 )
 from ._http import Exchange
 from ._metrics import GatewayMetrics
@@ -271,17 +271,8 @@ class AgentForwarder(ChatForwarder):
             raise Rejected(self._style(rejected.answer)) from None
 
     def _parse(self, body: bytes) -> dict[str, Any]:
-        try:
-            obj = _loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise _bad("the request body is not valid JSON", code="invalid_json") from None
-        if not isinstance(obj, dict):
-            raise _bad("the request body must be a JSON object")
-        if not isinstance(obj.get("stream", False), bool):
-            raise _bad("'stream' must be true or false", "stream")
-        model = obj.get("model")
-        if model is not None and not isinstance(model, str):
-            raise _bad("'model' must be a string", "model")
+        obj = parse_object(body)
+        check_stream_and_model(obj)
         return obj
 
     def _options(self, ex: Exchange) -> RequestOptions:
@@ -320,15 +311,18 @@ class AgentForwarder(ChatForwarder):
         raise NotImplementedError
 
     async def _stream_out(self, ex: Exchange, stream: HedgedStream, model: str | None) -> None:
-        """One ``send`` per event: the server's JSON with its ``event:`` line."""
+        """The server's JSON with its ``event:`` line, one ``send`` per read of the winner
+        (as the chat route sends)."""
         await ex.start(200, [*_SSE_HEADERS, *_hedge_headers(stream.report)])
         send = ex.send
         first = True
-        async for delta in stream.events():
-            raw = delta.raw
-            data = typed_event(raw) if raw is not None else self._synthesize(delta, first)
-            first = False
-            await send({"type": "http.response.body", "body": data, "more_body": True})
+        async for batch in stream.batches():
+            out = []
+            for delta in batch:
+                raw = delta.raw
+                out.append(typed_event(raw) if raw is not None else self._synthesize(delta, first))
+                first = False
+            await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
         await ex.body(b"", more=False)
 
 
