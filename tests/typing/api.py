@@ -221,3 +221,34 @@ async def with_sdk_clients() -> None:
     async with hedged_stream(request, [one], HedgePolicy(hedge_after=1.0)) as stream:
         assert_type(stream, HedgedStream)
     await mixed.aclose()
+
+
+# -- the agent APIs: Anthropic Messages and OpenAI Responses -----------------------------------
+
+
+async def with_agent_apis() -> None:
+    from trio_hedge.events import Delta
+    from trio_hedge.sources.anthropic import AnthropicReplica, AnthropicSource, MessagesDecoder
+    from trio_hedge.sources.openai_responses import (
+        ResponsesDecoder,
+        ResponsesReplica,
+        ResponsesSource,
+    )
+
+    claude = [
+        AnthropicReplica("https://api.anthropic.com/v1", api_key="sk-ant", name="anthropic"),
+        AnthropicReplica("http://vllm:8000/v1", name="vllm", anthropic_version="2023-06-01"),
+    ]
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 64, "messages": []}
+    async with Hedger(claude, HedgerConfig(hedge_after=0.5)) as hedger:
+        async with hedger.stream(body) as stream:
+            async for delta in stream.events():
+                assert_type(delta, Delta)
+    responses = [ResponsesReplica("https://api.openai.com/v1", api_key="sk", name="openai")]
+    async with hedged_stream({"model": "m", "input": "hi"}, responses) as stream:
+        assert_type(stream, HedgedStream)
+    assert_type(claude[0].api, str)
+    assert_type(AnthropicSource, type[AnthropicSource])
+    assert_type(MessagesDecoder().feed(b""), list[Delta])
+    assert_type(ResponsesDecoder().response_id, str | None)
+    assert_type(ResponsesSource, type[ResponsesSource])

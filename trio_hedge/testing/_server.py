@@ -250,8 +250,10 @@ class FakeReplica:
         client.stream("POST", f"{replica.url}/chat/completions", json=...)
     ```
 
-    It serves ``POST /v1/chat/completions`` (SSE stream, or one JSON answer when the body has
-    ``"stream": false``), ``GET /health`` and ``GET /v1/models``. While it waits (``ttft``,
+    It serves ``POST /v1/chat/completions``, ``POST /v1/messages`` (Anthropic) and
+    ``POST /v1/responses`` (OpenAI Responses), each as its API streams (or one JSON answer
+    when the body has ``"stream": false``), ``DELETE /v1/responses/{id}``, ``GET /health``
+    and ``GET /v1/models``. While it waits (``ttft``,
     between tokens, stalled) it also watches the socket, so a client disconnect is recorded in
     ``RequestRecord.disconnected_at`` within milliseconds and the answer stops.
 
