@@ -229,8 +229,7 @@ class Hedger:
             nursery.cancel_scope.cancel()
             # The body's own exception is not handed to the nursery (it would come out in an
             # ExceptionGroup): the pollers end at once on the cancel, and never raise.
-            with trio.CancelScope(shield=True):
-                await manager.__aexit__(None, None, None)
+            await manager.__aexit__(None, None, None)
         await self.aclose()
 
     def _reader(self, probe: LoadProbe, replica: Replica | None) -> Any:
