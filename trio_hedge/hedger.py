@@ -24,6 +24,11 @@ state across requests and consults it at each decision of the race (through the
   replica is cooling, the attempt waits for the earliest, at most ``max_pushback_wait``
   seconds (beyond that the primary raises [`ReplicasCooling`][trio_hedge.ReplicasCooling], a later
   attempt is not sent);
+* **what the engines say** (opt-in, ``Replica(..., probe="vllm")``): one poller per probed
+  replica, inside ``async with``, reads the engine's queue; a fresh reading's predicted wait
+  replaces the peak-EWMA cost, sends a backup at once when the primary's engine says it will
+  be slow, and holds one back from a replica predicted no faster; a stale or failing probe
+  leaves the Hedger's own view (``docs/policy.md``, "Load probes");
 * **whom to blame** — the evidence of the request decides, in one place
   (``policy/_blame.py``, [`Attribution`][trio_hedge.policy.Attribution]): errors that are the
   request's fault never count; a key, quota or "not found" error (401/403, quota, unknown

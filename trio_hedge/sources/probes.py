@@ -19,7 +19,8 @@ reads it (one poller per replica per Hedger, never one per request) into a
 
 Prometheus text is parsed by ``prometheus_client``'s parser (the ``probes`` extra), after the
 lines of the wanted metrics are picked out: vLLM's page is tens of kilobytes of histograms, and
-parsing all of it on every poll cost milliseconds of CPU for three numbers. The body is read
+the parser took ~49 ms for a 58 KB page of them against ~1 ms for the picked lines (shared
+2-core machine), every poll, for three numbers. The body is read
 at most ``max_body`` bytes; anything else (a status other than 200, a timeout, a body too
 large, text that does not parse, a page without the metrics) is a failed poll, and a failed or
 stale probe is never evidence: the Hedger falls back to what it sees itself (fail open).
