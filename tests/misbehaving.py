@@ -13,7 +13,8 @@ SYNs to a full accept queue; the client retries after 1 s, 3 s, ...).
 
 The leak checks: :func:`open_responses` counts responses an httpx client has not closed (the
 connection pool's in-flight requests), :class:`Baseline` compares this process's file
-descriptors and Trio tasks before and after.
+descriptors and Trio tasks before and after, :class:`GeneratorLeaks` records every async
+generator the garbage collector had to finalise (Trio's ``ResourceWarning``).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import os
 import socket
 import ssl
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+import warnings
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ __all__ = [
     "Baseline",
     "Blackhole",
     "Conn",
+    "GeneratorLeaks",
     "RawServer",
     "ServerConn",
     "chunk",
@@ -452,3 +455,51 @@ async def close_cleanly(client: httpx.AsyncClient) -> AsyncIterator[httpx.AsyncC
     finally:
         with trio.CancelScope(shield=True):
             await client.aclose()
+
+
+@attrs.define
+class GeneratorLeaks:
+    """Every async generator left unfinished for the garbage collector to finalise, with the
+    races running when it was found (Trio's ``ResourceWarning``: "Async generator ... was
+    garbage collected before it had been exhausted").
+
+    The warning is raised in the collector's context, where ``filterwarnings = error`` can
+    only print it ("Exception ignored in ..."), so a test cannot fail on it by raising:
+    :meth:`recording` records it (and any other warning, which a test should fail on too),
+    and :meth:`settle` collects reference cycles so none escapes the count."""
+
+    running: set[str] = attrs.Factory(set)  # labels of what runs now (races)
+    found: list[tuple[str, tuple[str, ...]]] = attrs.Factory(list)  # (message, running)
+    other: list[str] = attrs.Factory(list)  # any other warning
+
+    @contextmanager
+    def recording(self) -> Iterator[GeneratorLeaks]:
+        def show(message: Warning | str, category: type[Warning], *_args: object) -> None:
+            text = str(message)
+            if category is ResourceWarning and "was garbage collected" in text:
+                self.found.append((text.split("'")[1], tuple(sorted(self.running))))
+            else:
+                self.other.append(f"{category.__name__}: {text}"[:300])
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            yield self
+
+    async def settle(self) -> None:
+        """Finalise what only the cycle collector frees (inside the Trio run, so its hooks
+        see it) and let Trio's finaliser tasks run."""
+        gc.collect()
+        await trio.testing.wait_all_tasks_blocked()
+
+    def problems(self) -> list[str]:
+        """One line per generator kind, with the races it was found under."""
+        by_name: dict[str, list[str]] = {}
+        for name, running in self.found:
+            by_name.setdefault(name, []).extend(running)
+        lines = [
+            f"{sum(1 for n, _ in self.found if n == name)} async generator(s) {name!r} left for "
+            f"the garbage collector (races running: {', '.join(sorted(set(races))[:5]) or '-'})"
+            for name, races in by_name.items()
+        ]
+        return lines + [f"a warning: {w}" for w in self.other]

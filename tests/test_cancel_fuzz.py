@@ -24,7 +24,12 @@ After each race it checks the library's promises:
   tokens read, no "no first token" when an attempt committed, an empty answer never beating
   an attempt still running);
 
-and, after all races, that no file descriptor or Trio task was left behind.
+and, after all races, that no file descriptor or Trio task was left behind, and that no async
+generator was left for the garbage collector to finalise (Trio's ``ResourceWarning`` "Surround
+its use in 'async with aclosing(...)'": httpx's and httpcore's generators under a response
+left early; recorded with the races running when it fired, and failing the test: in the
+collector's context ``filterwarnings = error`` could only print it). Any other warning fails
+it too.
 
 Running it:
 
@@ -67,7 +72,7 @@ from trio_hedge.report import AttemptOutcome as O
 from trio_hedge.testing import Behaviour, FakeReplica, RequestRecord
 
 from . import misbehaving as mb
-from .misbehaving import Baseline, Blackhole, open_responses
+from .misbehaving import Baseline, Blackhole, GeneratorLeaks, open_responses
 
 RACES = int(os.environ.get("TRIO_HEDGE_FUZZ_RACES", "500"))
 SEED = int(os.environ.get("TRIO_HEDGE_FUZZ_SEED", "8"))
@@ -613,33 +618,41 @@ async def test_cancellation_fuzz() -> None:
 
     responses = Responses()
     left_open: list[str] = []
-    async with fleet() as f:
-        async with responses.client(http1=False, http2=True) as shared_h2:
+    generators = GeneratorLeaks()  # what the garbage collector had to finalise
+    with generators.recording():
+        async with fleet() as f:
+            async with responses.client(http1=False, http2=True) as shared_h2:
 
-            async def lane_runner(lane_plans: Sequence[Plan]) -> None:
-                lane = Lane(responses, shared_h2)
-                try:
-                    for plan in lane_plans:
-                        for problem in await run_race(plan, f, lane):
-                            kind = _kind_of(problem)
-                            violations[kind].append(plan.race)
-                            examples.setdefault(kind, f"{problem}\n      in {plan.describe()}")
-                        outcomes[plan.cancel] += 1
-                    if n := open_responses(lane.h1):
-                        left_open.append(f"{n} response(s) open in a lane's HTTP/1.1 pool")
-                finally:
-                    await lane.aclose()
+                async def lane_runner(lane_plans: Sequence[Plan]) -> None:
+                    lane = Lane(responses, shared_h2)
+                    try:
+                        for plan in lane_plans:
+                            generators.running.add(plan.race)
+                            try:
+                                problems = await run_race(plan, f, lane)
+                            finally:
+                                generators.running.discard(plan.race)
+                            for problem in problems:
+                                kind = _kind_of(problem)
+                                violations[kind].append(plan.race)
+                                examples.setdefault(kind, f"{problem}\n      in {plan.describe()}")
+                            outcomes[plan.cancel] += 1
+                        if n := open_responses(lane.h1):
+                            left_open.append(f"{n} response(s) open in a lane's HTTP/1.1 pool")
+                    finally:
+                        await lane.aclose()
 
-            async with trio.open_nursery() as nursery:
-                for i in range(LANES):
-                    nursery.start_soon(lane_runner, plans[i::LANES])
-            if n := open_responses(shared_h2):
-                left_open.append(f"{n} response(s) open in the shared h2c pool")
-        with trio.fail_after(SOON):
-            for server in f.servers():
-                await server.wait_connections(0)
-        assert f.unknown == 0, f"{f.unknown} requests reached a server without a race"
-    leaks = left_open + await baseline.changes()
+                async with trio.open_nursery() as nursery:
+                    for i in range(LANES):
+                        nursery.start_soon(lane_runner, plans[i::LANES])
+                if n := open_responses(shared_h2):
+                    left_open.append(f"{n} response(s) open in the shared h2c pool")
+            with trio.fail_after(SOON):
+                for server in f.servers():
+                    await server.wait_connections(0)
+            assert f.unknown == 0, f"{f.unknown} requests reached a server without a race"
+        await generators.settle()
+    leaks = left_open + await baseline.changes() + generators.problems()
 
     assert sum(outcomes.values()) == len(plans)
     if violations or leaks:

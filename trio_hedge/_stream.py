@@ -15,6 +15,7 @@ from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, NoReturn, Protocol
 
+import sniffio
 import trio
 
 from ._attempt_error import classify_exception, leaves
@@ -22,13 +23,13 @@ from ._plan import Planner
 from ._race import close_quietly, race
 from ._source import AttemptStream
 from .errors import AttemptError, ErrorKind, HedgeError, StreamInterrupted
-from .events import Delta, FirstToken, counts_as_first_token
+from .events import Delta, FirstToken
 from .report import Report, _Recorder
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["AsyncCloseable", "EventIterator", "HedgedStream", "StreamSettings"]
+__all__ = ["AsyncCloseable", "BatchIterator", "EventIterator", "HedgedStream", "StreamSettings"]
 
 
 class StreamSettings(Protocol):
@@ -101,7 +102,9 @@ class HedgedStream:
         self._entered = False
         # The winner, when __anext__ may read it directly (no stall timeout to enforce).
         self._direct: AttemptStream | None = None
-        self._progress_at = 0.0  # the last delta that counts under the first-token rule
+        # The stall clock: seconds spent waiting on the winner since its last output. It runs
+        # only inside receive(): time the caller spends between reads is not the upstream's.
+        self._silent_for = 0.0
 
     @property
     def request_id(self) -> str:
@@ -127,6 +130,7 @@ class HedgedStream:
     # -- entering: the race ----------------------------------------------------------------
 
     async def __aenter__(self) -> HedgedStream:
+        require_trio("hedged_stream() and Hedger.stream()")
         if self._entered:
             raise RuntimeError("a HedgedStream can be entered only once")
         self._entered = True
@@ -160,7 +164,6 @@ class HedgedStream:
             self._direct = committed.stream
         self._winner_number = committed.number
         self._ended = committed.ended
-        self._progress_at = rec.committed_at or 0.0
         self._pending.extend(committed.pending)
         # The race already counted these in the winner's tokens_received.
         self._take(committed.pending, trio.current_time(), count_for_attempt=False)
@@ -245,7 +248,16 @@ class HedgedStream:
                 rec.attempt(self._winner_number).tokens_received += count
 
     async def _receive(self) -> Sequence[Delta] | None:
-        """The winner's next batch, under the stall timeout; errors become typed."""
+        """The winner's next batch, under the stall timeout; errors become typed.
+
+        The stall timeout bounds the upstream's silence, not the caller's pauses (Envoy's
+        ``per_try_idle_timeout`` is upstream idleness): the clock runs only while this task
+        waits in the winner's ``receive()``, adds up over calls, and is reset by any output
+        (``Delta.has_output``: content, reasoning, tool-call fragments, whatever the
+        first-token rule). Keep-alives, role-only deltas and usage do not reset it (the
+        caller loops back here). A batch already buffered when the caller comes back costs
+        no silence; an upstream silent while the caller was away is charged only from when
+        the caller waits again (silent and back-pressured look alike without a read)."""
         winner = self._winner
         if winner is None:
             raise RuntimeError("iterate a HedgedStream inside its 'async with' block")
@@ -253,18 +265,16 @@ class HedgedStream:
         try:
             if stall is None:
                 return await winner.receive()
-            # What resets the stall clock is what the first-token rule counts: content (and
-            # reasoning or tool calls under wider rules), never role-only deltas, usage or
-            # keep-alive comments (the caller loops back here until progress arrives).
-            with trio.move_on_at(self._progress_at + stall):
+            began = trio.current_time()
+            with trio.move_on_at(began + stall - self._silent_for):
                 batch = await winner.receive()
-                if batch is not None:
-                    rule = self._policy.first_token
-                    if any(counts_as_first_token(d, rule) for d in batch):
-                        self._progress_at = trio.current_time()
+                if batch is not None and any(d.has_output for d in batch):
+                    self._silent_for = 0.0
+                else:
+                    self._silent_for += trio.current_time() - began
                 return batch
             raise AttemptError(
-                ErrorKind.STALL, f"no progress for stall_timeout={stall} s after commit"
+                ErrorKind.STALL, f"no output from the winner in stall_timeout={stall} s of waiting"
             )
         except Exception as exc:
             self._fail(classify_exception(exc))
@@ -318,19 +328,42 @@ class HedgedStream:
         it (and the other way round) without repeating or losing content."""
         return EventIterator(self)
 
+    def batches(self) -> BatchIterator:
+        """Like [`events`][trio_hedge.HedgedStream.events], but each step yields every event
+        already received: the ones read before the commit first, then what each read of the
+        winner gave (never an empty list). For a relay that writes once per read rather than
+        once per event (the gateway: one ``send`` where a read brought several events). It
+        reads the same queue as ``events()`` and ``async for``, so mixing them never repeats
+        or loses an event."""
+        return BatchIterator(self)
+
     async def _next_event(self) -> Delta:
         pending = self._pending
-        while not pending:
-            if self._ended:
-                self._finish()
+        if not pending:
+            batch = await self._next_batch()
+            if batch is None:
                 raise StopAsyncIteration
+            pending.extend(batch)
+        return pending.popleft()
+
+    async def _next_batch(self) -> Sequence[Delta] | None:
+        """Everything the winner has ready, at least one delta, or ``None`` at the end (the
+        asyncio bridge's pump and ``batches()`` read this way: one await per batch, however
+        many deltas it carries)."""
+        pending = self._pending
+        if pending:
+            taken = list(pending)
+            pending.clear()
+            return taken
+        while not self._ended:
             batch = await self._receive()
             if batch is None:
                 self._ended = True
-            else:
+            elif batch:
                 self._take(batch, trio.current_time())
-                pending.extend(batch)
-        return pending.popleft()
+                return batch
+        self._finish()
+        return None
 
     def _finish(self) -> None:
         """The winner's stream ended normally."""
@@ -340,6 +373,23 @@ class HedgedStream:
             rec.ended_at = trio.current_time()
             if self._winner_number:
                 rec.attempt(self._winner_number).ended_at = rec.ended_at
+
+
+def require_trio(what: str) -> None:
+    """Raise ``RuntimeError`` with the way out when the caller is not Trio code: asyncio users
+    calling the Trio API is the common mistake, and Trio's own error ("must be called from
+    async context") names neither the cause nor ``trio_hedge.aio``."""
+    try:
+        library: str | None = sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        library = None
+    if library != "trio":
+        raise RuntimeError(
+            f"{what} run in Trio, and this is {library or 'not async'} code. From asyncio, use "
+            "trio_hedge.aio (aio_hedged_stream, AioHedger) and start the program with "
+            "trio_asyncio.run(trio_asyncio.aio_as_trio(main)) instead of asyncio.run(main()): "
+            "see docs/asyncio.md"
+        )
 
 
 class _NextEvent(Protocol):
@@ -361,6 +411,26 @@ class EventIterator:
 
     def __anext__(self) -> Coroutine[Any, Any, Delta]:
         return self._stream._next_event()
+
+
+class BatchIterator:
+    """What ``batches()`` returns: each step awaits the stream's next non-empty list of
+    [`Delta`][trio_hedge.events.Delta] events. A class, not an async generator (see
+    `EventIterator`)."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: HedgedStream) -> None:
+        self._stream = stream
+
+    def __aiter__(self) -> BatchIterator:
+        return self
+
+    async def __anext__(self) -> Sequence[Delta]:
+        batch = await self._stream._next_batch()
+        if batch is None:
+            raise StopAsyncIteration
+        return batch
 
 
 def _sole_error(group: BaseExceptionGroup[BaseException]) -> BaseException:

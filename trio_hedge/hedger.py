@@ -58,7 +58,7 @@ import trio
 from ._oneshot import check_replicas, check_request
 from ._probing import poll_load
 from ._source import Source
-from ._stream import HedgedStream
+from ._stream import HedgedStream, require_trio
 from ._validate import (
     check_header_value,
     check_request_headers,
@@ -208,6 +208,7 @@ class Hedger:
     # -- lifetime ----------------------------------------------------------------------------
 
     async def __aenter__(self) -> Hedger:
+        require_trio("Hedger")
         if self._probes:
             if self._pollers is not None:
                 raise RuntimeError("a Hedger with load probes can be entered only once at a time")

@@ -104,10 +104,14 @@ class HedgePolicy:
         first_token_timeout: seconds, over all attempts, to wait for a first token before
             failing with [`AllAttemptsFailed`][trio_hedge.AllAttemptsFailed] (``kind="timeout"``);
             ``None`` waits as long as the caller's own cancel scope allows. Default ``None``.
-        stall_timeout: after commit, seconds the winner may go without content before the
-            stream fails with [`StreamInterrupted`][trio_hedge.StreamInterrupted]
-            (``kind="stall"``). Keep-alive comments, role-only deltas and empty events do not reset
-            it (Envoy's ``per_try_idle_timeout``). ``None`` disables it. Default ``None``.
+        stall_timeout: after commit, seconds of the upstream's silence before the stream
+            fails with [`StreamInterrupted`][trio_hedge.StreamInterrupted] (``kind="stall"``):
+            the time the caller spends *waiting* for the winner's next batch with no output
+            (content, reasoning or tool-call fragments, whatever ``first_token``) arriving.
+            Time the caller spends between reads does not count; keep-alive comments,
+            role-only deltas, usage and empty events do not reset it (Envoy's
+            ``per_try_idle_timeout``, an upstream idle timeout). ``None`` disables it.
+            Default ``None``.
         close_timeout: seconds a loser's close may take before it is abandoned (its socket is
             closed regardless). Default 1.0.
         backoff: a [`Backoff`][trio_hedge.policy.Backoff] for repeated attempts on one replica
@@ -162,7 +166,9 @@ class HedgerConfig:
         first_token_timeout: seconds over all attempts to wait for a first token, else
             [`AllAttemptsFailed`][trio_hedge.AllAttemptsFailed] (``kind="timeout"``). Default
             ``None`` (the caller's own cancel scope is the deadline).
-        stall_timeout: after commit, seconds the winner may go without content before
+        stall_timeout: after commit, seconds of the upstream's silence (the caller waiting
+            on the winner with no output arriving; the caller's own pauses do not count, as
+            in [`HedgePolicy`][trio_hedge.HedgePolicy]) before
             [`StreamInterrupted`][trio_hedge.StreamInterrupted] (``kind="stall"``); it counts
             against the replica's health. Default ``None``.
         close_timeout: seconds a loser's close may take. Default 1.0.

@@ -30,6 +30,7 @@ from ..._validate import (
 from ...errors import AttemptError, ErrorKind
 from ...events import Delta
 from ...transport import http2_connections
+from .._aclose import aclose_nested
 from ..probes import LoadProbe, as_probe
 from ._codec import ChunkDecoder, decode_json_body
 from ._errors import (
@@ -38,6 +39,7 @@ from ._errors import (
     send_error,
     transport_error,
     with_context,
+    without_frames,
 )
 
 __all__ = ["HeaderNames", "OpenAIChatSource", "Replica"]
@@ -335,6 +337,7 @@ class OpenAIChatSource:
         request = self._client.build_request(
             "POST", self._url, content=self._content_for(info.number), headers=headers
         )
+        request.stream = _Body(self._content)
         try:
             response = await self._client.send(request, stream=True)
         except BaseException as exc:
@@ -346,7 +349,7 @@ class OpenAIChatSource:
                 await _reset_orphan_http2_streams(self._client)
             if not isinstance(exc, Exception):
                 raise
-            raise send_error(exc, request, self._redact) from exc
+            raise send_error(exc, request, self._redact) from without_frames(exc)
         try:
             return await attempt_for(response, self._redact)
         except BaseException:
@@ -374,12 +377,43 @@ HTTPX_ERRORS = TransportErrors(
 )
 
 
+class _Body(httpx.ByteStream):
+    """The request body, whose async iterator is an object, not a generator: httpx's
+    ``ByteStream.__aiter__`` is one, and a send cancelled while it is being written leaves it
+    for the garbage collector (httpx issue 3686; failing case: ``tests/test_cancel_fuzz.py``)."""
+
+    def __aiter__(self) -> _Once:
+        return _Once(self._stream)
+
+
+class _Once:
+    """Yields one ``bytes`` chunk, then stops; nothing to finalise."""
+
+    __slots__ = ("_chunk",)
+
+    def __init__(self, chunk: bytes) -> None:
+        self._chunk: bytes | None = chunk
+
+    def __aiter__(self) -> _Once:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk, self._chunk = self._chunk, None
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
+
+
 async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
     body = bytearray()
-    async for chunk in response.aiter_bytes():
-        body += chunk
-        if len(body) >= limit:
-            break
+    chunks = response.aiter_bytes()
+    try:
+        async for chunk in chunks:
+            body += chunk
+            if len(body) >= limit:
+                break
+    finally:
+        await aclose_nested(chunks)  # left early: httpx's generators, closed here
     return bytes(body[:limit])
 
 
@@ -412,12 +446,16 @@ async def attempt_for(
                     "this port (a plain HTTP request was sent to an HTTPS port); use https://"
                 ),
                 status_code=status,
+                hint="the port speaks TLS: use https://",
             )
         if status in (404, 405):
             # A wrong path or base_url (the server's own message rarely names it).
             where = request_line(response.request)
-            hint = "" if "/v1/" in where else "; OpenAI-compatible servers usually serve /v1/…"
+            missing_v1 = "/v1/" not in where
+            hint = "; OpenAI-compatible servers usually serve /v1/…" if missing_v1 else ""
             error = with_context(error, redact(f"{where}{hint}"))
+            if missing_v1:
+                error.hint = "base_url usually ends in /v1"
         raise error
     content_type = response.headers.get("content-type", "")
     if content_type.startswith("text/html"):
@@ -430,6 +468,7 @@ async def attempt_for(
                 "the API's (often ending in /v1)?"
             ),
             status_code=status,
+            hint="a web page, not the API: is base_url the API's (often ending in /v1)?",
         )
     if content_type.startswith("application/json"):
         body = await _read_bounded(response, JSON_BODY_LIMIT + 1)
@@ -502,11 +541,11 @@ class HTTPAttempt:
                 self._finished = self._exhausted = True
                 return decoder.end() or None
             except self._errors.timeout as exc:
-                raise transport_error(ErrorKind.TIMEOUT, exc, self._redact) from exc
+                raise transport_error(ErrorKind.TIMEOUT, exc, self._redact) from without_frames(exc)
             except self._errors.transport as exc:
                 # A cut after data is a truncated stream; before any data, a connection error.
                 kind = ErrorKind.STREAM_TRUNCATED if decoder.data_events else ErrorKind.CONNECTION
-                raise transport_error(kind, exc, self._redact) from exc
+                raise transport_error(kind, exc, self._redact) from without_frames(exc)
             deltas = decoder.feed(chunk)
             if decoder.done:
                 self._finished = True
@@ -516,10 +555,16 @@ class HTTPAttempt:
 
     async def aclose(self) -> None:
         finished = self._finished
-        if finished and not self._exhausted:
-            # After [DONE]: if the body does not end in time, the HTTP/2 stream is reset.
-            finished = await self._drain()
-        await _close_response(self._response, finished=finished)
+        try:
+            if finished and not self._exhausted:
+                # After [DONE]: if the body does not end in time, the HTTP/2 stream is reset.
+                finished = await self._drain()
+            await _close_response(self._response, finished=finished)
+        finally:
+            # Left before the body's end (a break, a cancel, a lost race): the response is
+            # closed, and so are httpx's generators under the body, here rather than by the
+            # garbage collector (nothing to do when the body was read to its end).
+            await aclose_nested(self._chunks)
 
     async def _drain(self) -> bool:
         """Read what follows ``[DONE]`` (normally just the body's last chunk, often already
