@@ -45,8 +45,8 @@ from tail import (
     Replica,
     Request,
     Result,
-    _read,
     first_token_race,
+    hedger_outcome,
     is_tenants,
     make_requests,
     own_requests,
@@ -91,15 +91,7 @@ async def _simulate_hedger(
     probes = probes_for(cluster) if probed else None
 
     async def one(hedger: Hedger, request: Request) -> None:
-        start = trio.current_time()
-        rid = cluster.register(request)
-        async with hedger.stream(None, prompt_tokens=request.prompt_tokens, request_id=rid) as s:
-            ttft, total = await _read(s, start)
-        report = s.report
-        cluster.mark_useful(request, report.winner_replica)
-        outcomes[request.index] = Outcome(
-            ttft, total, len(report.attempts), report.hedged, cluster.busy(request)
-        )
+        outcomes[request.index] = await hedger_outcome(hedger, cluster, request)
 
     async with trio.open_nursery() as servers:
         for replica in cluster.replicas:
