@@ -40,7 +40,20 @@ class DelayStatistics:
     learned: bool
 
 
-@attrs.frozen
+_PROBE_FIELDS = frozenset(
+    (
+        "probe",
+        "probe_age",
+        "probe_polls",
+        "probe_failures",
+        "predicted_wait",
+        "probe_decisions",
+        "own_view_decisions",
+    )
+)
+
+
+@attrs.frozen(repr=False)
 class ReplicaStatistics:
     """One replica's health.
 
@@ -111,6 +124,15 @@ class ReplicaStatistics:
     predicted_wait: float | None = None
     probe_decisions: int = 0
     own_view_decisions: int = 0
+
+    def __repr__(self) -> str:
+        # The probe's fields only for a probed replica: a line per replica stays readable.
+        shown = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in attrs.fields(type(self))
+            if self.probe != "off" or f.name not in _PROBE_FIELDS
+        ]
+        return f"{type(self).__name__}({', '.join(shown)})"
 
 
 @attrs.frozen

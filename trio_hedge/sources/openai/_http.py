@@ -334,10 +334,9 @@ class OpenAIChatSource:
 
     async def open(self, info: AttemptInfo) -> HTTPAttempt:
         headers = attempt_headers(self._headers, self._header_names, info)
-        request = self._client.build_request(
-            "POST", self._url, content=self._content_for(info.number), headers=headers
-        )
-        request.stream = _Body(self._content)
+        content = self._content_for(info.number)
+        request = self._client.build_request("POST", self._url, content=content, headers=headers)
+        request.stream = _Body(content)
         try:
             response = await self._client.send(request, stream=True)
         except BaseException as exc:
