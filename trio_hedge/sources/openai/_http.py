@@ -31,6 +31,7 @@ from ...errors import AttemptError, ErrorKind
 from ...events import Delta
 from ...transport import http2_connections
 from .._aclose import aclose_nested
+from ..probes import LoadProbe, as_probe
 from ._codec import ChunkDecoder, decode_json_body
 from ._errors import (
     classify_http_error,
@@ -150,6 +151,15 @@ def _check_path(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> N
         raise ValueError(f"{attribute.name} must be a URL path starting with '/', not {value!r}")
 
 
+def _as_probe(value: object) -> LoadProbe | None:
+    return as_probe(value, "probe")
+
+
+def _check_priority(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise TypeError(f"{attribute.name} must be an int or None")
+
+
 def _redacted_headers(headers: Mapping[str, str]) -> str:
     return "{" + ", ".join(f"{k!r}: '***'" for k in headers) + "}"
 
@@ -168,6 +178,17 @@ class Replica:
             ``model`` for the backup). Default none.
         headers: extra request headers (values hidden in reprs, as they may be secrets).
         path: the path under ``base_url``. Default ``"/chat/completions"``.
+        probe: read the engine's own load
+            ([`LoadProbe`][trio_hedge.sources.probes.LoadProbe], or an engine name:
+            ``"vllm"``, ``"llama.cpp"``, ``"sglang"``, ``"tgi"``) so a
+            [`Hedger`][trio_hedge.Hedger] sees the queue other tenants put on it. Default
+            ``None`` (the Hedger's own view only).
+        backup_priority: sent as the body's ``"priority"`` on every attempt after the
+            primary (a hedge or failover), so an engine with priority scheduling serves the
+            tenants' requests first (vLLM with ``--scheduling-policy priority``: lower values
+            first, default 0, so give e.g. 1; SGLang with priority scheduling: check which
+            way its ``--schedule-low-priority-values-first`` orders). On vLLM it orders only
+            *waiting* requests: nothing preempts a running prefill. Default ``None``.
 
     Raises:
         TypeError, ValueError: a bad URL, name or path, a URL with embedded credentials, an
@@ -198,6 +219,12 @@ class Replica:
         kw_only=True,
     )
     path: str = attrs.field(default="/chat/completions", validator=_check_path, kw_only=True)
+    probe: LoadProbe | None = attrs.field(
+        default=None,
+        converter=_as_probe,
+        kw_only=True,
+    )
+    backup_priority: int | None = attrs.field(default=None, validator=_check_priority, kw_only=True)
     # Masks the key and header values wherever a server might quote them back.
     _redact: Redactor = attrs.field(
         init=False,
@@ -307,6 +334,10 @@ class HTTPSource:
         except (TypeError, ValueError):
             check_json_body(body, "request")  # raises, naming the path
             raise
+        # A backup's body: the engine may serve it after the tenants' requests (made on the
+        # first backup: most requests have none).
+        self._priority = replica.backup_priority
+        self._backup_content: bytes | None = None
         self._url = replica.base_url + replica.path
         # Names lower-cased: HTTP names are case-insensitive, and httpx would send "Accept"
         # and "accept" (or two authorizations) as two headers.
@@ -347,12 +378,20 @@ class HTTPSource:
     ) -> list[Delta]:
         return self._whole_decoder(status, headers, body, redact=redact)
 
+    def _content_for(self, number: int) -> bytes:
+        if self._priority is None or number == 1:
+            return self._content
+        if self._backup_content is None:
+            body = json.loads(self._content)
+            body["priority"] = self._priority
+            self._backup_content = json.dumps(body, ensure_ascii=False).encode()
+        return self._backup_content
+
     async def open(self, info: AttemptInfo) -> HTTPAttempt:
         headers = attempt_headers(self._headers, self._header_names, info)
-        request = self._client.build_request(
-            "POST", self._url, content=self._content, headers=headers
-        )
-        request.stream = _Body(self._content)
+        content = self._content_for(info.number)
+        request = self._client.build_request("POST", self._url, content=content, headers=headers)
+        request.stream = _Body(content)
         try:
             response = await self._client.send(request, stream=True)
         except BaseException as exc:
