@@ -27,7 +27,9 @@ from trio_hedge.errors import ErrorKind
 from trio_hedge.events import Delta, FirstToken
 from trio_hedge.policy import HedgerConfig
 from trio_hedge.report import AttemptOutcome as O
+from trio_hedge.sources.anthropic import AnthropicReplica
 from trio_hedge.sources.openai import merge_tool_calls
+from trio_hedge.sources.openai_responses import ResponsesReplica
 from trio_hedge.testing import Behaviour, FakeReplica, MockReplicas
 from trio_hedge.testing._behaviour import PREFILL_REJECTED
 
@@ -601,3 +603,80 @@ async def test_a_recovery_is_throttled_like_a_failover(
     assert stream.report.recoveries == 0
     assert (stats.recoveries, stats.failover_throttle_refusals) == (0, 1)
     assert len(mock.requests["b"]) == 1
+
+
+async def test_a_continuation_on_a_backup_priority_replica_carries_both() -> None:
+    # A recovery is an attempt after the primary: its continuation body takes the replica's
+    # backup_priority too (the engine orders it after its tenants' requests).
+    backup = attrs.evolve(GOOD, continuation="vllm")
+    async with _fleet([cut(5), backup]) as servers:
+        replicas = [
+            th.Replica(servers[0].url, name="r0", backup_priority=1),
+            th.Replica(servers[1].url, name="r1", continuation="vllm", backup_priority=1),
+        ]
+        async with th.Hedger(replicas, CONFIG) as hedger:
+            async with hedger.stream(REQUEST) as stream:
+                got = "".join([t async for t in stream])
+    assert got == FULL and stream.report.recoveries == 1
+    assert "priority" not in servers[0].requests[0].json  # the primary's body is the request's
+    (sent,) = [r.json for r in servers[1].requests]
+    assert _sent(sent) == "vllm" and sent["priority"] == 1
+    assert sent["messages"][-1] == {"role": "assistant", "content": prefix(5)}
+
+
+AGENT_APIS = {
+    "messages": (
+        AnthropicReplica,
+        {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]},
+    ),
+    "responses": (ResponsesReplica, {"model": "m", "input": "hi"}),
+}
+
+
+@pytest.mark.parametrize("api", AGENT_APIS)
+@pytest.mark.parametrize(
+    ("name", "primary"),
+    [
+        ("cut", cut(5)),
+        ("malformed event", Behaviour(tokens=N, malformed_after=5)),
+        ("in-band error", Behaviour(tokens=N, inband_error_after=5)),
+    ],
+)
+async def test_the_agent_apis_recover_by_replay(api: str, name: str, primary: Behaviour) -> None:
+    # The Messages and Responses fakes break in their own events; the recovery replays the
+    # request on the next replica and verifies the answer so far before relaying the rest.
+    kind, request = AGENT_APIS[api]
+    async with _fleet([primary, GOOD]) as servers:
+        replicas = [kind(s.url, name=s.name) for s in servers]
+        async with th.Hedger(replicas, STALLING) as hedger:
+            with trio.fail_after(10):
+                async with hedger.stream(request) as stream:
+                    got = "".join([t async for t in stream])
+    assert got == FULL and stream.report.completed
+    (recovery,) = [a.recovery for a in stream.report.attempts if a.recovery is not None]
+    assert (recovery.method, recovery.verified) == ("replay", len(prefix(5)))
+    assert servers[1].requests[0].json == {**request, "stream": True}  # the request again
+
+
+@pytest.mark.parametrize("api", AGENT_APIS)
+async def test_a_tool_call_cut_in_an_agent_api_is_replayed_whole(api: str) -> None:
+    kind, request = AGENT_APIS[api]
+    config = attrs.evolve(CONFIG, first_token=FirstToken.ANY_OUTPUT)
+    async with _fleet([_tools(cut_after_fragments=2), _tools()]) as servers:
+        replicas = [kind(s.url, name=s.name) for s in servers]
+        async with th.Hedger(replicas, config) as hedger:
+            events: list[Delta] = []
+            async with hedger.stream(request) as stream:
+                async for event in stream.events():
+                    events.append(event)
+    assert stream.report.completed and stream.report.recoveries == 1
+    assert "".join(e.content for e in events) == "tok0 tok1 tok2 "
+    ((name, arguments),) = [(c["name"], c["arguments"]) for c in merge_tool_calls(events)]
+    assert (name, arguments) == CALL
+
+
+@pytest.mark.parametrize("api", AGENT_APIS)
+def test_continuation_is_declared_for_chat_replicas_only(api: str) -> None:
+    kind, _ = AGENT_APIS[api]
+    with pytest.raises(ValueError, match="continuation"):
+        kind("http://a.test/v1", continuation="vllm")

@@ -1,35 +1,46 @@
 """The gateway's ASGI application: routes, authentication, limits, metrics, access log.
 
-Routes: ``POST /v1/chat/completions`` (``_forward.py``), ``GET /v1/models`` (the replicas'
+Routes: ``POST /v1/chat/completions`` (``_forward.py``), ``POST /v1/messages`` and
+``POST /v1/responses`` (``_agent.py``: the same race in the Anthropic Messages and OpenAI
+Responses APIs), ``GET /v1/models`` (the replicas'
 lists, merged), ``GET /healthz`` (the process is up), ``GET /readyz`` (ready while not
 draining and at least one replica is eligible), ``GET /metrics`` (Prometheus text).
-Authentication (when gateway keys are configured) covers ``/v1/*``.
+Authentication (when gateway keys are configured) covers ``/v1/*``: ``Authorization: Bearer``
+or, as Anthropic clients send it, ``x-api-key``.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import logging
 import math
 import time
 from collections.abc import Mapping
+from contextlib import suppress
 from typing import Any
 
 import httpx
 import trio
 
 from .. import Hedger, Replica
-from ._config import GatewayConfig
+from ._agent import agent_forwarder
+from ._config import GatewayConfig, GatewayKey
 from ._errors import ErrorAnswer
 from ._forward import ChatForwarder, Rejected
 from ._http import Exchange, Receive, Scope, Send
-from ._limits import BodyTooLarge, ClientGone, Draining, Limiter, read_body
+from ._limits import BodyTooLarge, ClientGone, Draining, KeyLimiter, Limiter, read_body
 from ._metrics import ACCESS_LOGGER, GatewayMetrics
 
 __all__ = ["GatewayApp"]
 
+logger = logging.getLogger("trio_hedge.gateway")
+
 #: How long ``/v1/models`` waits for the replicas' own lists (seconds).
 MODELS_TIMEOUT = 5.0
+#: How long the body of a request refused for its framing is read before the answer
+#: (seconds).
+REFUSED_BODY_SECONDS = 5.0
 
 _ROUTES = {
     "/v1/chat/completions": "POST",
@@ -48,6 +59,31 @@ def _content_length(ex: Exchange) -> int | None:
         return None
 
 
+async def _answer_defect(ex: Exchange) -> None:
+    answer = ErrorAnswer(500, "internal error in the gateway", code="internal_error")
+    try:
+        if not ex.started:
+            await ex.error(answer)
+        elif not ex.finished:
+            await ex.body(answer.event(), more=False)
+    except Exception:  # the client is gone: nothing more to tell it
+        pass
+
+
+def _ambiguous(ex: Exchange) -> ErrorAnswer | None:
+    """A refusal for a request whose framing or caller is ambiguous: both ``Content-Length``
+    and ``Transfer-Encoding`` (a request-smuggling precondition), or a header the gateway
+    reads sent twice (which ``Authorization`` counts: the gateway's or a proxy's?)."""
+    headers = ex.headers
+    if b"transfer-encoding" in headers and b"content-length" in headers:
+        message = "a request must not have both Content-Length and Transfer-Encoding"
+        return ErrorAnswer(400, message, code="ambiguous_framing", param="Content-Length")
+    if ex.duplicate is not None:
+        name = ex.duplicate.decode("latin-1")
+        return ErrorAnswer(400, f"{name} must be sent once", code="duplicate_header", param=name)
+    return None
+
+
 class GatewayApp:
     """An ASGI 3 application serving one [`GatewayConfig`][trio_hedge.gateway.GatewayConfig].
 
@@ -56,6 +92,9 @@ class GatewayApp:
         hedgers: one long-lived [`Hedger`][trio_hedge.Hedger] per group name.
         client: the ``httpx.AsyncClient`` the Hedgers share (for ``/v1/models``).
         metrics: the `GatewayMetrics` whose hook the Hedgers call.
+        agent_hedgers: per API (``"anthropic"``, ``"responses"``), one Hedger per group over
+            the same replicas speaking that API (``_agent.py``); an API without them has no
+            route (404).
 
     The caller owns the Hedgers and the client (``serve()`` opens and closes them).
     """
@@ -66,15 +105,24 @@ class GatewayApp:
         hedgers: Mapping[str, Hedger],
         client: httpx.AsyncClient,
         metrics: GatewayMetrics,
+        agent_hedgers: Mapping[str, Mapping[str, Hedger]] | None = None,
     ) -> None:
         self.config = config
         self.limiter = Limiter(config.limits.max_concurrent)
         self.metrics = metrics
         self._hedgers = hedgers
         self._client = client
-        self._keys = tuple(k.encode() for k in config.keys)
-        self._chat = ChatForwarder(config, hedgers, metrics, config.keys)
-        metrics.watch(hedgers)
+        self.keys = KeyLimiter(config.keys, config.limits)
+        self._keys = tuple((k.key.encode(), k) for k in config.keys)
+        secrets = [k.key for k in config.keys]
+        self._chat = ChatForwarder(config, hedgers, metrics, secrets)
+        self._forwarders: dict[str, ChatForwarder] = {"/v1/chat/completions": self._chat}
+        for api, by_group in (agent_hedgers or {}).items():
+            path, forwarder = agent_forwarder(api, config, by_group, metrics, secrets)
+            self._forwarders[path] = forwarder
+        self._routes = {**_ROUTES, **dict.fromkeys(self._forwarders, "POST")}
+        named = (m for g in config.groups for m in g.models if not any(c in m for c in "*?["))
+        metrics.watch(hedgers, named)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -88,13 +136,32 @@ class GatewayApp:
         path = ex.record.path
         try:
             await self._route(ex, path, ex.record.method)
+        except Exception as exc:  # a defect: answered 500, never an empty answer
+            logger.error("request %s: %s", ex.record.request_id, type(exc).__name__)
+            ex.record.error = "internal_error"
+            await _answer_defect(ex)
         finally:
-            label = path if path in _ROUTES else "other"
-            self.metrics.requests.labels(label, str(ex.record.status)).inc()
+            label = path if path in self._routes else "other"
+            status = str(ex.record.status)
+            self.metrics.requests.labels(label, status).inc()
+            if ex.record.key is not None:
+                self.metrics.key_requests.labels(ex.record.key, status).inc()
             ACCESS_LOGGER.info(ex.record.line())
 
     async def _route(self, ex: Exchange, path: str, method: str) -> None:
-        wanted = _ROUTES.get(path)
+        refusal = _ambiguous(ex)
+        if refusal is not None:
+            self.metrics.refused.labels("invalid").inc()
+            # Read (and drop) the body first: the server would cut the answer short on
+            # seeing bytes after a body it has not finished reading.
+            limit = self.config.limits.max_body_bytes
+            with trio.move_on_after(REFUSED_BODY_SECONDS), suppress(BodyTooLarge, ClientGone):
+                await read_body(ex.receive, limit, None)
+            # Then the connection is closed (RFC 9112 section 6.1 for CL + TE): the server
+            # and a proxy in front may disagree where this request ends, and which is next.
+            await ex.error(refusal, [(b"connection", b"close")])
+            return
+        wanted = self._routes.get(path)
         if wanted is None:
             await ex.error(ErrorAnswer(404, f"no route {path}", code="not_found"))
             return
@@ -102,17 +169,32 @@ class GatewayApp:
             answer = ErrorAnswer(405, f"{method} is not allowed on {path}", code="method")
             await ex.error(answer, [(b"allow", wanted.encode())])
             return
-        if path.startswith("/v1/") and not self._authorized(ex):
-            self.metrics.refused.labels("auth").inc()
-            answer = ErrorAnswer(
-                401,
-                "a valid gateway key is required (Authorization: Bearer …)",
-                code="invalid_api_key",
-            )
-            await ex.error(answer, [(b"www-authenticate", b"Bearer")])
-            return
-        if path == "/v1/chat/completions":
-            await self._chat_completions(ex)
+        if path.startswith("/v1/") and self._keys:
+            key = self._caller(ex)
+            if key is None:
+                self.metrics.refused.labels("auth").inc()
+                answer = ErrorAnswer(
+                    401,
+                    "a valid gateway key is required (Authorization: Bearer …)",
+                    code="invalid_api_key",
+                )
+                await ex.error(answer, [(b"www-authenticate", b"Bearer")])
+                return
+            ex.record.key = key.name
+            wait = self.keys.take(key.name)
+            if wait is not None:
+                self.metrics.refused.labels("key_rate").inc()
+                answer = ErrorAnswer(
+                    429,
+                    f"this gateway key's request rate is used up: retry in {wait:.3g} s",
+                    code="rate_limit_exceeded",
+                    retry_after=wait,
+                )
+                await ex.error(answer)
+                return
+        forwarder = self._forwarders.get(path)
+        if forwarder is not None:
+            await self._forward(ex, forwarder)
         elif path == "/v1/models":
             await self._models(ex)
         elif path == "/healthz":
@@ -123,17 +205,19 @@ class GatewayApp:
             data = self.metrics.render()
             await ex.respond(200, data, [(b"content-type", b"text/plain; version=0.0.4")])
 
-    def _authorized(self, ex: Exchange) -> bool:
-        if not self._keys:
-            return True
+    def _caller(self, ex: Exchange) -> GatewayKey | None:
+        """The gateway key the request sends, or ``None``."""
         value = ex.headers.get(b"authorization", b"")
         token = value[7:].strip() if value[:7].lower() == b"bearer " else b""
-        ok = False
-        for key in self._keys:  # every key compared, each in constant time
-            ok |= hmac.compare_digest(token, key)
-        return ok
+        if not token:  # Anthropic clients send their key as x-api-key
+            token = ex.headers.get(b"x-api-key", b"").strip()
+        found = None
+        for secret, key in self._keys:  # every key compared, each in constant time
+            if hmac.compare_digest(token, secret):
+                found = key
+        return found
 
-    async def _chat_completions(self, ex: Exchange) -> None:
+    async def _forward(self, ex: Exchange, forwarder: ChatForwarder) -> None:
         limits = self.config.limits
         refused = self.metrics.refused
         declared = _content_length(ex)
@@ -156,6 +240,20 @@ class GatewayApp:
             )
             await ex.error(answer)
             return
+        key = ex.record.key
+        if key is not None and not self.keys.admit(key):
+            self.limiter.release(admitted)
+            refused.labels("key_concurrency").inc()
+            answer = ErrorAnswer(
+                429,
+                "too many requests in flight for this gateway key",
+                code="concurrency_limit_exceeded",
+                retry_after=limits.retry_after,
+            )
+            await ex.error(answer)
+            return
+        if key is not None:
+            self.metrics.key_in_flight.labels(key).inc()
         timeout = limits.request_timeout
         deadline_at = math.inf if timeout is None else trio.current_time() + timeout
         try:
@@ -167,7 +265,7 @@ class GatewayApp:
                     message = f"the request body took longer than request_timeout={timeout} s"
                     await ex.error(ErrorAnswer(408, message, code="request_timeout"))
                     return
-                request, group, options, streaming = self._chat.prepare(ex, body)
+                request, group, options, streaming = forwarder.prepare(ex, body)
             except BodyTooLarge:
                 refused.labels("body_size").inc()
                 message = f"the request body is larger than max_body_bytes={limits.max_body_bytes}"
@@ -180,9 +278,12 @@ class GatewayApp:
             except ClientGone:
                 ex.record.status, ex.record.error = 499, "client_disconnected"
                 return
-            await self._chat.handle(ex, request, group, options, streaming, admitted, deadline_at)
+            await forwarder.handle(ex, request, group, options, streaming, admitted, deadline_at)
         finally:
             self.limiter.release(admitted)
+            if key is not None:
+                self.keys.release(key)
+                self.metrics.key_in_flight.labels(key).dec()
 
     async def _models(self, ex: Exchange) -> None:
         """The replicas' own ``/models`` lists, merged (first seen first), and the group

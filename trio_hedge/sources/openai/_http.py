@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, ClassVar, Literal
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, ClassVar, Literal, Protocol
 from urllib.parse import urlsplit
 
 import attrs
@@ -32,6 +32,7 @@ from ...errors import AttemptError, ErrorKind
 from ...events import Delta
 from ...transport import http2_connections
 from .._aclose import aclose_nested
+from ..probes import LoadProbe, as_probe
 from ._codec import ChunkDecoder, decode_json_body
 from ._errors import (
     classify_http_error,
@@ -39,9 +40,19 @@ from ._errors import (
     send_error,
     transport_error,
     with_context,
+    without_frames,
 )
 
-__all__ = ["HeaderNames", "OpenAIChatSource", "Replica"]
+__all__ = [
+    "HTTPAttempt",
+    "HTTPSource",
+    "HeaderNames",
+    "OpenAIChatSource",
+    "Replica",
+    "StreamDecoder",
+    "TransportErrors",
+    "attempt_for",
+]
 
 #: How much of an error body is read to classify it (bytes).
 ERROR_BODY_LIMIT = 4096
@@ -151,6 +162,15 @@ _CONTINUATIONS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+def _as_probe(value: object) -> LoadProbe | None:
+    return as_probe(value, "probe")
+
+
+def _check_priority(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise TypeError(f"{attribute.name} must be an int or None")
+
+
 def _redacted_headers(headers: Mapping[str, str]) -> str:
     return "{" + ", ".join(f"{k!r}: '***'" for k in headers) + "}"
 
@@ -189,7 +209,20 @@ class Replica:
             prefix, which is verified and stripped), or ``None`` (default: never asked to;
             hosted APIs that reject assistant prefill, such as newer Claude models, answer
             400). Without one, a recovery on this replica replays the request and verifies
-            it. Declare it; it is never guessed.
+            it. Declare it; it is never guessed. Chat completions only (the engines'
+            contracts are their chat endpoints'): another API's replica raises
+            ``ValueError``. A backup's ``backup_priority`` goes in a continuation's body too.
+        probe: read the engine's own load
+            ([`LoadProbe`][trio_hedge.sources.probes.LoadProbe], or an engine name:
+            ``"vllm"``, ``"llama.cpp"``, ``"sglang"``, ``"tgi"``) so a
+            [`Hedger`][trio_hedge.Hedger] sees the queue other tenants put on it. Default
+            ``None`` (the Hedger's own view only).
+        backup_priority: sent as the body's ``"priority"`` on every attempt after the
+            primary (a hedge or failover), so an engine with priority scheduling serves the
+            tenants' requests first (vLLM with ``--scheduling-policy priority``: lower values
+            first, default 0, so give e.g. 1; SGLang with priority scheduling: check which
+            way its ``--schedule-low-priority-values-first`` orders). On vLLM it orders only
+            *waiting* requests: nothing preempts a running prefill. Default ``None``.
 
     Raises:
         TypeError, ValueError: a bad URL, name or path, a URL with embedded credentials, an
@@ -231,6 +264,12 @@ class Replica:
         validator=attrs.validators.optional(attrs.validators.in_(tuple(_CONTINUATIONS))),
         kw_only=True,
     )
+    probe: LoadProbe | None = attrs.field(
+        default=None,
+        converter=_as_probe,
+        kw_only=True,
+    )
+    backup_priority: int | None = attrs.field(default=None, validator=_check_priority, kw_only=True)
     # Masks the key and header values wherever a server might quote them back.
     _redact: Redactor = attrs.field(
         init=False,
@@ -242,12 +281,34 @@ class Replica:
     )
 
     def __attrs_post_init__(self) -> None:
-        if self.api_key is not None and any(n.lower() == "authorization" for n in self.headers):
+        key_header = self._key_header
+        if self.api_key is not None and any(n.lower() == key_header for n in self.headers):
             raise ValueError(
-                "give the key as api_key or as an Authorization header, not both "
+                f"give the key as api_key or as an {key_header} header, not both "
                 "(both would be sent)"
             )
+        if self.continuation is not None and self.api != "chat":
+            # The engines' continuation contracts are their chat-completions endpoints'; a
+            # recovery on another API's replica replays and verifies.
+            raise ValueError(f"continuation is for chat-completions replicas, not {self.api!r}")
         protect_in_logs(self._redact)
+
+    #: The API this kind of replica speaks (one request body fits one API, so the front doors
+    #: refuse a list of replicas that mix them).
+    api: ClassVar[str] = "chat"
+    #: What ``bind`` makes (set below for chat completions; each API's replica its own).
+    _source_class: ClassVar[type[HTTPSource]]
+    #: The (lower-case) header ``api_key`` goes in.
+    _key_header: ClassVar[str] = "authorization"
+
+    def _key_headers(self) -> dict[str, str]:
+        """The headers that carry ``api_key`` (sent over the replica's own headers)."""
+        return {} if self.api_key is None else {"authorization": f"Bearer {self.api_key}"}
+
+    def _default_headers(self) -> dict[str, str]:
+        """The headers every attempt sends unless the replica's or the request's replace
+        them (lower-case names)."""
+        return {"accept": "text/event-stream", "content-type": "application/json"}
 
     #: ``bind`` sends through the front door's ``httpx.AsyncClient``.
     needs_http_client: ClassVar[bool] = True
@@ -267,7 +328,7 @@ class Replica:
         *,
         headers: HeaderNames | None = None,
         extra_headers: Mapping[str, str] | None = None,
-    ) -> OpenAIChatSource:
+    ) -> HTTPSource:
         """This replica as a [`Source`][trio_hedge.sources.Source] for one request;
         ``extra_headers`` are added to every attempt of this request (over the replica's own
         ``headers``).
@@ -276,15 +337,30 @@ class Replica:
             TypeError: ``client`` is ``None`` (an HTTP replica needs one).
         """
         if client is None:
-            raise TypeError("a Replica needs an httpx.AsyncClient to bind to")
-        return OpenAIChatSource(
+            raise TypeError(f"a {type(self).__name__} needs an httpx.AsyncClient to bind to")
+        return self._source_class(
             self, request, client, headers or HeaderNames(), extra_headers=extra_headers
         )
 
 
-class OpenAIChatSource:
-    """One request bound to one [`Replica`][trio_hedge.sources.Replica] over one
-    ``httpx.AsyncClient``."""
+class StreamDecoder(Protocol):
+    """What an HTTP attempt reads its body through: one per response (the chat codec's
+    [`ChunkDecoder`][trio_hedge.sources.openai.ChunkDecoder], or another API's)."""
+
+    done: bool
+    error: AttemptError | None
+    data_events: int
+
+    def feed(self, data: bytes) -> list[Delta]: ...
+
+    def end(self) -> list[Delta]: ...
+
+
+class HTTPSource:
+    """One request bound to one replica over one ``httpx.AsyncClient``: builds the request,
+    sends it, classifies an error answer and reads the body through the API's decoder. The
+    API's source says which decoder (`_decoder`) and how a whole JSON answer reads
+    (`_decode_whole`)."""
 
     def __init__(
         self,
@@ -310,15 +386,18 @@ class OpenAIChatSource:
         declared = _CONTINUATIONS.get(replica.continuation or "")
         #: How this source continues an answer (`Source.continues`), as its replica declares.
         self.continues = None if declared is None else declared[0]
+        # A backup's body: the engine may serve it after the tenants' requests (made on the
+        # first backup: most requests have none).
+        self._priority = replica.backup_priority
+        self._backup_content: bytes | None = None
         self._url = replica.base_url + replica.path
         # Names lower-cased: HTTP names are case-insensitive, and httpx would send "Accept"
         # and "accept" (or two authorizations) as two headers.
-        headers = {"accept": "text/event-stream", "content-type": "application/json"}
+        headers = replica._default_headers()
         headers.update((name.lower(), value) for name, value in replica.headers.items())
         if extra_headers:
             headers.update((name.lower(), value) for name, value in extra_headers.items())
-        if replica.api_key is not None:
-            headers["authorization"] = f"Bearer {replica.api_key}"
+        headers.update(replica._key_headers())
         self._headers = headers
         # What a server might quote back in an error message ("Incorrect API key provided:
         # sk-…", "Received API Key = sk-...1337"): masked in every AttemptError this source
@@ -335,21 +414,49 @@ class OpenAIChatSource:
         return self._replica.name
 
     def __repr__(self) -> str:
-        return f"OpenAIChatSource(replica={self._replica!r})"
+        return f"{type(self).__name__}(replica={self._replica!r})"
 
-    def _continuation(self, text: str) -> bytes:
+    #: The decoder of one response body (``ChunkDecoder(redact=…)`` for chat completions).
+    _stream_decoder: ClassVar[Callable[..., StreamDecoder]]
+    #: How a whole ``application/json`` answer reads: ``(status, headers, body, *, redact)`` to
+    #: its deltas, or the classified error raised.
+    _whole_decoder: ClassVar[Callable[..., list[Delta]]]
+
+    def _decoder(self, redact: Redactor) -> StreamDecoder:
+        return self._stream_decoder(redact=redact)
+
+    def _decode_whole(
+        self, status: int, headers: Mapping[str, str], body: bytes, redact: Redactor
+    ) -> list[Delta]:
+        return self._whole_decoder(status, headers, body, redact=redact)
+
+    def _content_for(self, info: AttemptInfo) -> bytes:
+        """The body attempt ``info`` sends: the request's; after the primary with the
+        replica's ``backup_priority``; for a recovery by continuation, the text so far as a
+        final assistant message with the engine's fields (and the priority: both apply)."""
+        priority = None if info.number == 1 else self._priority
+        if info.continue_from is not None and self.continues is not None:
+            return self._continuation(info.continue_from, priority)
+        if priority is None:
+            return self._content
+        if self._backup_content is None:
+            body = {**self._body, "priority": priority}
+            self._backup_content = json.dumps(body, ensure_ascii=False).encode()
+        return self._backup_content
+
+    def _continuation(self, text: str, priority: int | None) -> bytes:
         """The body that asks this replica's engine to continue ``text`` (a recovery)."""
         assert self._replica.continuation is not None  # the race asks only sources that say
         fields = _CONTINUATIONS[self._replica.continuation][1]
         messages = [*self._body.get("messages", ()), {"role": "assistant", "content": text}]
         body = {**self._body, "messages": messages, **fields}
+        if priority is not None:
+            body["priority"] = priority
         return json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
 
     async def open(self, info: AttemptInfo) -> HTTPAttempt:
         headers = attempt_headers(self._headers, self._header_names, info)
-        content = self._content
-        if info.continue_from is not None and self.continues is not None:
-            content = self._continuation(info.continue_from)
+        content = self._content_for(info)
         request = self._client.build_request("POST", self._url, content=content, headers=headers)
         request.stream = _Body(content)
         try:
@@ -363,9 +470,9 @@ class OpenAIChatSource:
                 await _reset_orphan_http2_streams(self._client)
             if not isinstance(exc, Exception):
                 raise
-            raise send_error(exc, request, self._redact) from exc
+            raise send_error(exc, request, self._redact) from without_frames(exc)
         try:
-            return await attempt_for(response, self._redact)
+            return await self._attempt_for(response)
         except BaseException:
             # Shielded and bounded; a failing close must not replace the error being raised.
             with (
@@ -374,6 +481,30 @@ class OpenAIChatSource:
             ):
                 await _close_response(response, finished=False)
             raise
+
+    async def _attempt_for(self, response: httpx.Response) -> HTTPAttempt:
+        return await attempt_for(
+            response,
+            self._redact,
+            kind=self._attempt_kind(),
+            whole_decoder=self._whole_decoder,
+            stream_decoder=self._stream_decoder,
+        )
+
+    def _attempt_kind(self) -> Callable[..., HTTPAttempt] | None:
+        """What makes this source's attempts (``None``: ``HTTPAttempt``)."""
+        return None
+
+
+class OpenAIChatSource(HTTPSource):
+    """One chat-completions request bound to one [`Replica`][trio_hedge.sources.Replica] over
+    one ``httpx.AsyncClient``."""
+
+    _stream_decoder = ChunkDecoder
+    _whole_decoder = staticmethod(decode_json_body)
+
+
+Replica._source_class = OpenAIChatSource
 
 
 @attrs.frozen
@@ -435,14 +566,18 @@ async def attempt_for(
     response: httpx.Response,
     redact: Redactor,
     errors: TransportErrors = HTTPX_ERRORS,
-    kind: type[HTTPAttempt] | None = None,
+    kind: Callable[..., HTTPAttempt] | None = None,
+    *,
+    whole_decoder: Callable[..., list[Delta]] = decode_json_body,
+    stream_decoder: Callable[..., StreamDecoder] = ChunkDecoder,
 ) -> HTTPAttempt:
     """The attempt a response opens, by its status and content type: an error status raises
     its classified error, a web page ``PROTOCOL``, a JSON answer is read whole and decoded
-    ([`decode_json_body`][trio_hedge.sources.openai.decode_json_body]), anything else is read
-    as an event stream. Both sources open their attempts here (one set of rules); ``errors``
-    are the classes of the library ``response`` comes from, ``kind`` the attempt's class
-    (default ``HTTPAttempt``)."""
+    (``whole_decoder``: [`decode_json_body`][trio_hedge.sources.openai.decode_json_body] for
+    chat completions), anything else is read as an event stream (``stream_decoder``:
+    [`ChunkDecoder`][trio_hedge.sources.openai.ChunkDecoder]). Every source opens its attempts
+    here (one set of rules); ``errors`` are the classes of the library ``response`` comes
+    from, ``kind`` what makes the attempt (default ``HTTPAttempt``)."""
     status = response.status_code
     if not 200 <= status < 300:
         try:
@@ -451,8 +586,8 @@ async def attempt_for(
             body = b""
         error = classify_http_error(status, response.headers, body, redact=redact)
         if status == 400 and b"plain HTTP request was sent to HTTPS port" in body:
-            # nginx's 400 page for http:// on a TLS port: the replica's URL is wrong, not the
-            # request (it would be fatal as a plain 400).
+            # nginx's 400 page for http:// on a TLS port: the replica's URL is wrong, not
+            # the request (it would be fatal as a plain 400).
             raise AttemptError(
                 ErrorKind.PROTOCOL,
                 redact(
@@ -460,12 +595,16 @@ async def attempt_for(
                     "this port (a plain HTTP request was sent to an HTTPS port); use https://"
                 ),
                 status_code=status,
+                hint="the port speaks TLS: use https://",
             )
         if status in (404, 405):
             # A wrong path or base_url (the server's own message rarely names it).
             where = request_line(response.request)
-            hint = "" if "/v1/" in where else "; OpenAI-compatible servers usually serve /v1/…"
+            missing_v1 = "/v1/" not in where
+            hint = "; OpenAI-compatible servers usually serve /v1/…" if missing_v1 else ""
             error = with_context(error, redact(f"{where}{hint}"))
+            if missing_v1:
+                error.hint = "base_url usually ends in /v1"
         raise error
     content_type = response.headers.get("content-type", "")
     if content_type.startswith("text/html"):
@@ -474,10 +613,11 @@ async def attempt_for(
             ErrorKind.PROTOCOL,
             redact(
                 f"HTTP {status} with Content-Type {content_type} from "
-                f"{request_line(response.request)}: a web page, not an event stream; is base_url "
-                "the API's (often ending in /v1)?"
+                f"{request_line(response.request)}: a web page, not an event stream; is "
+                "base_url the API's (often ending in /v1)?"
             ),
             status_code=status,
+            hint="a web page, not the API: is base_url the API's (often ending in /v1)?",
         )
     if content_type.startswith("application/json"):
         body = await _read_bounded(response, JSON_BODY_LIMIT + 1)
@@ -485,9 +625,9 @@ async def attempt_for(
             raise AttemptError(
                 ErrorKind.PROTOCOL, f"JSON answer larger than {JSON_BODY_LIMIT} bytes"
             )
-        whole = decode_json_body(status, response.headers, body, redact=redact)
-        return (kind or HTTPAttempt)(response, whole, redact, errors)
-    return (kind or HTTPAttempt)(response, None, redact, errors)
+        whole = whole_decoder(status, response.headers, body, redact=redact)
+        return (kind or HTTPAttempt)(response, whole, redact, errors, stream_decoder(redact=redact))
+    return (kind or HTTPAttempt)(response, None, redact, errors, stream_decoder(redact=redact))
 
 
 class HTTPAttempt:
@@ -511,11 +651,12 @@ class HTTPAttempt:
         whole: Sequence[Delta] | None,
         redact: Redactor | None = None,
         errors: TransportErrors = HTTPX_ERRORS,
+        decoder: StreamDecoder | None = None,
     ) -> None:
         self._response = response
         self._errors = errors
         self._redact = redact if redact is not None else Redactor()
-        self._decoder = ChunkDecoder(redact=self._redact)
+        self._decoder = decoder if decoder is not None else ChunkDecoder(redact=self._redact)
         # Undecoded bytes skip httpx's content-decoder and re-chunking layers (hot path). A
         # compressed body, or one already read (an event hook called .read()), goes through
         # aiter_bytes(), which handles both.
@@ -550,11 +691,11 @@ class HTTPAttempt:
                 self._finished = self._exhausted = True
                 return decoder.end() or None
             except self._errors.timeout as exc:
-                raise transport_error(ErrorKind.TIMEOUT, exc, self._redact) from exc
+                raise transport_error(ErrorKind.TIMEOUT, exc, self._redact) from without_frames(exc)
             except self._errors.transport as exc:
                 # A cut after data is a truncated stream; before any data, a connection error.
                 kind = ErrorKind.STREAM_TRUNCATED if decoder.data_events else ErrorKind.CONNECTION
-                raise transport_error(kind, exc, self._redact) from exc
+                raise transport_error(kind, exc, self._redact) from without_frames(exc)
             deltas = decoder.feed(chunk)
             if decoder.done:
                 self._finished = True
