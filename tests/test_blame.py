@@ -248,6 +248,41 @@ async def test_client_chosen_models_never_grow_the_state(
     assert model is not None and len(model._groups) == 256
 
 
+async def test_an_ejection_for_another_model_keeps_no_failing_replica_in(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # b answers 503 for everyone's model m, a serves it; a serves no model x, which b does.
+    # The misbehaving caller asks for x once, hedged at once: a's 404, b serves, so a is
+    # ejected for x (its own evidence, for x). On the merge of issue 16 that ejection filled
+    # the fleet-wide cap (1 of 2): b, failing every measured request, was never ejected,
+    # and each measured request paid b's 503 before a answered (TTFT 0.25 s, not 0.2 s).
+    def behave(replica: str, info: th.sources.AttemptInfo) -> Script | Fail:
+        if info.request_id.startswith("x"):
+            return NOT_FOUND if replica == "a" else FAST
+        return OVERLOADED if replica == "b" else FAST
+
+    def make() -> th.Hedger:
+        return th.Hedger(Fleet(["b", "a"], behave).sources(), _config())
+
+    async def measured(hedger: th.Hedger, out: list[Trace]) -> None:
+        t0 = trio.current_time()
+        for i in range(12):
+            await trio.sleep_until(t0 + 1.0 * i + 1.0)
+            out.append(_trace(await run(hedger.stream(None, group="m", request_id=f"m{i}"))))
+
+    async def misbehaving(hedger: th.Hedger) -> None:
+        await run(hedger.stream(None, group="x", request_id="x0", hedge_after=0.0))
+        assert hedger.statistics().replicas[1].ejected_models == ("x",)
+
+    alone, beside, hedger = await _with_and_without(make, measured, misbehaving)
+    assert alone == beside
+    through_b = (("b", "primary", 0.0, O.FAILED), ("a", "failover", 0.05, O.WON)), 0.25
+    straight = (("a", "primary", 0.0, O.WON),), 0.2
+    assert alone == [through_b] * 5 + [straight] * 7  # b ejected after its fifth 503
+    b, a = hedger.statistics().replicas
+    assert (b.times_ejected, a.times_ejected) == (1, 1)  # a for x only
+
+
 # -- 3. the throttle bounds storms of the fleet, never failover to a replica that answers -------
 
 

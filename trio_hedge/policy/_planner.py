@@ -412,7 +412,7 @@ class RequestPlanner:
                     waited=now - started,
                     fleet_delay=fleet_delay,
                 ):
-                    self._ejected(slow, fleet.health_failure(slow, now), "slow", now)
+                    self._ejected(slow, fleet.health_failure(slow, self._model, now), "slow", now)
 
     def _end(self, number: int) -> None:
         replica = self._running.pop(number, None)
@@ -430,7 +430,9 @@ class RequestPlanner:
             self._cool(replica, retry_after, error, now)
         if fault is Fault.REPLICA:
             replica.failures += 1
-            self._ejected(replica, fleet.health_failure(replica, now), error.kind.value, now)
+            self._ejected(
+                replica, fleet.health_failure(replica, self._model, now), error.kind.value, now
+            )
         elif fault is Fault.MISCONFIGURED:
             self._misconfigured(replica, error, now)
         elif fault is Fault.UNDECIDED:
@@ -510,7 +512,9 @@ class RequestPlanner:
         ):
             # The winner failed after commit (a stall, a cut): its replica's health suffers.
             winner.failures += 1
-            self._ejected(winner, fleet.health_failure(winner, now), error.error.kind.value, now)
+            self._ejected(
+                winner, fleet.health_failure(winner, self._model, now), error.error.kind.value, now
+            )
         counts.wasted += report.wasted_tokens
         counts.prompt_resent += report.prompt_tokens_resent or 0
         self._emit(EventKind.REQUEST_FINISHED, now, report=report)

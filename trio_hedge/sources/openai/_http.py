@@ -334,6 +334,8 @@ class TransportErrors:
 HTTPX_ERRORS = TransportErrors(
     (httpx.TimeoutException,), (httpx.TransportError,), (httpx.HTTPError,)
 )
+
+
 class _Body(httpx.ByteStream):
     """The request body, whose async iterator is an object, not a generator: httpx's
     ``ByteStream.__aiter__`` is one, and a send cancelled while it is being written leaves it
