@@ -430,6 +430,72 @@ async def test_a_lost_race_never_makes_the_loser_look_fast(
     assert (await run(hedger.stream(None))).attempts[0].replica == "b"
 
 
+@pytest.mark.parametrize("cancel_at", [0.0, 0.001, 0.199])
+async def test_a_callers_early_cancels_do_not_move_the_learned_delay(
+    cancel_at: float, autojump_clock: trio.testing.MockClock
+) -> None:
+    # a is stuck (1.5 s), b answers in 0.2 s; the delay is learned (fallback 1.0 s). The
+    # misbehaving caller cancels each of its requests before the fleet's delay, and before
+    # any replica could answer (at once, after 1 ms, 1 ms before b's first token: a request
+    # served is data, of its replica, whoever sent it): on the merge of issue 16 each cancel
+    # was a censored sample counted toward min_samples, so the class was "learned" after two
+    # measured requests instead of eleven and its delay climbed to 1.5 s: 19 of 30 requests
+    # were hedged later or not at all (TTFT 1.4-1.5 s, not 1.2 s).
+    def behave(replica: str, _info: th.sources.AttemptInfo) -> Script:
+        return Script(ttft=1.5, tokens=2) if replica == "a" else FAST
+
+    def make() -> th.Hedger:
+        config = _config(hedge_after=th.LearnedDelay())
+        return th.Hedger(Fleet(["a", "b"], behave).sources(), config)
+
+    async def measured(hedger: th.Hedger, out: list[Trace]) -> None:
+        t0 = trio.current_time()
+        for i in range(30):
+            await trio.sleep_until(t0 + 3.0 * i + 1.0)
+            out.append(_trace(await run(hedger.stream(None, group="m", request_id=f"m{i}"))))
+
+    async def misbehaving(hedger: th.Hedger) -> None:
+        for i in range(300):
+            with trio.move_on_after(cancel_at):
+                await run(hedger.stream(None, group="m", request_id=f"c{i}"))
+            await trio.sleep(0.3)
+
+    alone, beside, hedger = await _with_and_without(make, measured, misbehaving)
+    assert alone == beside
+    assert alone[0] == ((("a", "primary", 0.0, O.CANCELLED), ("b", "hedge", 1.0, O.WON)), 1.2)
+    (delays,) = hedger.statistics().delays
+    assert (delays.observations, delays.censored) == (41, 11)  # the measured caller's own
+
+
+CANCELS = [
+    # (name, the request may hedge, the caller cancels at, (observations, censored) learned)
+    ("before the fleet's delay: no sample", True, 0.5, (0, 0)),
+    ("past it, hedged: the primary's, not the backup's 0.1 s", True, 1.1, (1, 1)),
+    ("past it, no hedge: a sample (the replica was that slow)", False, 1.3, (1, 1)),
+    ("before it, no hedge: no sample", False, 0.9, (0, 0)),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "hedge", "cancel_at", "learned"), CANCELS, ids=[row[0] for row in CANCELS]
+)
+async def test_a_callers_cancel_is_a_delay_sample_only_past_the_fleets_delay(
+    name: str,
+    hedge: bool,
+    cancel_at: float,
+    learned: tuple[int, int],
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The fleet's delay is the fallback, 1.0 s; a replica answers in 1.5 s, b in 0.2 s.
+    scripts = {"a": Script(ttft=1.5, tokens=2), "b": Script(ttft=0.2, tokens=2)}
+    fleet = Fleet(["a", "b"], lambda replica, _info: scripts[replica])
+    hedger = th.Hedger(fleet.sources(), _config(hedge_after=th.LearnedDelay()))
+    with trio.move_on_after(cancel_at):
+        await run(hedger.stream(None, group="m", hedge=hedge))
+    delays = hedger.statistics().delays
+    assert tuple((d.observations, d.censored) for d in delays) == ((learned,) if learned[0] else ())
+
+
 # -- 6. hook and span state belongs to the request, not to its id ---------------------------------
 
 
