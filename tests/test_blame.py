@@ -6,7 +6,9 @@ without the misbehaving one."""
 
 from __future__ import annotations
 
+import json
 import math
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,6 +20,7 @@ import trio_hedge as th
 from trio_hedge.errors import ErrorKind
 from trio_hedge.policy import Attribution, OutlierDetection, RetryThrottle
 from trio_hedge.report import AttemptOutcome as O
+from trio_hedge.testing import Behaviour, FakeReplica, RequestRecord
 
 from .fleet import Fail, Fleet, run
 from .scripted import Script
@@ -593,3 +596,72 @@ def test_a_flood_of_new_models_does_not_forget_what_was_learned() -> None:
     now = 23.0
     assert {g: model.delay(g, 0, now) for g in ("m1", "m2")} == learned
     assert learned["m1"] != th.LearnedDelay().fallback
+
+
+# -- 7. a caller's own words, quoted back by a server, are no evidence against it -------------
+
+
+def _echoing(record: RequestRecord) -> Behaviour:
+    """A server that validates ``response_format`` as vLLM's pydantic models do: a 400 that
+    quotes the caller's bad tag back."""
+    body = record.json or {}
+    tag = (body.get("response_format") or {}).get("type", "text")
+    if tag in ("text", "json_object"):
+        return Behaviour(ttft=0.01, tokens=2)
+    message = (
+        "1 validation error for ChatCompletionRequest\nresponse_format\n  Input tag "
+        f"'{tag}' found using 'type' does not match any of the expected tags: 'text', "
+        "'json_object'"
+    )
+    return Behaviour(status=400, error_message=message)
+
+
+ECHOES = [
+    # (name, the caller's tag, on the merge of issue 16)
+    ("LiteLLM's words: overloaded", "no healthy deployments", ErrorKind.OVERLOADED),
+    ("Gemini's words: a key error", "API key not valid", ErrorKind.AUTH),
+    ("a key error's words", "forbidden", ErrorKind.AUTH),
+]
+
+
+@pytest.mark.parametrize(("name", "tag", "was"), ECHOES, ids=[row[0] for row in ECHOES])
+async def test_a_callers_words_quoted_back_blame_no_replica(
+    name: str, tag: str, was: ErrorKind
+) -> None:
+    # Both replicas quote a bad response_format tag back in a 400. The misbehaving caller's
+    # tag is words the classifier reads as the server's: on the merge of issue 16 five such
+    # requests ejected a (each "overloaded" 400 a failure in its run) or made the 400 a key
+    # error, retried on b; now each is the request's own 400, fatal at once.
+    bad = {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": tag}}
+    good = {"messages": [{"role": "user", "content": "hi"}]}
+    async with FakeReplica(_echoing, name="a") as a, FakeReplica(_echoing, name="b") as b:
+        replicas = [th.Replica(base_url=r.url, name=r.name) for r in (a, b)]
+        async with th.Hedger(replicas, _config()) as hedger:
+            for _ in range(6):
+                report = await run(hedger.stream(bad, request_id=str(uuid.uuid4())))
+                assert [x.replica for x in report.attempts] == ["a"]
+                assert isinstance(report.error, th.FatalAttemptError)
+                assert report.error.error.kind is ErrorKind.INVALID_REQUEST
+            served = await run(hedger.stream(good))
+            stats = hedger.statistics()
+    assert [x.replica for x in served.attempts] == ["a"]
+    assert stats.ejected == () and stats.throttle_tokens == 10
+    assert [r.failures for r in stats.replicas] == [0, 0]
+
+
+def test_words_the_request_did_not_send_still_decide() -> None:
+    # The same messages are the server's own when the request did not send those words.
+    from trio_hedge.sources.openai import classify_http_error
+
+    for _, tag, was in ECHOES:
+        body = json.dumps({"message": f"Input tag '{tag}' found", "type": "BadRequestError"})
+        sent = json.dumps({"response_format": {"type": tag}}).encode()
+        other = json.dumps({"response_format": {"type": "xml"}}).encode()
+        assert classify_http_error(400, {}, body.encode(), sent=other).kind is was
+        assert classify_http_error(400, {}, body.encode()).kind is was
+        quoted = classify_http_error(400, {}, body.encode(), sent=sent)
+        assert (quoted.kind, quoted.retryable) == (ErrorKind.INVALID_REQUEST, False)
+    # Escaped in the JSON the caller sent, quoted back decoded: still the caller's words.
+    sent = b'{"response_format": {"type": "\\u0066orbidden"}}'
+    body = b'{"message": "Input tag \'forbidden\' found"}'
+    assert classify_http_error(400, {}, body, sent=sent).kind is ErrorKind.INVALID_REQUEST

@@ -49,7 +49,7 @@ from .._source import AttemptInfo
 from .._validate import check_headers
 from ..errors import AttemptError, ErrorKind
 from ..events import Delta
-from .openai._errors import _in_band_error, classify_http_error, tls_failure
+from .openai._errors import _in_band_error, classify_http_error, sent_body, tls_failure
 from .openai._http import (
     ERROR_BODY_LIMIT,
     HeaderNames,
@@ -194,7 +194,11 @@ class _Classifier:
             error = exc
         elif isinstance(exc, openai.APIStatusError):
             error = classify_http_error(
-                exc.status_code, exc.response.headers, _body(exc), redact=self.redact
+                exc.status_code,
+                exc.response.headers,
+                _body(exc),
+                redact=self.redact,
+                sent=sent_body(exc.response),
             )
         elif isinstance(exc, (openai.APITimeoutError, *self.errors.timeout)):
             error = AttemptError(ErrorKind.TIMEOUT, self.redact(f"{type(exc).__name__}: {exc}"))

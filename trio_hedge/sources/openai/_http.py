@@ -36,6 +36,7 @@ from ._errors import (
     classify_http_error,
     request_line,
     send_error,
+    sent_body,
     transport_error,
     with_context,
 )
@@ -394,7 +395,9 @@ async def attempt_for(
             body = await _read_bounded(response, ERROR_BODY_LIMIT)
         except errors.any:
             body = b""
-        error = classify_http_error(status, response.headers, body, redact=redact)
+        error = classify_http_error(
+            status, response.headers, body, redact=redact, sent=sent_body(response)
+        )
         if status == 400 and b"plain HTTP request was sent to HTTPS port" in body:
             # nginx's 400 page for http:// on a TLS port: the replica's URL is wrong, not the
             # request (it would be fatal as a plain 400).
