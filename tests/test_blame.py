@@ -567,7 +567,7 @@ def test_the_gateway_says_whose_fault_errors_are() -> None:
     assert config.groups[0].hedger.attribution == Attribution()
     document = {"replicas": replicas, "auth": {"forward_client_key": True}}
     config = parse_config(document, environ={})
-    caller = {ErrorKind.AUTH, ErrorKind.QUOTA_EXCEEDED, ErrorKind.RATE_LIMIT}
+    caller = {ErrorKind.AUTH, ErrorKind.QUOTA_EXCEEDED, ErrorKind.RATE_LIMIT, ErrorKind.NOT_FOUND}
     assert config.groups[0].hedger.attribution.caller == caller
     document["hedger"] = {"attribution": {"caller": ["auth"], "replica": ["not_found"]}}
     config = parse_config(document, environ={})
@@ -577,6 +577,44 @@ def test_the_gateway_says_whose_fault_errors_are() -> None:
     document["hedger"] = {"attribution": {"caller": ["nope"]}}
     with pytest.raises(ConfigError, match=r"^hedger.attribution: caller unknown error kind"):
         parse_config(document, environ={})
+
+
+async def test_a_forwarded_keys_404_ejects_nothing(autojump_clock: trio.testing.MockClock) -> None:
+    # A gateway forwarding clients' keys to a (no key of its own); b has its own key. The
+    # misbehaving client's key may not use model m at a's provider: 404 ("does not exist or
+    # you do not have access to it"), and b serves it. On the merge of issue 16 that ejected
+    # a for m, for every client: the measured one's primaries went to b.
+    from trio_hedge.gateway._config import parse_config
+
+    replicas = [{"base_url": "http://127.0.0.1:1/v1"}]
+    document = {"replicas": replicas, "auth": {"forward_client_key": True}}
+    attribution = parse_config(document, environ={}).groups[0].hedger.attribution
+
+    def behave(replica: str, info: th.sources.AttemptInfo) -> Script | Fail:
+        if info.request_id.startswith("restricted") and replica == "a":
+            return NOT_FOUND
+        return FAST
+
+    def make() -> th.Hedger:
+        config = _config(attribution=attribution)
+        return th.Hedger(Fleet(["a", "b"], behave).sources(), config)
+
+    async def measured(hedger: th.Hedger, out: list[Trace]) -> None:
+        t0 = trio.current_time()
+        for i in range(5):
+            await trio.sleep_until(t0 + 2.0 * i + 1.0)
+            out.append(_trace(await run(hedger.stream(None, group="m", request_id=f"m{i}"))))
+
+    async def misbehaving(hedger: th.Hedger) -> None:
+        for i in range(5):
+            report = await run(hedger.stream(None, group="m", request_id=f"restricted{i}"))
+            assert [x.replica for x in report.attempts] == ["a", "b"]  # served, at once
+            await trio.sleep(2.0)
+
+    alone, beside, hedger = await _with_and_without(make, measured, misbehaving)
+    assert alone == beside
+    assert {attempts for attempts, _ in alone} == {(("a", "primary", 0.0, O.WON),)}
+    assert hedger.statistics().ejected == ()
 
 
 def test_a_flood_of_new_models_does_not_forget_what_was_learned() -> None:
