@@ -48,6 +48,23 @@ def _trace(report: th.Report) -> Trace:
     return attempts, _round(report.ttft)
 
 
+def _every(
+    period: float, count: int, *, start: float = 1.0, group: str = "m"
+) -> Callable[[th.Hedger, list[Trace]], Awaitable[None]]:
+    """A measured caller: ``count`` requests for ``group``, one every ``period`` seconds from
+    ``start`` (ids ``<group><i>``), each one's trace appended to ``out``."""
+
+    async def measured(hedger: th.Hedger, out: list[Trace]) -> None:
+        t0 = trio.current_time()
+        for i in range(count):
+            await trio.sleep_until(t0 + period * i + start)
+            out.append(
+                _trace(await run(hedger.stream(None, group=group, request_id=f"{group}{i}")))
+            )
+
+    return measured
+
+
 async def _with_and_without(
     make: Callable[[], th.Hedger],
     measured: Callable[[th.Hedger, list[Trace]], Awaitable[None]],
@@ -267,17 +284,11 @@ async def test_an_ejection_for_another_model_keeps_no_failing_replica_in(
     def make() -> th.Hedger:
         return th.Hedger(Fleet(["b", "a"], behave).sources(), _config())
 
-    async def measured(hedger: th.Hedger, out: list[Trace]) -> None:
-        t0 = trio.current_time()
-        for i in range(12):
-            await trio.sleep_until(t0 + 1.0 * i + 1.0)
-            out.append(_trace(await run(hedger.stream(None, group="m", request_id=f"m{i}"))))
-
     async def misbehaving(hedger: th.Hedger) -> None:
         await run(hedger.stream(None, group="x", request_id="x0", hedge_after=0.0))
         assert hedger.statistics().replicas[1].ejected_models == ("x",)
 
-    alone, beside, hedger = await _with_and_without(make, measured, misbehaving)
+    alone, beside, hedger = await _with_and_without(make, _every(1.0, 12), misbehaving)
     assert alone == beside
     through_b = (("b", "primary", 0.0, O.FAILED), ("a", "failover", 0.05, O.WON)), 0.25
     straight = (("a", "primary", 0.0, O.WON),), 0.2
@@ -451,19 +462,13 @@ async def test_a_callers_early_cancels_do_not_move_the_learned_delay(
         config = _config(hedge_after=th.LearnedDelay())
         return th.Hedger(Fleet(["a", "b"], behave).sources(), config)
 
-    async def measured(hedger: th.Hedger, out: list[Trace]) -> None:
-        t0 = trio.current_time()
-        for i in range(30):
-            await trio.sleep_until(t0 + 3.0 * i + 1.0)
-            out.append(_trace(await run(hedger.stream(None, group="m", request_id=f"m{i}"))))
-
     async def misbehaving(hedger: th.Hedger) -> None:
         for i in range(300):
             with trio.move_on_after(cancel_at):
                 await run(hedger.stream(None, group="m", request_id=f"c{i}"))
             await trio.sleep(0.3)
 
-    alone, beside, hedger = await _with_and_without(make, measured, misbehaving)
+    alone, beside, hedger = await _with_and_without(make, _every(3.0, 30), misbehaving)
     assert alone == beside
     assert alone[0] == ((("a", "primary", 0.0, O.CANCELLED), ("b", "hedge", 1.0, O.WON)), 1.2)
     (delays,) = hedger.statistics().delays
@@ -599,19 +604,13 @@ async def test_a_forwarded_keys_404_ejects_nothing(autojump_clock: trio.testing.
         config = _config(attribution=attribution)
         return th.Hedger(Fleet(["a", "b"], behave).sources(), config)
 
-    async def measured(hedger: th.Hedger, out: list[Trace]) -> None:
-        t0 = trio.current_time()
-        for i in range(5):
-            await trio.sleep_until(t0 + 2.0 * i + 1.0)
-            out.append(_trace(await run(hedger.stream(None, group="m", request_id=f"m{i}"))))
-
     async def misbehaving(hedger: th.Hedger) -> None:
         for i in range(5):
             report = await run(hedger.stream(None, group="m", request_id=f"restricted{i}"))
             assert [x.replica for x in report.attempts] == ["a", "b"]  # served, at once
             await trio.sleep(2.0)
 
-    alone, beside, hedger = await _with_and_without(make, measured, misbehaving)
+    alone, beside, hedger = await _with_and_without(make, _every(2.0, 5), misbehaving)
     assert alone == beside
     assert {attempts for attempts, _ in alone} == {(("a", "primary", 0.0, O.WON),)}
     assert hedger.statistics().ejected == ()
