@@ -21,7 +21,13 @@ own cost is small and the same for every path. Figures:
 3. 100 concurrent streams of 200 tokens paced 5 ms apart (as a model server sends them): time
    to finish all, and the proxy's CPU per token (the headline CPU figure: one event per read);
 4. 1,000 concurrent short streams (8 tokens): time to finish all, failures, leaks (Trio tasks
-   above the idle count, and client sockets still open on the proxy, once all ended).
+   above the idle count, and client sockets still open on the proxy, once all ended);
+5. fresh-connection TTFT pairs (issue 20: ``--pairs`` sequential pairs, direct and through,
+   the order alternating, ``ttft`` 0, 4 tokens): the added TTFT P50 of a gateway as an operator
+   starts it, ``trio-hedge serve --replica URL`` with every default (learned hedge delay,
+   budget, throttle, outlier detection, peak-EWMA pick, access log on);
+6. paced multi-stream CPU (issue 20: 8 concurrent streams of 500 tokens paced 1 ms apart,
+   ``--rounds`` times): that gateway's CPU per relayed token.
 
 CPU is the proxy process's ``utime + stime`` from ``/proc`` (10 ms ticks), over the scenario.
 ``--starlette`` adds a pass-through built on Starlette's ``StreamingResponse`` (the framework
@@ -29,6 +35,9 @@ measurement behind the gateway's raw ASGI app; needs ``pip install starlette``).
 
 Targets (issue 12): added TTFT P50 <= 3 ms and P99 <= 5 ms; gateway CPU per token <= 1.5x the
 pass-through's; 1,000 short streams with 0 failures in <= 1.5x the pass-through's time; 0 leaks.
+Issue 20 (next to the Rust routers people deploy: 0.7-0.9 ms and 34-69 us there): the
+defaults gateway's added TTFT P50 <= 2 ms in the pairs (5) and CPU per token <= 100 us in the
+paced multi-stream test (6); the relay stays byte for byte (the tests check it).
 
 Run: ``python benchmarks/gateway.py`` (``--quick``: a smoke run with small counts).
 """
@@ -38,6 +47,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import re
 import socket
@@ -63,6 +73,9 @@ SLOW_MS = 1000
 BODY: dict[str, Any] = {"model": "plain", "messages": [{"role": "user", "content": "Hi"}]}
 _TOKEN = re.compile(rb'"delta":\{"content":"')
 _CLK = os.sysconf("SC_CLK_TCK")
+# Issue 20's paced multi-stream CPU test: 8 concurrent streams of 500 tokens, 1 ms apart.
+LEAN_STREAMS = 8
+LEAN_PACE_MS = 1.0
 
 
 # -- the pass-through proxy (run in its own process) -------------------------------------------
@@ -247,6 +260,14 @@ hedger = {{ hedge_after = {HEDGE_AFTER}, pick = "in_order" }}  # the slow one fi
     return subprocess.Popen(command, stderr=out, stdout=out)
 
 
+def _start_default_gateway(upstream: int, log: Path) -> subprocess.Popen[Any]:
+    """``trio-hedge serve --replica URL``: every default, as an operator starts it."""
+    out = open(log, "w")  # noqa: SIM115 - the child writes to it until it ends
+    replica = f"http://127.0.0.1:{upstream}/d0/v1"
+    command = [sys.executable, "-m", "trio_hedge", "serve", "--replica", replica, "--port", "0"]
+    return subprocess.Popen(command, stderr=out, stdout=out)
+
+
 def _gateway_port(log: Path) -> int:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
@@ -403,6 +424,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=20_000, help="one stream's tokens")
     parser.add_argument("--concurrent", type=int, default=100)
     parser.add_argument("--short", type=int, default=1000, help="concurrent short streams")
+    parser.add_argument("--pairs", type=int, default=200, help="fresh-connection TTFT pairs")
+    parser.add_argument("--rounds", type=int, default=5, help="paced multi-stream rounds")
+    parser.add_argument(
+        "--lean-only", action="store_true", help="only the pair test and the paced CPU test (5, 6)"
+    )
+    parser.add_argument("--lean-tokens", type=int, default=500, help=argparse.SUPPRESS)
     parser.add_argument("--starlette", action="store_true", help="add a Starlette pass-through")
     parser.add_argument("--quick", action="store_true", help="smoke run: small counts")
     parser.add_argument("--passthrough", type=int, help=argparse.SUPPRESS)
@@ -414,21 +441,28 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--starlette needs Starlette: pip install starlette")
     if args.quick:
         args.requests, args.tokens, args.concurrent, args.short = 20, 2000, 20, 100
+        args.pairs, args.rounds, args.lean_tokens = 30, 1, 200
     console = Console(width=160)
     console.print(
         f"gateway: requests={args.requests} tokens={args.tokens:,} concurrent={args.concurrent} "
-        f"short={args.short:,} hedge_after={HEDGE_AFTER * 1000:.0f} ms nproc={os.cpu_count()}"
+        f"short={args.short:,} pairs={args.pairs} rounds={args.rounds} "
+        f"hedge_after={HEDGE_AFTER * 1000:.0f} ms nproc={os.cpu_count()} "
+        f"load average {os.getloadavg()[0]:.2f} (other processes share the cores)"
     )
     with tempfile.TemporaryDirectory() as tmp, server_process() as upstream:
         log = Path(tmp) / "gateway.log"
         gateway = _start_gateway(upstream, log)
         proxies: list[Proxy] = []
+        default_log = Path(tmp) / "gateway-defaults.log"
+        defaults = _start_default_gateway(upstream, default_log)
         try:  # whatever fails below, the processes started so far are stopped
             proxies.append(_start_passthrough(upstream, False))
             if args.starlette:
                 proxies.append(_start_passthrough(upstream, True))
             gw_port = _gateway_port(log)
             gw = Proxy("gateway", gateway, gw_port, "/v1/chat/completions")
+            default_port = _gateway_port(default_log)
+            default_gw = Proxy("gateway, defaults", defaults, default_port, gw.path)
             targets = [Target("direct", upstream, "/d0/v1/chat/completions", "plain")]
             for p in proxies:
                 targets.append(
@@ -454,14 +488,24 @@ def main(argv: list[str] | None = None) -> int:
                     tasks=tasks,
                 )
             )
-            results = trio.run(_measure, targets, args)
+            # Issue 20's two measurements: the bare floor, and the gateways without a hedge.
+            through = [
+                targets[1],
+                targets[len(proxies) + 1],
+                Target(default_gw.name, default_port, gw.path, "m", default_gw),
+            ]
+            results = None if args.lean_only else trio.run(_measure, targets, args)
+            lean = trio.run(_measure_lean, targets[0], through, args)
         finally:
             for p in [*proxies]:
                 p.process.terminate()
                 p.process.wait(timeout=10)
-            gateway.terminate()
-            gateway.wait(timeout=30)
-    _print(console, targets, results, args)
+            for process in (gateway, defaults):
+                process.terminate()
+                process.wait(timeout=30)
+    if results is not None:
+        _print(console, targets, results, args)
+    _print_lean(console, through, lean, args)
     return 0
 
 
@@ -514,6 +558,94 @@ async def _measure(targets: list[Target], args: argparse.Namespace) -> dict[str,
             leaked_sockets = t.proxy.open_client_sockets()
         out[t.name].update(leaked_tasks=max(0, leaked_tasks), leaked_sockets=leaked_sockets)
     return out
+
+
+async def _measure_lean(
+    direct: Target, through: list[Target], args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    """Issue 20's pair test (5) and paced multi-stream CPU test (6), for each of ``through``."""
+    out: dict[str, dict[str, Any]] = {t.name: {"direct": [], "through": []} for t in through}
+    body = {**BODY, "max_tokens": 4}
+    for t in through:
+        await run_many(t, 5, 4, 0)  # warm-up
+    for i in range(args.pairs):
+        for t in through:
+            pair = (direct, t) if i % 2 == 0 else (t, direct)  # neither always goes first
+            for side in pair:
+                s = await one_stream(side.port, side.path, {**body, "model": side.model})
+                key = "direct" if side is direct else "through"
+                out[t.name][key].append(s.ttft if s.ok else math.nan)
+    for t in through:
+        assert t.proxy is not None
+        spent: list[float] = []
+        failures = tokens = 0
+        for _ in range(args.rounds):
+            cpu0 = t.proxy.cpu()
+            _, failed, rs = await run_many(t, LEAN_STREAMS, args.lean_tokens, LEAN_PACE_MS)
+            spent.append(t.proxy.cpu() - cpu0)
+            tokens += sum(r.tokens for r in rs)
+            failures += failed
+        out[t.name].update(cpu=spent, tokens=tokens, failures=failures)
+    return out
+
+
+def _print_lean(
+    console: Console, through: list[Target], r: dict[str, dict[str, Any]], args: argparse.Namespace
+) -> None:
+    table = Table(
+        title=f"issue 20: {args.pairs} fresh-connection TTFT pairs (4 tokens, ttft 0); "
+        f"{LEAN_STREAMS} streams x {args.lean_tokens} tokens paced {LEAN_PACE_MS:g} ms, "
+        f"{args.rounds} rounds"
+    )
+    columns = (
+        "path",
+        "direct P50 (ms)",
+        "through P50 / P99 (ms)",
+        "added P50 / P99 (ms)",
+        "median pair diff (ms)",
+        "CPU µs/tok",
+        "per round",
+        "failures",
+    )
+    for c in columns:
+        table.add_column(c, justify="left" if c == "path" else "right")
+    figures: dict[str, tuple[float, float]] = {}
+    for t in through:
+        x = r[t.name]
+        pairs = [
+            (d, g)
+            for d, g in zip(x["direct"], x["through"], strict=True)
+            if not (math.isnan(d) or math.isnan(g))
+        ]
+        direct = [d for d, _ in pairs]
+        via = [g for _, g in pairs]
+        added50 = (percentile(via, 50) - percentile(direct, 50)) * 1000
+        added99 = (percentile(via, 99) - percentile(direct, 99)) * 1000
+        diff = percentile([g - d for d, g in pairs], 50) * 1000
+        per_round = args.lean_tokens * LEAN_STREAMS
+        cpu = sum(x["cpu"]) / max(1, x["tokens"]) * 1e6
+        rounds = ", ".join(f"{c / per_round * 1e6:.0f}" for c in x["cpu"])
+        failures = x["failures"] + (len(x["direct"]) - len(pairs))
+        figures[t.name] = (added50, cpu)
+        table.add_row(
+            t.name,
+            f"{percentile(direct, 50) * 1000:.2f}",
+            f"{percentile(via, 50) * 1000:.2f} / {percentile(via, 99) * 1000:.2f}",
+            f"{added50:.2f} / {added99:.2f}",
+            f"{diff:.2f}",
+            f"{cpu:.0f}",
+            rounds,
+            str(failures),
+        )
+    console.print(table)
+    added50, cpu = figures["gateway, defaults"]
+    console.print(
+        verdict(added50 <= 2, f"gateway, defaults: added TTFT P50 {added50:.2f} ms (<= 2)")
+    )
+    console.print(
+        verdict(cpu <= 100, f"gateway, defaults: CPU per paced token {cpu:.0f} µs (<= 100)")
+    )
+    console.print(f"info: load average at the end {os.getloadavg()[0]:.2f}")
 
 
 def _print(

@@ -8,13 +8,13 @@ every asyncio task (learned hedge delay, budget, replica health).
 
 Run:
 
-    python examples/asyncio_app.py             # against two built-in fake replicas
-    python examples/asyncio_app.py --smoke     # a quick run that exits (what CI runs)
-    python examples/asyncio_app.py --replica http://10.0.0.1:8000/v1 \\
+    .venv/bin/python examples/asyncio_app.py             # against two built-in fake replicas
+    .venv/bin/python examples/asyncio_app.py --smoke     # a quick run that exits (what CI runs)
+    .venv/bin/python examples/asyncio_app.py --replica http://10.0.0.1:8000/v1 \\
         --replica http://10.0.0.2:8000/v1 --model my-model
 
 Needs the ``asyncio`` extra; from a clone of the repository:
-``pip install -c constraints.txt -e ".[asyncio]"`` (once released:
+``.venv/bin/pip install -c constraints.txt -e ".[asyncio]"`` (once released:
 ``pip install "trio-hedge[asyncio]"``).
 """
 

@@ -5,13 +5,13 @@ Run (two built-in fake replicas; the primary is slow on every other request, as 
 tenant's long prompt were ahead of it in its queue: the first answer comes from the primary,
 the second from the backup the hedge sent):
 
-    python examples/chat.py            # type a message; an empty line or Ctrl-D quits
-    python examples/chat.py --smoke    # two scripted messages, then exit (what CI runs)
-    python examples/chat.py --replica http://10.0.0.1:8000/v1 --replica http://10.0.0.2:8000/v1 \\
-        --model my-model               # real OpenAI-compatible servers
+    .venv/bin/python examples/chat.py          # type a message; empty line, Ctrl-D or Ctrl-C quits
+    .venv/bin/python examples/chat.py --smoke  # two scripted messages, then exit (what CI runs)
+    .venv/bin/python examples/chat.py --replica http://10.0.0.1:8000/v1 \\
+        --replica http://10.0.0.2:8000/v1 --model my-model   # real OpenAI-compatible servers
 
 Needs the ``examples`` extra; from a clone of the repository:
-``pip install -c constraints.txt -e ".[examples]"`` (once released:
+``.venv/bin/pip install -c constraints.txt -e ".[examples]"`` (once released:
 ``pip install "trio-hedge[examples]"``).
 """
 
@@ -22,6 +22,9 @@ import contextlib
 import os
 import sys
 from collections.abc import AsyncIterator
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 import trio
 from rich.console import Console
@@ -114,7 +117,10 @@ async def main(args: argparse.Namespace) -> int:
                     console.print(f"[bold]you>[/bold] {message}")
             else:
                 try:
-                    message = await trio.to_thread.run_sync(console.input, "[bold]you>[/bold] ")
+                    # abandon_on_cancel: Ctrl-C need not wait for a line the user never typed.
+                    message = await trio.to_thread.run_sync(
+                        console.input, "[bold]you>[/bold] ", abandon_on_cancel=True
+                    )
                 except EOFError:
                     message = ""
             if not message.strip():
@@ -155,5 +161,27 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupted(exc: BaseException) -> bool:
+    """Ctrl-C: a ``KeyboardInterrupt``, alone or inside Trio's exception groups."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_interrupted(inner) for inner in exc.exceptions)
+    return isinstance(exc, KeyboardInterrupt)
+
+
+def run() -> int:
+    """Run the chat; Ctrl-C ends it (every stream closed on the way out) without a traceback,
+    with the shell's status for an interrupt (130)."""
+    try:
+        return trio.run(main, _parser().parse_args())
+    except BaseException as exc:
+        if not _interrupted(exc):
+            raise
+        print("\ninterrupted", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # The thread left in console.input() still holds stdin's lock, on which Python's
+        # shutdown would abort: leave at once (trio.run has returned: every stream is closed).
+        os._exit(130)
+
+
 if __name__ == "__main__":
-    sys.exit(trio.run(main, _parser().parse_args()))
+    sys.exit(run())

@@ -8,13 +8,13 @@ closed, so the replicas stop generating.
 
 Run:
 
-    python examples/sse_server.py              # fake replicas; open http://127.0.0.1:8080/
-    python examples/sse_server.py --smoke      # serve, fetch one answer over HTTP, exit (CI)
-    python examples/sse_server.py --replica http://10.0.0.1:8000/v1 \\
+    .venv/bin/python examples/sse_server.py          # fake replicas; open http://127.0.0.1:8080/
+    .venv/bin/python examples/sse_server.py --smoke  # serve, fetch one answer over HTTP, exit
+    .venv/bin/python examples/sse_server.py --replica http://10.0.0.1:8000/v1 \\
         --replica http://10.0.0.2:8000/v1 --model my-model
 
 Needs the ``examples`` extra; from a clone of the repository:
-``pip install -c constraints.txt -e ".[examples]"`` (once released:
+``.venv/bin/pip install -c constraints.txt -e ".[examples]"`` (once released:
 ``pip install "trio-hedge[examples]"``).
 """
 

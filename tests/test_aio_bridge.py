@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+import sniffio
 import trio
 import trio.testing
 
@@ -109,6 +110,86 @@ async def test_a_burst_is_one_hand_over_not_a_task_per_token(
     # The old bridge started one Trio task (trio_as_future) per token: 200 here.
     assert counter.spawned <= 2, counter.spawned
     assert source.log == ["read", "closed"]
+
+
+class _Paced:
+    """``n`` tokens, each after a checkpoint: the consumer finds the buffer empty every time,
+    so every token is a hand-over of its own (a real server's pace)."""
+
+    def __init__(self, n: int) -> None:
+        self._i, self._n = 0, n
+
+    def __aiter__(self) -> _Paced:
+        return self
+
+    async def __anext__(self) -> str:
+        await trio.sleep(0.001)
+        if self._i == self._n:
+            raise StopAsyncIteration
+        self._i += 1
+        return f"p{self._i - 1} "
+
+
+async def test_a_paced_token_is_handed_over_without_a_loop_round(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A future per hand-over queued the consumer's wake-up on the trio-asyncio loop: one
+    # loop.call_soon (and a round of its Trio task) per paced token, 100 here.
+    source = th.iterator_source(lambda info: _Paced(100), name="paced")
+    scheduled: list[object] = []
+
+    async def consume() -> tuple[list[str], set[str | None], set[bool]]:
+        loop = asyncio.get_running_loop()
+        me = asyncio.current_task()
+        real_call_soon = loop.call_soon
+
+        def counting_call_soon(callback: Any, *args: Any, **kwargs: Any) -> Any:
+            scheduled.append(callback)
+            return real_call_soon(callback, *args, **kwargs)
+
+        got, libraries, tasks = [], set(), set()
+        loop.call_soon = counting_call_soon  # type: ignore[method-assign]
+        try:
+            async with aio_hedged_stream(None, [source]) as stream:
+                async for token in stream:
+                    got.append(token)
+                    # The consumer resumed by the pump still runs as asyncio code, in its task.
+                    libraries.add(sniffio.current_async_library())
+                    tasks.add(asyncio.current_task() is me)
+                    await asyncio.sleep(0)  # and asyncio works from there
+        finally:
+            del loop.call_soon
+        return got, libraries, tasks
+
+    got, libraries, tasks = await in_asyncio(consume)
+    assert got == [f"p{i} " for i in range(100)]
+    assert libraries == {"asyncio"} and tasks == {True}
+    # asyncio.sleep(0) is one call_soon per token; the hand-overs add at most the commit, the
+    # end and the pump's own start and result (a future per hand-over: 100 more).
+    assert len(scheduled) <= 100 + 6, len(scheduled)
+
+
+async def test_cancelling_a_consumer_waiting_for_a_paced_token(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    source = th.iterator_source(lambda info: _Paced(10_000), name="paced")
+
+    got: list[str] = []
+
+    async def read() -> None:
+        async with aio_hedged_stream(None, [source]) as stream:
+            async for token in stream:
+                got.append(token)
+
+    async def consume() -> str:
+        try:  # cancelled between two tokens: while it waits on a hand-over
+            await asyncio.wait_for(read(), 0.0105)
+        except asyncio.TimeoutError:
+            return "timed out"
+        return "ended"
+
+    assert await in_asyncio(consume) == "timed out"
+    assert got == [f"p{i} " for i in range(10)]
 
 
 async def test_events_and_tokens_share_one_queue(autojump_clock: trio.testing.MockClock) -> None:

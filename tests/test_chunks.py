@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,11 @@ from trio_hedge.sources.openai import (
 
 
 def _cases_path() -> Path:
-    """``shared/sse-cases/cases.json`` next to the checkout, or next to any directory above it
-    (a git worktree under ``wt/`` finds the same shared folder as the main checkout)."""
+    """``$SSE_CASES/cases.json`` when set, else ``shared/sse-cases/cases.json`` next to the
+    checkout, or next to any directory above it (a git worktree under ``wt/`` finds the same
+    shared folder as the main checkout)."""
+    if os.environ.get("SSE_CASES"):
+        return Path(os.environ["SSE_CASES"]) / "cases.json"
     here = Path(__file__).resolve()
     for parent in here.parents[1:]:
         candidate = parent / "shared" / "sse-cases" / "cases.json"
@@ -42,7 +46,10 @@ CASES_PATH = _cases_path()
 CASES: list[dict[str, Any]] = (
     json.loads(CASES_PATH.read_text("utf-8")) if CASES_PATH.exists() else []
 )
-needs_cases = pytest.mark.skipif(not CASES, reason=f"shared SSE cases not found at {CASES_PATH}")
+needs_cases = pytest.mark.skipif(
+    not CASES,
+    reason=f"shared SSE cases not found at {CASES_PATH} (SSE_CASES=DIR names another folder)",
+)
 
 
 # -- running a case as the HTTP source would ---------------------------------------------------

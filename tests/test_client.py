@@ -8,6 +8,7 @@ import trio
 import trio.testing
 
 import trio_hedge as th
+from trio_hedge.errors import ErrorKind
 from trio_hedge.testing import Behaviour, FakeReplica, fake_replicas
 from trio_hedge.transport import ShardedTransport, make_client
 
@@ -132,3 +133,36 @@ async def test_after_a_burst_low_load_reuses_one_connection_and_idle_pools_go(
             assert transport.shards == 3
         with trio.fail_after(2):
             await replica.wait_connections(0)
+
+
+async def test_make_client_reads_tokens_without_httpcores_timeout_scope(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The token path: with no read timeout, make_client's reads skip httpcore 1.0.9's
+    ``TrioStream.read`` (a ``fail_after(inf)`` and an exception-mapping context manager per
+    read: ~10% of the gateway's CPU per relayed token, issue 20), and a cut mid-stream is
+    still a truncated stream (httpcore's ``ReadError``, as before)."""
+    from httpcore._backends.trio import TrioStream
+
+    slow_reads = 0
+    original = TrioStream.read
+
+    async def counted(self: TrioStream, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
+        nonlocal slow_reads
+        slow_reads += 1
+        return await original(self, max_bytes, timeout)
+
+    monkeypatch.setattr(TrioStream, "read", counted)
+    behaviours = (Behaviour(tokens=50, token_delay=0.001), Behaviour(tokens=50, cut_after=5))
+    async with fake_replicas(*behaviours) as (whole, cut), make_client() as client:
+        assert await _read(client, whole) == "".join(f"tok{i} " for i in range(50))
+        assert slow_reads == 0
+        with pytest.raises(th.StreamInterrupted) as caught:
+            await _read(client, cut)
+        assert caught.value.error.kind is ErrorKind.STREAM_TRUNCATED
+        assert caught.value.text == "tok0 tok1 tok2 tok3 tok4 "
+        assert slow_reads == 0
+    # With a read timeout, reads are httpcore's own (its ReadTimeout included).
+    async with FakeReplica(Behaviour(tokens=3)) as replica, make_client(timeout=30.0) as client:
+        assert await _read(client, replica) == "tok0 tok1 tok2 "
+        assert slow_reads > 0

@@ -108,3 +108,62 @@ async def test_iterator_source_yielding_deltas(autojump_clock: trio.testing.Mock
         assert stream.report.ttft == 0.1
         tokens = [t async for t in stream]
     assert tokens == ["yes"]
+
+
+def _joined(*chunks: dict[str, object]) -> bytes:
+    return b"".join(_sse(*chunks)[:-1])
+
+
+BURSTS = [  # four reads: the events of each arrive together
+    (0.0, _joined(_delta(role="assistant"), _delta(content="a"))),
+    (0.1, _joined(_delta(content="b"), _delta(content="c"), _delta(content="d"))),
+    (0.1, _joined(_delta(content="e"))),
+    (0.0, _joined({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})),
+    (0.0, b"data: [DONE]\n\n"),
+]
+
+
+@pytest.mark.parametrize("first", [0, 1, 3])
+async def test_batches_yield_what_each_read_brought(
+    first: int, autojump_clock: trio.testing.MockClock
+) -> None:
+    """``batches()`` yields the events read before the commit, then each read's events
+    together (what the gateway writes with one send); after ``first`` events taken one by
+    one through ``events()``, it goes on from there: nothing repeated, nothing lost."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, stream=_Timed(BURSTS)
+        )
+
+    policy = HedgePolicy(hedge_after=None, first_token=FirstToken.ANY_OUTPUT)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        stream = th.hedged_stream(REQUEST, [th.Replica("http://x.test/v1")], policy, client=client)
+        async with stream:
+            singles = []
+            events = stream.events()
+            for _ in range(first):
+                singles.append(await events.__anext__())
+            batches = [b async for b in stream.batches()]
+
+    def names(events: list[th.events.Delta]) -> list[str]:
+        return [e.role or e.content or e.finish_reason or "" for e in events]
+
+    reads = [["assistant", "a"], ["b", "c", "d"], ["e"], ["stop"]]
+    flat = [name for read in reads for name in read]
+    assert names(singles) == flat[:first]
+    assert [names(b) for b in batches] == _rest(reads, first)
+    assert stream.report.text == "abcde"
+    assert stream.report.completed
+
+
+def _rest(reads: list[list[str]], taken: int) -> list[list[str]]:
+    """The reads after ``taken`` events went one by one: the rest of a read comes as one."""
+    out = []
+    for read in reads:
+        if taken >= len(read):
+            taken -= len(read)
+            continue
+        out.append(read[taken:])
+        taken = 0
+    return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -92,3 +93,32 @@ def test_the_chat_example_shows_the_hedge_its_docstring_promises() -> None:
     out = " ".join(done.stdout.split())  # rich wraps lines
     assert "winner primary (attempt 1) · not hedged" in out
     assert "winner backup (attempt 2) · hedged after 0.30 s" in out
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process")
+def test_chat_ends_on_ctrl_c_without_a_traceback() -> None:
+    # A chat UI is where users copy Ctrl-C handling from: it used to end in a 20-line
+    # KeyboardInterrupt traceback inside an exception group.
+    import signal
+
+    pytest.importorskip("rich")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES.parent), *sys.path])}
+    chat = subprocess.Popen(
+        [sys.executable, str(EXAMPLES / "chat.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert chat.stdout is not None
+    seen = ""
+    while "you>" not in seen:  # waiting for the user's line
+        char = chat.stdout.read(1)
+        assert char, "the chat ended before asking"
+        seen += char
+    chat.send_signal(signal.SIGINT)
+    _, err = chat.communicate(timeout=30)
+    assert chat.returncode == 130
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert err.strip() == "interrupted"

@@ -8,7 +8,14 @@ from typing import Any
 import pytest
 
 import trio_hedge as th
-from trio_hedge.gateway import ConfigError, Limits, load_config, parse_config
+from trio_hedge.gateway import (
+    ConfigError,
+    GatewayConfig,
+    GatewayKey,
+    Limits,
+    load_config,
+    parse_config,
+)
 from trio_hedge.gateway._config import DEFAULT_HEDGER, with_flags
 from trio_hedge.gateway._errors import answer_for
 
@@ -71,7 +78,8 @@ def test_every_section_is_read(tmp_path: Path) -> None:
     path = tmp_path / "gateway.toml"
     path.write_text(FULL)
     config = load_config(path, environ=ENV)
-    assert (config.host, config.port, config.keys) == ("0.0.0.0", 9000, ("sk-gw-secret",))
+    assert (config.host, config.port) == ("0.0.0.0", 9000)
+    assert [(k.name, k.key) for k in config.keys] == [("GW_KEY", "sk-gw-secret")]
     assert config.limits == Limits(50, 65536, 120.0, 10.0, 2.0, 0.05, 3.0)
     primary, backup = config.replicas
     assert (primary.name, primary.api_key) == ("primary", "sk-primary")
@@ -134,15 +142,59 @@ def test_defaults_one_group_and_the_gateway_first_token_rule() -> None:
         ({"auth": {"keys_env": "GW_KEY"}}, "auth.keys_env must be a list"),
         ({"auth": {"keys_env": ["GW_KEY"], "forward_client_key": True}}, "forward_client_key"),
         ({"servr": {}}, "config: unknown field 'servr'"),
+        ({"auth": {"keys": [{"name": "a"}]}}, "auth.keys[0].key_env is required"),
+        ({"auth": {"keys": [{"key_env": "NOPE"}]}}, "auth.keys[0].key_env: environment"),
+        ({"auth": {"keys": [{"key_env": "GW_KEY", "rate": 0}]}}, "auth.keys[0]: rate must be"),
+        ({"auth": {"keys": [{"key_env": "GW_KEY", "burst": 0}]}}, "auth.keys[0]: burst must be"),
+        ({"auth": {"keys": [{"key_env": "GW_KEY", "rat": 1}]}}, "unknown field 'rat'"),
+        ({"auth": {"keys": {"key_env": "GW_KEY"}}}, "auth.keys must be [[auth.keys]] tables"),
+        (
+            {"auth": {"keys_env": ["GW_KEY"], "keys": [{"key_env": "GW_KEY", "name": "b"}]}},
+            "two gateway keys are the same key",
+        ),
+        (
+            {"auth": {"keys_env": ["GW_KEY"], "keys": [{"key_env": "GW_KEY2"}], "x": 1}},
+            "auth: unknown field 'x'",
+        ),
+        ({"auth": {"keys": [{"key_env": "GW_KEY"}] * 2}}, "key names must be unique"),
+        ({"limits": {"key_rate": 1.0}}, "per-key limits (limits.key_*) need gateway keys"),
+        ({"limits": {"key_max_concurrent": 0}}, "limits: key_max_concurrent must be >= 1"),
+        ({"limits": {"key_rate": "fast"}}, "limits: key_rate must be requests per second"),
     ],
 )
 def test_mistakes_are_named(document: dict[str, Any], message: str) -> None:
     if document:  # the empty document is about the missing replicas
         document.setdefault("replicas", [{"base_url": "http://a/v1"}])
     with pytest.raises(ConfigError) as info:
-        parse_config(document, environ={"GW_KEY": "sk-gw-secret-value"})
+        parse_config(document, environ={"GW_KEY": "sk-gw-secret-value", "GW_KEY2": "sk-2"})
     assert message in str(info.value)
     assert "sk-gw-secret-value" not in str(info.value)
+
+
+def test_named_keys_and_their_limits() -> None:
+    document = {
+        "replicas": [{"base_url": "http://a/v1"}],
+        "auth": {
+            "keys_env": ["GW_KEY"],
+            "keys": [
+                {"name": "team-a", "key_env": "A_KEY", "max_concurrent": 2, "rate": 0.5},
+                {"key_env": "B_KEY", "burst": 4},
+            ],
+        },
+        "limits": {"key_max_concurrent": 10, "key_rate": 5.0},
+    }
+    environ = {"GW_KEY": "sk-gw", "A_KEY": "sk-a-secret", "B_KEY": "sk-b-secret"}
+    config = parse_config(document, environ=environ)
+    assert config.keys == (
+        GatewayKey("sk-gw", "GW_KEY"),
+        GatewayKey("sk-a-secret", "team-a", max_concurrent=2, rate=0.5),
+        GatewayKey("sk-b-secret", "B_KEY", burst=4),
+    )
+    assert (config.limits.key_max_concurrent, config.limits.key_rate) == (10, 5.0)
+    assert "sk-a-secret" not in repr(config) and "sk-a-secret" not in repr(config.keys[1])
+    # Plain strings are keys named by position.
+    plain = GatewayConfig(config.replicas, keys=["sk-1", "sk-2"])
+    assert [k.name for k in plain.keys] == ["key0", "key1"]
 
 
 def test_false_stands_for_none() -> None:
@@ -243,8 +295,18 @@ def test_the_documented_example_is_valid(tmp_path: Path) -> None:
     doc = (Path(__file__).resolve().parents[1] / "docs" / "gateway.md").read_text()
     path = tmp_path / "example.toml"
     path.write_text(doc.split("```toml\n", 1)[1].split("```", 1)[0])
-    env = {"GATEWAY_KEY": "k", "PRIMARY_KEY": "p", "PROVIDER_KEY": "q", "SECRET_ENV": "s"}
+    env = {
+        "GATEWAY_KEY": "k",
+        "TEAM_A_KEY": "a",
+        "PRIMARY_KEY": "p",
+        "PROVIDER_KEY": "q",
+        "SECRET_ENV": "s",
+    }
     config = load_config(path, environ=env)
+    assert [(k.name, k.max_concurrent, k.rate, k.burst) for k in config.keys] == [
+        ("GATEWAY_KEY", None, None, None),
+        ("team-a", 20, 5.0, 10),
+    ]
     (group,) = config.groups
     assert group.hedger.max_pushback_wait == 10 and group.hedger.hedge_after == 0.5
     assert [r.name for r in config.replicas] == ["primary", "backup"]

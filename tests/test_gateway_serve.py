@@ -5,8 +5,11 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import signal
+import socket
 import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -166,3 +169,61 @@ async def test_the_readme_gateway_hedges_every_request_with_pick_in_order(
             gw.process.send_signal(signal.SIGTERM)
             assert await gw.process.wait() == 0
     assert hedged == (["true"] * 3 if pick == "in_order" else ["true", "false", "false"])
+
+
+async def test_http1_only_flag() -> None:
+    """``--http1-only``: the gateway says so, and a prior-knowledge HTTP/2 client gets 505."""
+    async with FakeReplica(Behaviour(tokens=2), name="a") as a, trio.open_nursery() as nursery:
+        gw = await _start(nursery, "serve", "--replica", a.url, "--port", "0", "--http1-only")
+        with trio.fail_after(20):
+            line = await gw.line_with("listening on ")
+            port = int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
+            async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+                await stream.send_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+                answer = await stream.receive_some()
+            gw.process.send_signal(signal.SIGTERM)
+            assert await gw.process.wait() == 0
+    assert "(HTTP/1.1 only)" in line
+    assert answer.startswith(b"HTTP/1.1 505")
+
+
+# -- starting it wrong (issue 20, item 11) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["serve", "fake"])
+async def test_a_taken_port_is_one_line_and_exit_2(command: str) -> None:
+    """On bcbad18: a 56-line (serve) or 23-line (fake) traceback and exit 1."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["--replica", "http://127.0.0.1:9/v1"] if command == "serve" else []
+        with trio.fail_after(20):
+            done = await trio.run_process(
+                [sys.executable, "-m", "trio_hedge", command, *args, "--port", str(port)],
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+            )
+    assert done.returncode == 2
+    assert done.stderr.decode() == (
+        f"trio-hedge: cannot listen on 127.0.0.1:{port}: address already in use "
+        "(choose another port with --port)\n"
+    )
+    assert done.stdout == b""
+
+
+async def test_the_readme_readiness_loop_gives_up() -> None:
+    """The README's wait for ``/readyz``, run against a port nothing listens on (a gateway
+    that could not start): it ends. On bcbad18 it was ``until curl …``: it waited forever."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = readme.split("trio-hedge serve --replica", 1)[1]
+    lines = block.split("\n")[2:]  # after the serve command's two lines
+    loop = "\n".join(lines[: next(i for i, x in enumerate(lines) if x.startswith("curl -N"))])
+    assert "readyz" in loop
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]  # closed again: nothing listens there
+    script = re.sub(r"sleep [0-9.]+", "sleep 0", loop.replace("8080", str(port)))
+    with trio.fail_after(30):  # 50 refused connections take well under a second
+        await trio.run_process(["bash", "-c", script], check=False)

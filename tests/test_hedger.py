@@ -126,6 +126,35 @@ async def test_all_cooling_wait_is_bounded_by_the_caller(
     assert hedger.statistics().requests == 1  # r1 sent nothing
 
 
+@pytest.mark.parametrize(
+    ("first_token_timeout", "raised"),
+    [(None, False), (10.0, False), (6.0, False), (4.0, True), (1.0, True)],
+)
+async def test_a_cooldown_beyond_the_first_token_timeout_is_not_waited_for(
+    autojump_clock: trio.testing.MockClock, first_token_timeout: float | None, raised: bool
+) -> None:
+    """Both replicas push back in r0 (a until 5.0, b until 5.25); r1 starts at 0.5. A
+    first_token_timeout that ends before 5.0 cannot be met by waiting, so ReplicasCooling
+    comes at once (its max_wait the time the timeout left); one that ends later waits for a
+    and is served (max_pushback_wait 10)."""
+    pushback = Fail(at=0.25, kind=ErrorKind.RATE_LIMIT, retry_after=4.75)
+    fleet = _by_request(FAST, a_r0=pushback, b_r0=pushback)
+    hedger = th.Hedger(fleet.sources(), _config(first_token_timeout=first_token_timeout))
+    await run(hedger.stream(None, request_id="r0"))
+    t = trio.current_time()
+    assert t == 0.5
+    report = await run(hedger.stream(None, request_id="r1"))
+    if raised:
+        assert first_token_timeout is not None
+        assert trio.current_time() == t  # at once, not at the timeout
+        error = report.error
+        assert isinstance(error, th.ReplicasCooling) and report.attempts == ()
+        assert (error.until, error.retry_in, error.max_wait) == (5.0, 4.5, first_token_timeout)
+    else:
+        assert report.error is None and report.winner_replica == "a"
+        assert report.attempts[0].started_at == 5.0 - t
+
+
 async def test_retry_after_from_http_headers(autojump_clock: trio.testing.MockClock) -> None:
     mock = MockReplicas(
         {
@@ -1132,3 +1161,22 @@ async def test_failures_while_ejected_are_not_in_the_run(
     a = hedger.statistics().replicas[0]
     assert (a.state, a.failures, a.consecutive_failures, a.times_ejected) == ("healthy", 4, 1, 1)
     assert hedger.statistics().ejected == ()
+
+
+async def test_printed_statistics_are_one_field_per_line(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # print(hedger.statistics()) was one line of ~1,500 characters.
+    fleet = _by_request(FAST)
+    hedger = th.Hedger(fleet.sources(), PLAIN)
+    await run(hedger.stream(None, request_id="r0"))
+    stats = hedger.statistics()
+    lines = str(stats).splitlines()
+    assert lines[0] == "HedgerStatistics(" and lines[-1] == ")"
+    assert "    requests=1," in lines
+    replicas = lines.index("    replicas=(")
+    assert [line.strip() for line in lines[replicas + 1 : replicas + 3]] == [
+        f"{r!r}," for r in stats.replicas
+    ]
+    assert max(len(line) for line in lines) < 300
+    assert "\n" not in repr(stats)  # repr unchanged: one line

@@ -323,3 +323,17 @@ async def test_a_hedgers_samples_are_replayed_from_their_attempts_start(
         TTFTRecord(1e6 + t0, "default", 100, "a", 1, 1.5, False),  # cancelled at the commit
         TTFTRecord(1e6 + t0 + 1.0, "default", 100, "b", 2, 0.5, True),
     ]
+
+
+@pytest.mark.parametrize(("requests", "caveat"), [(2, True), (99, True), (100, False)])
+def test_a_short_log_says_its_p99_is_rough(
+    requests: int, caveat: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A 2-line log printed P99s like any other, with no word that two samples make no P99.
+    log = tmp_path / "short.jsonl"
+    lines = [json.dumps({"ts": float(i), "ttft": 0.1 + i / 1000}) + "\n" for i in range(requests)]
+    log.write_text("".join(lines))
+    assert main(["tune", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert (f"caveat: {requests} requests are too few for a P99" in out) is caveat
+    assert "no hedging: TTFT P50" in out

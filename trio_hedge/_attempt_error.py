@@ -103,6 +103,8 @@ class AttemptError(Exception):
         status_code: the HTTP status, or ``None`` for transport/in-band errors.
         replica: the name of the replica the attempt went to (filled in by the race).
         message: a human-readable description; never contains credentials.
+        hint: a short way to fix a misconfiguration (``"base_url usually ends in /v1"``),
+            which the request's one-line summary carries too, or ``None``.
     """
 
     def __init__(
@@ -114,10 +116,12 @@ class AttemptError(Exception):
         retry_after: float | None = None,
         status_code: int | None = None,
         replica: str | None = None,
+        hint: str | None = None,
     ) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
+        self.hint = hint
         self.retryable = kind in RETRYABLE_KINDS if retryable is None else retryable
         self.retry_after = retry_after
         self.status_code = status_code
@@ -131,7 +135,12 @@ class AttemptError(Exception):
 
     def brief(self) -> str:
         """``"rate_limit (HTTP 429, retry after 2 s) at replica"``: the error without its
-        message."""
+        message, and its ``hint`` if any
+        (``"not_found (HTTP 404) at a: base_url usually ends in /v1"``)."""
+        head = self._head()
+        return f"{head}: {self.hint}" if self.hint else head
+
+    def _head(self) -> str:
         details = []
         if self.status_code is not None:
             details.append(f"HTTP {self.status_code}")
@@ -141,13 +150,13 @@ class AttemptError(Exception):
         return text + (f" at {self.replica}" if self.replica else "")
 
     def __str__(self) -> str:
-        return f"{self.brief()}: {self.message}"
+        return f"{self._head()}: {self.message}"
 
     def __repr__(self) -> str:
         return (
             f"AttemptError(kind={self.kind.value!r}, message={self.message!r}, "
             f"retryable={self.retryable!r}, retry_after={self.retry_after!r}, "
-            f"status_code={self.status_code!r}, replica={self.replica!r})"
+            f"status_code={self.status_code!r}, replica={self.replica!r}, hint={self.hint!r})"
         )
 
     def to_dict(self) -> dict[str, object]:

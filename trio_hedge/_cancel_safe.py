@@ -60,6 +60,7 @@ __all__ = [
     "WRITE_TIMEOUT_CAP",
     "CancelSafeBackend",
     "CancelSafeStream",
+    "WrappingBackend",
     "cancel_safe_transport",
     "harden",
     "setup_cut_short",
@@ -106,11 +107,18 @@ class CancelSafeStream(httpcore.AsyncNetworkStream):
         return self._stream.get_extra_info(info)
 
 
-class CancelSafeBackend(httpcore.AsyncNetworkBackend):
-    """``inner`` (default httpcore's Trio backend), with `CancelSafeStream` streams."""
+class WrappingBackend(httpcore.AsyncNetworkBackend):
+    """``inner`` (default httpcore's Trio backend), every stream it connects wrapped by
+    ``wrap`` (`CancelSafeBackend`; ``make_client``'s lean reads)."""
 
-    def __init__(self, inner: httpcore.AsyncNetworkBackend | None = None) -> None:
+    def __init__(
+        self,
+        inner: httpcore.AsyncNetworkBackend | None = None,
+        *,
+        wrap: Callable[[httpcore.AsyncNetworkStream], httpcore.AsyncNetworkStream],
+    ) -> None:
         self.inner = inner if inner is not None else httpcore.TrioBackend()
+        self._wrap = wrap
 
     async def connect_tcp(
         self,
@@ -123,7 +131,7 @@ class CancelSafeBackend(httpcore.AsyncNetworkBackend):
         stream = await self.inner.connect_tcp(
             host, port, timeout=timeout, local_address=local_address, socket_options=socket_options
         )
-        return CancelSafeStream(stream)
+        return self._wrap(stream)
 
     async def connect_unix_socket(
         self,
@@ -134,10 +142,17 @@ class CancelSafeBackend(httpcore.AsyncNetworkBackend):
         stream = await self.inner.connect_unix_socket(
             path, timeout=timeout, socket_options=socket_options
         )
-        return CancelSafeStream(stream)
+        return self._wrap(stream)
 
     async def sleep(self, seconds: float) -> None:
         await self.inner.sleep(seconds)
+
+
+class CancelSafeBackend(WrappingBackend):
+    """``inner`` (default httpcore's Trio backend), with `CancelSafeStream` streams."""
+
+    def __init__(self, inner: httpcore.AsyncNetworkBackend | None = None) -> None:
+        super().__init__(inner, wrap=CancelSafeStream)
 
 
 def setup_cut_short(connection: Any) -> bool:

@@ -1,5 +1,5 @@
 """Old import paths kept working for one release, each with a ``DeprecationWarning`` that
-names the new home (the layout changed in 0.2; see CHANGELOG "Deprecated")."""
+names the new home (the layout changed after 0.1.0; see CHANGELOG "Deprecated")."""
 
 from __future__ import annotations
 

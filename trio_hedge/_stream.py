@@ -15,6 +15,7 @@ from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, NoReturn, Protocol
 
+import sniffio
 import trio
 
 from ._attempt_error import classify_exception, leaves
@@ -28,7 +29,7 @@ from .report import Report, _Recorder
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["AsyncCloseable", "EventIterator", "HedgedStream", "StreamSettings"]
+__all__ = ["AsyncCloseable", "BatchIterator", "EventIterator", "HedgedStream", "StreamSettings"]
 
 
 class StreamSettings(Protocol):
@@ -129,6 +130,7 @@ class HedgedStream:
     # -- entering: the race ----------------------------------------------------------------
 
     async def __aenter__(self) -> HedgedStream:
+        require_trio("hedged_stream() and Hedger.stream()")
         if self._entered:
             raise RuntimeError("a HedgedStream can be entered only once")
         self._entered = True
@@ -326,19 +328,42 @@ class HedgedStream:
         it (and the other way round) without repeating or losing content."""
         return EventIterator(self)
 
+    def batches(self) -> BatchIterator:
+        """Like [`events`][trio_hedge.HedgedStream.events], but each step yields every event
+        already received: the ones read before the commit first, then what each read of the
+        winner gave (never an empty list). For a relay that writes once per read rather than
+        once per event (the gateway: one ``send`` where a read brought several events). It
+        reads the same queue as ``events()`` and ``async for``, so mixing them never repeats
+        or loses an event."""
+        return BatchIterator(self)
+
     async def _next_event(self) -> Delta:
         pending = self._pending
-        while not pending:
-            if self._ended:
-                self._finish()
+        if not pending:
+            batch = await self._next_batch()
+            if batch is None:
                 raise StopAsyncIteration
+            pending.extend(batch)
+        return pending.popleft()
+
+    async def _next_batch(self) -> Sequence[Delta] | None:
+        """Everything the winner has ready, at least one delta, or ``None`` at the end (the
+        asyncio bridge's pump and ``batches()`` read this way: one await per batch, however
+        many deltas it carries)."""
+        pending = self._pending
+        if pending:
+            taken = list(pending)
+            pending.clear()
+            return taken
+        while not self._ended:
             batch = await self._receive()
             if batch is None:
                 self._ended = True
-            else:
+            elif batch:
                 self._take(batch, trio.current_time())
-                pending.extend(batch)
-        return pending.popleft()
+                return batch
+        self._finish()
+        return None
 
     def _finish(self) -> None:
         """The winner's stream ended normally."""
@@ -348,6 +373,23 @@ class HedgedStream:
             rec.ended_at = trio.current_time()
             if self._winner_number:
                 rec.attempt(self._winner_number).ended_at = rec.ended_at
+
+
+def require_trio(what: str) -> None:
+    """Raise ``RuntimeError`` with the way out when the caller is not Trio code: asyncio users
+    calling the Trio API is the common mistake, and Trio's own error ("must be called from
+    async context") names neither the cause nor ``trio_hedge.aio``."""
+    try:
+        library: str | None = sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        library = None
+    if library != "trio":
+        raise RuntimeError(
+            f"{what} run in Trio, and this is {library or 'not async'} code. From asyncio, use "
+            "trio_hedge.aio (aio_hedged_stream, AioHedger) and start the program with "
+            "trio_asyncio.run(trio_asyncio.aio_as_trio(main)) instead of asyncio.run(main()): "
+            "see docs/asyncio.md"
+        )
 
 
 class _NextEvent(Protocol):
@@ -369,6 +411,26 @@ class EventIterator:
 
     def __anext__(self) -> Coroutine[Any, Any, Delta]:
         return self._stream._next_event()
+
+
+class BatchIterator:
+    """What ``batches()`` returns: each step awaits the stream's next non-empty list of
+    [`Delta`][trio_hedge.events.Delta] events. A class, not an async generator (see
+    `EventIterator`)."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: HedgedStream) -> None:
+        self._stream = stream
+
+    def __aiter__(self) -> BatchIterator:
+        return self
+
+    async def __anext__(self) -> Sequence[Delta]:
+        batch = await self._stream._next_batch()
+        if batch is None:
+            raise StopAsyncIteration
+        return batch
 
 
 def _sole_error(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -19,11 +19,13 @@ trio_asyncio.run(trio_asyncio.aio_as_trio(main))
 How the bridge works. trio-asyncio runs each ``__anext__`` of an adapted Trio iterator in a
 *new* Trio task, and a hedged stream (whose race holds a nursery) cannot be iterated across
 tasks; a Trio task per token also costs ~100 µs. So one Trio task (the *pump*) owns the whole
-[`HedgedStream`][trio_hedge.HedgedStream], from the race to the close, and appends the winner's
-deltas to a buffer that asyncio reads directly: the asyncio side waits (one asyncio future) only
-when the buffer is empty, and then takes everything that arrived meanwhile. A hand-over costs one
-wake-up however many tokens it carries, never a task or a future per token. The pump stops
-reading ahead when ``buffer`` deltas wait unread.
+[`HedgedStream`][trio_hedge.HedgedStream], from the race to the close, and appends each batch
+of the winner's deltas to a buffer that asyncio reads directly: the asyncio side waits only
+when the buffer is empty, and then takes everything that arrived meanwhile. A real server sends
+one token every 10-50 ms, so there every token is a hand-over of its own; the pump then resumes
+the waiting consumer at once, in its own task, instead of queueing the wake-up on the loop (see
+``_Handover``): a hand-over costs about what the Trio path's own wake-up does, never a task or
+a loop round per token. The pump stops reading ahead when ``buffer`` deltas wait unread.
 
 Leaving the ``async with`` by any path (the end, ``break``, an exception, ``task.cancel()``,
 ``asyncio.timeout``) cancels the pump and waits until it has closed every upstream response
@@ -37,12 +39,14 @@ Needs the ``asyncio`` extra (``pip install "trio-hedge[asyncio]"``, or from a cl
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 import httpx
+import sniffio
 import trio
 
 from ._oneshot import hedged_stream
@@ -59,6 +63,8 @@ from .sources.openai._http import HeaderNames, Replica
 
 __all__ = ["AioHedgedStream", "AioHedger", "aio_hedged_stream"]
 
+_sniffio = sniffio.thread_local
+
 #: Deltas the pump may read ahead of the asyncio consumer (back-pressure beyond that).
 DEFAULT_BUFFER = 256
 
@@ -71,6 +77,109 @@ def _trio_asyncio_loop() -> Any:
             "trio_asyncio.run(trio_asyncio.aio_as_trio(main)) instead of asyncio.run(main())"
         )
     return loop
+
+
+class _Handover:
+    """What the asyncio consumer awaits while the buffer is empty: a future-like object (the
+    protocol ``asyncio.Task`` accepts from any awaitable with ``_asyncio_future_blocking``),
+    resolved by the pump.
+
+    Why not an ``asyncio.Future``: setting a future's result queues the consumer's wake-up on
+    the trio-asyncio loop, whose Trio task then runs it: a scheduler round and ~80 Python calls
+    per hand-over. With tokens paced like a real server's every token is a hand-over of its
+    own, and after each idle wake-up that cost +38 µs per token (``benchmarks/overhead.py``).
+    So ``resolve(now=True)`` runs the consumer's wake-up at once, in the pump's task. That is
+    safe because the pump runs only while the loop's task waits between two callbacks: no
+    asyncio code is running, and the consumer's step runs as it would from the loop (in its
+    own context, with ``sniffio`` saying "asyncio"). A cancel (the task's ``cancel()``,
+    ``asyncio.timeout``) wakes the consumer through the loop, as a future does.
+    """
+
+    __slots__ = ("_asyncio_future_blocking", "_callback", "_cancelled", "_done", "_loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._asyncio_future_blocking = False
+        self._done = False
+        self._cancelled: tuple[str, ...] | None = None  # the cancel message, once cancelled
+        self._callback: tuple[Callable[[Any], object], contextvars.Context] | None = None
+
+    def resolve(self, *, now: bool) -> None:
+        """Wake the consumer: ``now`` runs its step in the caller's task (which must be a Trio
+        task of the loop's thread, between checkpoints), else through the loop. No-op once
+        done."""
+        if self._done:
+            return
+        self._done = True
+        callback, self._callback = self._callback, None
+        if callback is None:
+            return
+        function, context = callback
+        if not now:
+            self._loop.call_soon(function, self, context=context)
+            return
+        previous, _sniffio.name = _sniffio.name, "asyncio"
+        try:
+            context.run(function, self)
+        finally:
+            _sniffio.name = previous
+
+    # -- the future protocol, as asyncio.Task uses it ----------------------------------------
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancelled(self) -> bool:
+        return self._cancelled is not None
+
+    def result(self) -> None:
+        if self._cancelled is not None:
+            raise asyncio.CancelledError(*self._cancelled)
+        if not self._done:
+            raise asyncio.InvalidStateError("the hand-over is not done")
+
+    def exception(self) -> BaseException | None:
+        self.result()
+        return None
+
+    def add_done_callback(
+        self, function: Callable[[Any], object], *, context: contextvars.Context | None = None
+    ) -> None:
+        if context is None:
+            context = contextvars.copy_context()
+        if self._done:
+            self._loop.call_soon(function, self, context=context)
+        elif self._callback is not None:
+            raise RuntimeError("a hand-over has one waiter")
+        else:
+            self._callback = (function, context)
+
+    def remove_done_callback(self, function: Callable[[Any], object]) -> int:
+        if self._callback is not None and self._callback[0] == function:
+            self._callback = None
+            return 1
+        return 0
+
+    def cancel(self, msg: object = None) -> bool:
+        if self._done:
+            return False
+        self._done = True
+        self._cancelled = () if msg is None else (str(msg),)
+        callback, self._callback = self._callback, None
+        if callback is not None:
+            self._loop.call_soon(callback[0], self, context=callback[1])
+        return True
+
+    def __await__(self) -> Generator[_Handover, None, None]:
+        if not self._done:
+            self._asyncio_future_blocking = True
+            yield self
+        self.result()
+
+    __iter__ = __await__
 
 
 class AioHedgedStream:
@@ -87,7 +196,8 @@ class AioHedgedStream:
 
     Args:
         stream: the Trio stream to run (not yet entered).
-        buffer: deltas read ahead of the consumer at most. Default 256.
+        buffer: the pump stops reading once this many deltas wait unread (one batch of the
+            winner may go past it). Default 256.
 
     Raises:
         RuntimeError: entered outside a trio-asyncio loop, or twice.
@@ -106,9 +216,10 @@ class AioHedgedStream:
         self._done = False  # the pump will add nothing more
         self._error: BaseException | None = None  # raised once the buffer is drained
         self._committed = False
-        self._waiter: asyncio.Future[None] | None = None  # the consumer, waiting for the pump
+        self._waiter: _Handover | None = None  # the consumer, waiting for the pump
         self._space: trio.Event | None = None  # the pump, waiting for the consumer
         self._task: asyncio.Future[None] | None = None
+        self._loop: Any = None  # the trio-asyncio loop, from __aenter__
         self._entered = False
 
     @property
@@ -128,12 +239,11 @@ class AioHedgedStream:
 
     # -- the pump (Trio) -----------------------------------------------------------------------
 
-    def _wake(self) -> None:
+    def _wake(self, *, now: bool = False) -> None:
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
+            waiter.resolve(now=now)
 
     async def _pump(self) -> None:
         ready = self._ready
@@ -142,11 +252,14 @@ class AioHedgedStream:
             async with self._stream as stream:
                 self._committed = True
                 self._wake()
-                async for delta in stream.events():
-                    ready.append(delta)
-                    if len(ready) == 1:
-                        self._wake()  # the consumer may be waiting on an empty buffer
-                    elif len(ready) >= limit:
+                next_batch = stream._next_batch
+                # One await per batch of the winner, one wake-up per hand-over.
+                while (batch := await next_batch()) is not None:
+                    drained = not ready  # else the consumer has yet to take the last one
+                    ready.extend(batch)
+                    if drained:
+                        self._wake(now=True)  # the hot path: see _Handover
+                    if len(ready) >= limit:
                         self._space = space = trio.Event()
                         await space.wait()
         except HedgeError as exc:
@@ -157,20 +270,16 @@ class AioHedgedStream:
 
     # -- the consumer (asyncio) ----------------------------------------------------------------
 
-    async def _wait(self) -> None:
-        """Wait until the pump added something or finished."""
-        waiter = self._waiter = asyncio.get_running_loop().create_future()
-        await waiter
-
     async def __aenter__(self) -> AioHedgedStream:
         if self._entered:
             raise RuntimeError("an AioHedgedStream can be entered only once")
-        loop = _trio_asyncio_loop()
+        loop = self._loop = _trio_asyncio_loop()
         self._entered = True
         self._task = loop.trio_as_future(self._pump)
         try:
             while not (self._committed or self._done):
-                await self._wait()
+                waiter = self._waiter = _Handover(loop)
+                await waiter
         except BaseException:
             await self._stop()
             raise
@@ -208,46 +317,58 @@ class AioHedgedStream:
         if cancelled is not None:
             raise cancelled
 
-    def _take(self) -> Delta | None:
-        """The next delta, ``None`` when the stream ended; raises the pump's error."""
-        ready = self._ready
-        if ready:
-            delta = ready.popleft()
-            space = self._space
-            if space is not None and len(ready) <= self._limit // 2:
-                self._space = None
-                space.set()
-            return delta
-        if self._error is not None:
-            error, self._error = self._error, None
+    def _release(self) -> None:
+        """Let the pump read ahead again once half the buffer is free."""
+        space = self._space
+        if space is not None and len(self._ready) <= self._limit // 2:
+            self._space = None
+            space.set()
+
+    def _ended(self) -> None:
+        """The buffer is empty: raise the pump's error, or end the iteration when it is done;
+        return to wait for more."""
+        error = self._error
+        if error is not None:
+            self._error = None
             raise error
-        return None
+        if self._done:
+            raise StopAsyncIteration
 
     def __aiter__(self) -> AioHedgedStream:
         return self
 
-    async def __anext__(self) -> str:
+    # The two readers are the hot path of a paced stream (one hand-over per token): the
+    # buffer is read inline and the wait is one future, awaited here, not in a helper.
+
+    def _check_open(self) -> None:
         if self._task is None:
             raise RuntimeError("iterate an AioHedgedStream inside its 'async with' block")
+
+    async def __anext__(self) -> str:
+        self._check_open()
+        ready = self._ready
         while True:
-            delta = self._take()
-            if delta is None:
-                if self._done:
-                    raise StopAsyncIteration
-                await self._wait()
-            elif delta.content:
-                return delta.content
+            while ready:
+                content = ready.popleft().content
+                if self._space is not None:
+                    self._release()
+                if content:
+                    return content
+            self._ended()
+            waiter = self._waiter = _Handover(self._loop)
+            await waiter
 
     async def _next_event(self) -> Delta:
-        if self._task is None:
-            raise RuntimeError("iterate an AioHedgedStream inside its 'async with' block")
-        while True:
-            delta = self._take()
-            if delta is not None:
-                return delta
-            if self._done:
-                raise StopAsyncIteration
-            await self._wait()
+        self._check_open()
+        ready = self._ready
+        while not ready:
+            self._ended()
+            waiter = self._waiter = _Handover(self._loop)
+            await waiter
+        delta = ready.popleft()
+        if self._space is not None:
+            self._release()
+        return delta
 
     def events(self) -> EventIterator:
         """An async iterator of the winner's [`Delta`][trio_hedge.events.Delta] events (content,

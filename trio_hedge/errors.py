@@ -93,14 +93,16 @@ class StreamInterrupted(HedgeError):
 class ReplicasCooling(RequestFailed):
     """No attempt was sent: every replica the request could use asked to be left alone
     (server pushback, ``Retry-After``) for longer than the Hedger waits
-    (``HedgerConfig.max_pushback_wait``). Raised at once, without waiting in vain; nothing
-    was sent, so ``errors`` is empty.
+    (``HedgerConfig.max_pushback_wait``, or less when the request's deadline comes first:
+    its ``first_token_timeout`` or the caller's cancel scope). Raised at once, without
+    waiting in vain; nothing was sent, so ``errors`` is empty.
 
     Attributes:
         until: the Trio time (``trio.current_time()``, seconds) at which the first of those
             replicas may take a request again.
         retry_in: seconds from the moment this was raised until ``until``.
-        max_wait: the bound that was exceeded, in seconds.
+        max_wait: the bound that was exceeded, in seconds: ``max_pushback_wait``, or the
+            time left before the request's deadline when that is shorter.
     """
 
     def __init__(
@@ -108,7 +110,7 @@ class ReplicasCooling(RequestFailed):
     ) -> None:
         super().__init__(
             f"every replica is cooling after server pushback until Trio time {until:.3f}, "
-            f"{retry_in:.3f} s from now: longer than max_pushback_wait={max_wait:g} s",
+            f"{retry_in:.3f} s from now: longer than the request may wait ({max_wait:g} s)",
             (),
             report=report,
         )

@@ -51,7 +51,7 @@ import trio
 
 from ._oneshot import check_replicas, check_request
 from ._source import Source
-from ._stream import HedgedStream
+from ._stream import HedgedStream, require_trio
 from ._validate import (
     check_header_value,
     check_request_headers,
@@ -157,6 +157,7 @@ class Hedger:
     # -- lifetime ----------------------------------------------------------------------------
 
     async def __aenter__(self) -> Hedger:
+        require_trio("Hedger")
         return self
 
     async def __aexit__(

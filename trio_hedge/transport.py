@@ -42,13 +42,13 @@ import heapq
 import itertools
 import ssl
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import httpcore
 import httpx
 import trio
 
-from ._cancel_safe import cancel_safe_transport, harden
+from ._cancel_safe import WrappingBackend, cancel_safe_transport, harden
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -275,6 +275,53 @@ class _CountedStream(httpx.AsyncByteStream):
         await self._inner.aclose()
 
 
+class _LeanStream(httpcore.AsyncNetworkStream):
+    """httpcore's Trio stream, with a read that has no timeout (the library's: ``read=None``)
+    going straight to ``receive_some``.
+
+    Why: httpcore 1.0.9's ``TrioStream.read`` enters ``trio.fail_after(inf)`` and an
+    exception-mapping context manager on every read, i.e. on every token of a stream: 7.5 µs
+    per read here (two ``contextlib`` generators and a cancel scope), about a tenth of the
+    gateway's CPU per relayed token (``benchmarks/gateway.py``, issue 20: 105 -> 93 µs per
+    paced token). The errors are httpcore's own (``ReadError`` from the same trio errors);
+    a read with a timeout, writes and TLS are the inner stream's.
+    """
+
+    def __init__(self, inner: httpcore.AsyncNetworkStream) -> None:
+        self._inner = inner
+        # httpcore's TrioStream keeps its trio stream as ``_stream``; any other shape (a
+        # different httpcore) reads through the inner stream, unchanged.
+        stream = getattr(inner, "_stream", None)
+        self._trio_stream = stream if isinstance(stream, trio.abc.ReceiveStream) else None
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
+        stream = self._trio_stream
+        if timeout is not None or stream is None:
+            return await self._inner.read(max_bytes, timeout)
+        try:
+            data = await stream.receive_some(max_bytes)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise httpcore.ReadError(exc) from exc
+        return cast("bytes", data)  # trio's socket streams give bytes (h11 takes either)
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        await self._inner.write(buffer, timeout)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    async def start_tls(
+        self,
+        ssl_context: ssl.SSLContext,
+        server_hostname: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> httpcore.AsyncNetworkStream:
+        return _LeanStream(await self._inner.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
 def make_client(
     *,
     per_shard: int = DEFAULT_PER_SHARD,
@@ -288,7 +335,9 @@ def make_client(
 
     It sends requests through a [`ShardedTransport`][trio_hedge.transport.ShardedTransport] (pools
     of about ``per_shard`` open responses each, added as needed, no connection cap), with the
-    library's timeouts (connect 5 s, no read timeout, no pool timeout). Use it as
+    library's timeouts (connect 5 s, no read timeout, no pool timeout), over httpcore's Trio
+    backend with reads that skip its per-read timeout scope when there is no read timeout
+    (the token path: one read per token). Use it as
     ``async with make_client() as client:`` and pass ``client=client`` to
     [`hedged_stream`][trio_hedge.hedged_stream].
 
@@ -309,7 +358,13 @@ def make_client(
         raise TypeError(
             "make_client builds its own transport; pass TLS options to ShardedTransport"
         )
-    transport = ShardedTransport(per_shard, http1=http1, http2=http2, limits=limits)
+    transport = ShardedTransport(
+        per_shard,
+        http1=http1,
+        http2=http2,
+        limits=limits,
+        network_backend=WrappingBackend(wrap=_LeanStream),
+    )
     return httpx.AsyncClient(transport=transport, timeout=timeout, **client_kwargs)
 
 

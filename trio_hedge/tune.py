@@ -677,6 +677,10 @@ def _to_json(plain: Prediction, predictions: Sequence[Prediction],
     }
 
 
+#: Below this many requests a P99 is little more than the slowest one: the printout says so.
+MIN_REQUESTS_FOR_P99 = 100
+
+
 def _print(out: IO[str], records: Sequence[TTFTRecord], plain: Prediction,
            predictions: Sequence[Prediction], best: Prediction | None, max_extra: float,
            replicas: int) -> None:  # fmt: skip
@@ -686,6 +690,12 @@ def _print(out: IO[str], records: Sequence[TTFTRecord], plain: Prediction,
         f"{len(records)} attempts ({censored} cancelled before a first token), "
         f"{plain.requests} requests, groups {', '.join(groups)}, {replicas} replicas\n"
     )
+    if plain.requests < MIN_REQUESTS_FOR_P99:
+        out.write(
+            f"caveat: {plain.requests} requests are too few for a P99 (it takes at least "
+            f"{MIN_REQUESTS_FOR_P99}: with fewer, the P99 is about the slowest TTFT seen); "
+            "the figures below are rough, collect a longer log\n"
+        )
     out.write(
         f"no hedging: TTFT P50 {plain.p50:.3f} s, P90 {plain.p90:.3f} s, P99 {plain.p99:.3f} s\n\n"
     )

@@ -13,7 +13,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._config import ConfigError, GatewayConfig, Group, Limits, load_config, parse_config
+from ._config import (
+    ConfigError,
+    GatewayConfig,
+    GatewayKey,
+    Group,
+    Limits,
+    load_config,
+    parse_config,
+)
 
 if TYPE_CHECKING:
     from ._app import GatewayApp
@@ -23,6 +31,7 @@ __all__ = [
     "ConfigError",
     "GatewayApp",
     "GatewayConfig",
+    "GatewayKey",
     "Group",
     "Limits",
     "load_config",

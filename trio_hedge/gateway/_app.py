@@ -10,26 +10,33 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import math
 import time
 from collections.abc import Mapping
+from contextlib import suppress
 from typing import Any
 
 import httpx
 import trio
 
 from .. import Hedger, Replica
-from ._config import GatewayConfig
+from ._config import GatewayConfig, GatewayKey
 from ._errors import ErrorAnswer
 from ._forward import ChatForwarder, Rejected
 from ._http import Exchange, Receive, Scope, Send
-from ._limits import BodyTooLarge, ClientGone, Draining, Limiter, read_body
+from ._limits import BodyTooLarge, ClientGone, Draining, KeyLimiter, Limiter, read_body
 from ._metrics import ACCESS_LOGGER, GatewayMetrics
 
 __all__ = ["GatewayApp"]
 
+logger = logging.getLogger("trio_hedge.gateway")
+
 #: How long ``/v1/models`` waits for the replicas' own lists (seconds).
 MODELS_TIMEOUT = 5.0
+#: How long the body of a request refused for its framing is read before the answer
+#: (seconds).
+REFUSED_BODY_SECONDS = 5.0
 
 _ROUTES = {
     "/v1/chat/completions": "POST",
@@ -46,6 +53,31 @@ def _content_length(ex: Exchange) -> int | None:
         return int(value) if value is not None else None
     except ValueError:
         return None
+
+
+async def _answer_defect(ex: Exchange) -> None:
+    answer = ErrorAnswer(500, "internal error in the gateway", code="internal_error")
+    try:
+        if not ex.started:
+            await ex.error(answer)
+        elif not ex.finished:
+            await ex.body(answer.event(), more=False)
+    except Exception:  # the client is gone: nothing more to tell it
+        pass
+
+
+def _ambiguous(ex: Exchange) -> ErrorAnswer | None:
+    """A refusal for a request whose framing or caller is ambiguous: both ``Content-Length``
+    and ``Transfer-Encoding`` (a request-smuggling precondition), or a header the gateway
+    reads sent twice (which ``Authorization`` counts: the gateway's or a proxy's?)."""
+    headers = ex.headers
+    if b"transfer-encoding" in headers and b"content-length" in headers:
+        message = "a request must not have both Content-Length and Transfer-Encoding"
+        return ErrorAnswer(400, message, code="ambiguous_framing", param="Content-Length")
+    if ex.duplicate is not None:
+        name = ex.duplicate.decode("latin-1")
+        return ErrorAnswer(400, f"{name} must be sent once", code="duplicate_header", param=name)
+    return None
 
 
 class GatewayApp:
@@ -72,9 +104,11 @@ class GatewayApp:
         self.metrics = metrics
         self._hedgers = hedgers
         self._client = client
-        self._keys = tuple(k.encode() for k in config.keys)
-        self._chat = ChatForwarder(config, hedgers, metrics, config.keys)
-        metrics.watch(hedgers)
+        self.keys = KeyLimiter(config.keys, config.limits)
+        self._keys = tuple((k.key.encode(), k) for k in config.keys)
+        self._chat = ChatForwarder(config, hedgers, metrics, [k.key for k in config.keys])
+        named = (m for g in config.groups for m in g.models if not any(c in m for c in "*?["))
+        metrics.watch(hedgers, named)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -88,12 +122,31 @@ class GatewayApp:
         path = ex.record.path
         try:
             await self._route(ex, path, ex.record.method)
+        except Exception as exc:  # a defect: answered 500, never an empty answer
+            logger.error("request %s: %s", ex.record.request_id, type(exc).__name__)
+            ex.record.error = "internal_error"
+            await _answer_defect(ex)
         finally:
             label = path if path in _ROUTES else "other"
-            self.metrics.requests.labels(label, str(ex.record.status)).inc()
+            status = str(ex.record.status)
+            self.metrics.requests.labels(label, status).inc()
+            if ex.record.key is not None:
+                self.metrics.key_requests.labels(ex.record.key, status).inc()
             ACCESS_LOGGER.info(ex.record.line())
 
     async def _route(self, ex: Exchange, path: str, method: str) -> None:
+        refusal = _ambiguous(ex)
+        if refusal is not None:
+            self.metrics.refused.labels("invalid").inc()
+            # Read (and drop) the body first: the server would cut the answer short on
+            # seeing bytes after a body it has not finished reading.
+            limit = self.config.limits.max_body_bytes
+            with trio.move_on_after(REFUSED_BODY_SECONDS), suppress(BodyTooLarge, ClientGone):
+                await read_body(ex.receive, limit, None)
+            # Then the connection is closed (RFC 9112 section 6.1 for CL + TE): the server
+            # and a proxy in front may disagree where this request ends, and which is next.
+            await ex.error(refusal, [(b"connection", b"close")])
+            return
         wanted = _ROUTES.get(path)
         if wanted is None:
             await ex.error(ErrorAnswer(404, f"no route {path}", code="not_found"))
@@ -102,15 +155,29 @@ class GatewayApp:
             answer = ErrorAnswer(405, f"{method} is not allowed on {path}", code="method")
             await ex.error(answer, [(b"allow", wanted.encode())])
             return
-        if path.startswith("/v1/") and not self._authorized(ex):
-            self.metrics.refused.labels("auth").inc()
-            answer = ErrorAnswer(
-                401,
-                "a valid gateway key is required (Authorization: Bearer …)",
-                code="invalid_api_key",
-            )
-            await ex.error(answer, [(b"www-authenticate", b"Bearer")])
-            return
+        if path.startswith("/v1/") and self._keys:
+            key = self._caller(ex)
+            if key is None:
+                self.metrics.refused.labels("auth").inc()
+                answer = ErrorAnswer(
+                    401,
+                    "a valid gateway key is required (Authorization: Bearer …)",
+                    code="invalid_api_key",
+                )
+                await ex.error(answer, [(b"www-authenticate", b"Bearer")])
+                return
+            ex.record.key = key.name
+            wait = self.keys.take(key.name)
+            if wait is not None:
+                self.metrics.refused.labels("key_rate").inc()
+                answer = ErrorAnswer(
+                    429,
+                    f"this gateway key's request rate is used up: retry in {wait:.3g} s",
+                    code="rate_limit_exceeded",
+                    retry_after=wait,
+                )
+                await ex.error(answer)
+                return
         if path == "/v1/chat/completions":
             await self._chat_completions(ex)
         elif path == "/v1/models":
@@ -123,15 +190,15 @@ class GatewayApp:
             data = self.metrics.render()
             await ex.respond(200, data, [(b"content-type", b"text/plain; version=0.0.4")])
 
-    def _authorized(self, ex: Exchange) -> bool:
-        if not self._keys:
-            return True
+    def _caller(self, ex: Exchange) -> GatewayKey | None:
+        """The gateway key the request sends, or ``None``."""
         value = ex.headers.get(b"authorization", b"")
         token = value[7:].strip() if value[:7].lower() == b"bearer " else b""
-        ok = False
-        for key in self._keys:  # every key compared, each in constant time
-            ok |= hmac.compare_digest(token, key)
-        return ok
+        found = None
+        for secret, key in self._keys:  # every key compared, each in constant time
+            if hmac.compare_digest(token, secret):
+                found = key
+        return found
 
     async def _chat_completions(self, ex: Exchange) -> None:
         limits = self.config.limits
@@ -156,6 +223,20 @@ class GatewayApp:
             )
             await ex.error(answer)
             return
+        key = ex.record.key
+        if key is not None and not self.keys.admit(key):
+            self.limiter.release(admitted)
+            refused.labels("key_concurrency").inc()
+            answer = ErrorAnswer(
+                429,
+                "too many requests in flight for this gateway key",
+                code="concurrency_limit_exceeded",
+                retry_after=limits.retry_after,
+            )
+            await ex.error(answer)
+            return
+        if key is not None:
+            self.metrics.key_in_flight.labels(key).inc()
         timeout = limits.request_timeout
         deadline_at = math.inf if timeout is None else trio.current_time() + timeout
         try:
@@ -183,6 +264,9 @@ class GatewayApp:
             await self._chat.handle(ex, request, group, options, streaming, admitted, deadline_at)
         finally:
             self.limiter.release(admitted)
+            if key is not None:
+                self.keys.release(key)
+                self.metrics.key_in_flight.labels(key).dec()
 
     async def _models(self, ex: Exchange) -> None:
         """The replicas' own ``/models`` lists, merged (first seen first), and the group

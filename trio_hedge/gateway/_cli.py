@@ -5,6 +5,7 @@ gateway extra's packages when it runs."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import math
@@ -125,6 +126,18 @@ def add_commands(sub: Any) -> None:
         help="on SIGTERM, how long requests in flight may go on (default: 30)",
     )
     serve.add_argument(
+        "--write-timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        help="close a connection whose write makes no progress for SECONDS (a client that "
+        "stopped reading), ending its requests (default: 30)",
+    )
+    serve.add_argument(
+        "--http1-only",
+        action="store_true",
+        help="serve HTTP/1.1 only, no h2c (config: [server] http2 = false)",
+    )
+    serve.add_argument(
         "--log-level",
         default="info",
         choices=("debug", "info", "warning", "error"),
@@ -224,6 +237,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     from ._config import ConfigError, load_config, with_flags
     from ._serve import serve
+    from ._server import ListenError
 
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()), format="%(message)s", stream=sys.stderr
@@ -241,7 +255,7 @@ def _serve(args: argparse.Namespace) -> int:
         if getattr(args, flag) is not None:
             hedger[flag] = getattr(args, flag)
     limits: dict[str, Any] = {}
-    for flag in ("max_concurrent", "request_timeout", "drain_timeout"):
+    for flag in ("max_concurrent", "request_timeout", "drain_timeout", "write_timeout"):
         if getattr(args, flag) is not None:
             limits[flag] = getattr(args, flag)
     try:
@@ -254,6 +268,7 @@ def _serve(args: argparse.Namespace) -> int:
             port=args.port,
             hedger=hedger,
             limits=limits,
+            http2=False if args.http1_only else None,
         )
     except (ConfigError, OSError) as exc:
         sys.stderr.write(f"trio-hedge: {exc}\n")
@@ -261,8 +276,20 @@ def _serve(args: argparse.Namespace) -> int:
     if args.gc_threshold:
         _, gen1, gen2 = gc.get_threshold()
         gc.set_threshold(args.gc_threshold, gen1, gen2)
-    trio.run(lambda: serve(config, handle_signals=True))
+    try:
+        trio.run(lambda: serve(config, handle_signals=True))
+    except ListenError as exc:
+        return _cannot_listen(exc.filename, exc)
     return 0
+
+
+def _cannot_listen(where: str, exc: OSError) -> int:
+    """One line naming the address, the reason and the flag; the exit status (2)."""
+    reason = (exc.strerror or str(exc)).lower()
+    sys.stderr.write(
+        f"trio-hedge: cannot listen on {where}: {reason} (choose another port with --port)\n"
+    )
+    return 2
 
 
 async def _fake(args: argparse.Namespace) -> int:
@@ -282,15 +309,20 @@ async def _fake(args: argparse.Namespace) -> int:
         finish_reason="tool_calls" if args.tool_call else "stop",
     )
     out = sys.stdout
+    fake = FakeReplica(
+        behaviour,
+        name=args.name,
+        http2=args.http2,
+        model=args.model,
+        host=args.host,
+        port=args.port,
+    )
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with FakeReplica(
-            behaviour,
-            name=args.name,
-            http2=args.http2,
-            model=args.model,
-            host=args.host,
-            port=args.port,
-        ) as replica:
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                replica = await stack.enter_async_context(fake)
+            except OSError as exc:  # the port taken: one line, not a traceback
+                return _cannot_listen(f"{args.host}:{args.port}", exc)
             out.write(f"fake replica {args.name!r} listening on {replica.url}\n")
             out.flush()
             async with trio.open_nursery() as nursery:

@@ -32,6 +32,7 @@ __all__ = [
     "DEFAULT_HEDGER",
     "ConfigError",
     "GatewayConfig",
+    "GatewayKey",
     "Group",
     "Limits",
     "hedger_config",
@@ -76,6 +77,20 @@ def _positive_int(_inst: object, attribute: attrs.Attribute[Any], value: object)
         raise ValueError(f"{attribute.name} must be >= 1, not {value!r}")
 
 
+def _positive_int_or_none(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None:
+        _positive_int(inst, attribute, value)
+
+
+def _positive_rate_or_none(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{attribute.name} must be requests per second (a number)")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{attribute.name} must be finite requests per second > 0")
+
+
 @attrs.frozen
 class Limits:
     """What protects the fleet. Durations in seconds.
@@ -94,6 +109,19 @@ class Limits:
             draining) and of upstream 503s that gave none. Default 1.
         hedge_after_min: the least a client's ``X-Hedge-After`` is clamped to. Default 0.
         hedge_after_max: the most a client's ``X-Hedge-After`` is clamped to. Default 10.
+        key_max_concurrent: chat requests one gateway key may have in flight at once (the
+            default of every [`GatewayKey`][trio_hedge.gateway.GatewayKey]); beyond it 429
+            with ``Retry-After``. ``None``: no limit. Default ``None``.
+        key_rate: requests per second one gateway key may make on ``/v1/*``, on average
+            (a token bucket); beyond it 429 with ``Retry-After`` until the next is allowed.
+            ``None``: no limit. Default ``None``.
+        key_burst: requests a key may make at once beyond ``key_rate`` (the bucket's size).
+            ``None``: ``key_rate`` rounded up (at least 1). Default ``None``.
+        write_timeout: seconds a write to a client may make no progress (a client that
+            stopped reading) before its connection is closed, ending its requests (their
+            upstream attempts closed, their slots freed); over HTTP/2, also how long a
+            stream's shut flow-control window may hold a request. ``None``: no limit.
+            Default 30.
     """
 
     max_concurrent: int = attrs.field(default=1000, validator=_positive_int)
@@ -103,6 +131,10 @@ class Limits:
     retry_after: float = attrs.field(default=1.0, validator=_non_negative_seconds)
     hedge_after_min: float = attrs.field(default=0.0, validator=_non_negative_seconds)
     hedge_after_max: float = attrs.field(default=10.0, validator=_non_negative_seconds)
+    key_max_concurrent: int | None = attrs.field(default=None, validator=_positive_int_or_none)
+    key_rate: float | None = attrs.field(default=None, validator=_positive_rate_or_none)
+    key_burst: int | None = attrs.field(default=None, validator=_positive_int_or_none)
+    write_timeout: float | None = attrs.field(default=30.0, validator=_positive_seconds_or_none)
 
     def __attrs_post_init__(self) -> None:
         if self.hedge_after_min > self.hedge_after_max:
@@ -160,7 +192,52 @@ class Group:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
 
 
-def _keys_repr(keys: tuple[str, ...]) -> str:
+@attrs.frozen
+class GatewayKey:
+    """A key clients send (``Authorization: Bearer …``), with the name it goes by in
+    metrics and the access log (never the key) and its own limits.
+
+    Attributes:
+        key: the key. Hidden in the repr.
+        name: what metrics (``key`` label) and the access log call this key's requests.
+        max_concurrent: its chat requests in flight at once; ``None``: the
+            [`Limits`][trio_hedge.gateway.Limits]' ``key_max_concurrent``. Default ``None``.
+        rate: its requests per second on ``/v1/*``; ``None``: ``Limits.key_rate``.
+            Default ``None``.
+        burst: its requests at once beyond ``rate``; ``None``: ``Limits.key_burst``.
+            Default ``None``.
+
+    Raises:
+        TypeError, ValueError: a field of the wrong type or out of range (named, never the
+            key).
+    """
+
+    key: str = attrs.field(repr=False)
+    name: str = attrs.field()
+    max_concurrent: int | None = attrs.field(default=None, validator=_positive_int_or_none)
+    rate: float | None = attrs.field(default=None, validator=_positive_rate_or_none)
+    burst: int | None = attrs.field(default=None, validator=_positive_int_or_none)
+
+    @key.validator
+    def _check_key(self, _attribute: attrs.Attribute[str], value: object) -> None:
+        if not isinstance(value, str) or not value:
+            raise ValueError("gateway keys must be non-empty strings")
+
+    @name.validator
+    def _check_name(self, _attribute: attrs.Attribute[str], value: object) -> None:
+        if not isinstance(value, str) or not value:
+            raise ValueError("a gateway key's name must be a non-empty string")
+
+
+def _gateway_keys(value: Iterable[str | GatewayKey]) -> tuple[GatewayKey, ...]:
+    """Keys given as strings are named ``key0``, ``key1``… by position."""
+    keys = []
+    for i, key in enumerate(value):
+        keys.append(key if isinstance(key, GatewayKey) else GatewayKey(key, f"key{i}"))
+    return tuple(keys)
+
+
+def _keys_repr(keys: tuple[GatewayKey, ...]) -> str:
     return f"<{len(keys)} keys>"
 
 
@@ -175,20 +252,26 @@ class GatewayConfig:
         host: the address to listen on (HTTP/1.1 and h2c on one port). Default
             ``127.0.0.1``.
         port: the port to listen on. Default 8080.
-        keys: the keys clients must send (``Authorization: Bearer …``); empty: no
-            authentication. Compared in constant time. Hidden in the repr.
+        keys: the [`GatewayKey`][trio_hedge.gateway.GatewayKey]s clients must send
+            (``Authorization: Bearer …``; a plain string is a key named by its position,
+            ``key0``…); empty: no authentication. Compared in constant time. Hidden in the
+            repr.
         forward_client_key: send a client's own ``Authorization`` upstream, to replicas
             that have no key of their own. Default ``False``. Not with ``keys``.
         limits: the [`Limits`][trio_hedge.gateway.Limits].
+        http2: serve h2c (HTTP/2 without TLS, prior knowledge or ``Upgrade``) besides
+            HTTP/1.1 on the same port. ``False``: HTTP/1.1 only (a client's HTTP/2 preface
+            is answered 505; an ``Upgrade: h2c`` is ignored). Default ``True``.
     """
 
     replicas: tuple[Replica, ...] = attrs.field(converter=_replicas)
     groups: tuple[Group, ...] = attrs.field(converter=_groups, default=())
     host: str = "127.0.0.1"
     port: int = attrs.field(default=8080)
-    keys: tuple[str, ...] = attrs.field(default=(), converter=_names, repr=_keys_repr)
+    keys: tuple[GatewayKey, ...] = attrs.field(default=(), converter=_gateway_keys, repr=_keys_repr)
     forward_client_key: bool = False
     limits: Limits = attrs.field(factory=Limits)
+    http2: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
 
     @port.validator
     def _check_port(self, _attribute: attrs.Attribute[int], value: object) -> None:
@@ -217,9 +300,15 @@ class GatewayConfig:
             for name in group.replicas:
                 if name not in names:
                     raise ValueError(f"group {group.name!r} names unknown replica {name!r}")
-        for key in self.keys:
-            if not isinstance(key, str) or not key:
-                raise ValueError("gateway keys must be non-empty strings")
+        key_names = [k.name for k in self.keys]
+        if len(set(key_names)) != len(key_names):
+            raise ValueError(f"gateway key names must be unique, got {key_names!r}")
+        if len({k.key for k in self.keys}) != len(self.keys):
+            raise ValueError("two gateway keys are the same key")
+        limits = self.limits
+        per_key = (limits.key_max_concurrent, limits.key_rate, limits.key_burst)
+        if not self.keys and any(v is not None for v in per_key):
+            raise ValueError("per-key limits (limits.key_*) need gateway keys (auth)")
         if self.keys and self.forward_client_key:
             raise ValueError(
                 "forward_client_key cannot be used with gateway keys: clients send the "
@@ -377,6 +466,18 @@ def _replica(table: Mapping[str, Any], where: str, environ: Mapping[str, str]) -
         raise ConfigError(f"{where}: {exc}") from None
 
 
+def _key(table: Mapping[str, Any], where: str, environ: Mapping[str, str]) -> GatewayKey:
+    _known(table, ("name", "key_env", "max_concurrent", "rate", "burst"), where)
+    if "key_env" not in table:
+        raise ConfigError(f"{where}.key_env is required")
+    key = _env(table["key_env"], f"{where}.key_env", environ)
+    limits = {n: table[n] for n in ("max_concurrent", "rate", "burst") if n in table}
+    try:
+        return GatewayKey(key, table.get("name", table["key_env"]), **limits)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
 def parse_config(
     document: Mapping[str, Any], *, environ: Mapping[str, str] | None = None
 ) -> GatewayConfig:
@@ -390,13 +491,21 @@ def parse_config(
     environ = os.environ if environ is None else environ
     _known(document, ("server", "auth", "limits", "hedger", "replicas", "groups"), "config")
     server = _table(document.get("server", {}), "server")
-    _known(server, ("host", "port"), "server")
+    _known(server, ("host", "port", "http2"), "server")
     auth = _table(document.get("auth", {}), "auth")
-    _known(auth, ("keys_env", "forward_client_key"), "auth")
+    _known(auth, ("keys_env", "keys", "forward_client_key"), "auth")
     keys_env = auth.get("keys_env", [])
     if isinstance(keys_env, str) or not isinstance(keys_env, list):
         raise ConfigError("auth.keys_env must be a list of environment variable names")
-    keys = [_env(var, f"auth.keys_env[{i}]", environ) for i, var in enumerate(keys_env)]
+    keys = [
+        GatewayKey(_env(var, f"auth.keys_env[{i}]", environ), var) for i, var in enumerate(keys_env)
+    ]
+    named = auth.get("keys", [])
+    if not isinstance(named, list):
+        raise ConfigError("auth.keys must be [[auth.keys]] tables")
+    keys += [
+        _key(_table(k, f"auth.keys[{i}]"), f"auth.keys[{i}]", environ) for i, k in enumerate(named)
+    ]
     limits = _build(Limits, _table(document.get("limits", {}), "limits"), "limits")
     hedger_table = _table(document.get("hedger", {}), "hedger")
     base = DEFAULT_HEDGER
@@ -444,6 +553,7 @@ def parse_config(
             keys=keys,
             forward_client_key=auth.get("forward_client_key", False),
             limits=limits,
+            http2=server.get("http2", True),
         )
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"config: {exc}") from None
@@ -475,6 +585,7 @@ def with_flags(
     port: int | None = None,
     hedger: Mapping[str, Any] | None = None,
     limits: Mapping[str, Any] | None = None,
+    http2: bool | None = None,
 ) -> GatewayConfig:
     """``config`` (or none) with command-line flags over it: ``replicas`` (URLs) replace the
     file's replicas and groups; ``hedger`` fields apply to every group; ``limits`` fields
@@ -503,6 +614,8 @@ def with_flags(
             changes["host"] = host
         if port is not None:
             changes["port"] = port
+        if http2 is not None:
+            changes["http2"] = http2
         if limits:
             changes["limits"] = attrs.evolve(config.limits, **limits)
         if hedger:

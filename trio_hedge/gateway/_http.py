@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from ._errors import ErrorAnswer
+from ._input import clip, duplicated
 from ._metrics import AccessRecord
 
 __all__ = ["Exchange", "Receive", "Scope", "Send", "request_id_from"]
@@ -35,18 +36,21 @@ def request_id_from(value: str | None) -> str:
 class Exchange:
     """The request's scope and channels, its access record, and what was sent so far."""
 
-    __slots__ = ("finished", "headers", "receive", "record", "send", "started")
+    __slots__ = ("duplicate", "finished", "headers", "receive", "record", "send", "started")
 
     def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.receive = receive
         self.send = send
-        # Names are lower-case in ASGI; a repeated header keeps its last value.
-        self.headers: dict[bytes, bytes] = dict(scope.get("headers") or ())
+        raw = scope.get("headers") or []
+        # Names are lower-case in ASGI; a repeated header keeps its last value here, and
+        # `duplicate` names a header the gateway reads that came twice (the request is refused).
+        self.headers: dict[bytes, bytes] = dict(raw)
+        self.duplicate = None if len(self.headers) == len(raw) else duplicated(raw)
         client = scope.get("client")
         self.record = AccessRecord(
             request_id=request_id_from(self.header(b"x-request-id")),
-            method=scope.get("method", ""),
-            path=scope.get("path", ""),
+            method=clip(scope.get("method", "")),
+            path=clip(scope.get("path", "")),
             client=client[0] if client else None,
             started=0.0,
         )

@@ -1,13 +1,17 @@
-"""Limits that protect the fleet: concurrency, body size, and the drain on shutdown."""
+"""Limits that protect the fleet: concurrency, body size, each key's share, and the drain on
+shutdown."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import math
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import trio
 
-__all__ = ["BodyTooLarge", "ClientGone", "Draining", "Limiter", "read_body"]
+from ._config import GatewayKey, Limits
+
+__all__ = ["BodyTooLarge", "ClientGone", "Draining", "KeyLimiter", "Limiter", "read_body"]
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 
@@ -95,3 +99,61 @@ async def read_body(receive: Receive, limit: int, declared: int | None) -> bytes
             raise BodyTooLarge
         if not message.get("more_body", False):
             return bytes(body)
+
+
+class KeyLimiter:
+    """Each gateway key's own limits: chat requests in flight, and a request rate (a token
+    bucket of ``burst`` requests refilled at ``rate`` per second, Trio time). State is one
+    entry per configured key: a client cannot make more of it.
+    """
+
+    def __init__(self, keys: Iterable[GatewayKey], limits: Limits) -> None:
+        self._keys: dict[str, _KeyState] = {}
+        for key in keys:
+            concurrent = key.max_concurrent or limits.key_max_concurrent
+            rate = key.rate or limits.key_rate
+            burst = key.burst or limits.key_burst
+            if rate is not None and burst is None:
+                burst = max(1, math.ceil(rate))
+            self._keys[key.name] = _KeyState(concurrent, rate, float(burst or 0))
+        self.in_flight = {name: 0 for name in self._keys}
+
+    def take(self, name: str) -> float | None:
+        """Count one request of key ``name`` against its rate: ``None`` when allowed, else
+        the seconds until one more would be."""
+        state = self._keys[name]
+        rate = state.rate
+        if rate is None:
+            return None
+        now = trio.current_time()
+        tokens = min(state.burst, state.tokens + (now - state.at) * rate)
+        state.at = now
+        if tokens >= 1.0:
+            state.tokens = tokens - 1.0
+            return None
+        state.tokens = tokens
+        return (1.0 - tokens) / rate
+
+    def admit(self, name: str) -> bool:
+        """One more chat request of key ``name`` in flight, unless it is at its limit
+        (then ``False``). Pair a ``True`` with `release`."""
+        limit = self._keys[name].max_concurrent
+        if limit is not None and self.in_flight[name] >= limit:
+            return False
+        self.in_flight[name] += 1
+        return True
+
+    def release(self, name: str) -> None:
+        """A chat request of key ``name`` admitted by `admit` is over."""
+        self.in_flight[name] -= 1
+
+
+class _KeyState:
+    __slots__ = ("at", "burst", "max_concurrent", "rate", "tokens")
+
+    def __init__(self, max_concurrent: int | None, rate: float | None, burst: float) -> None:
+        self.max_concurrent = max_concurrent
+        self.rate = rate
+        self.burst = burst
+        self.tokens = burst  # a full bucket to start with
+        self.at = -math.inf

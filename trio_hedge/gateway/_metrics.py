@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -25,7 +25,14 @@ from prometheus_client.registry import Collector
 from .. import Hedger
 from ..instrumentation import PrometheusHook
 
-__all__ = ["ACCESS_LOGGER", "AccessRecord", "GatewayMetrics"]
+__all__ = [
+    "ACCESS_LOGGER",
+    "MAX_MODEL_LABELS",
+    "OTHER_MODELS",
+    "AccessRecord",
+    "GatewayMetrics",
+    "ModelLabels",
+]
 
 #: The logger of the access log: one JSON object per line, per request.
 ACCESS_LOGGER = logging.getLogger("trio_hedge.gateway.access")
@@ -43,11 +50,38 @@ def _count_tasks() -> int:
     return 0 if root is None else walk(root)
 
 
+#: The ``model`` label of every model outside `ModelLabels`.
+OTHER_MODELS = "(other)"
+#: The most model names `ModelLabels` learns from answered requests.
+MAX_MODEL_LABELS = 100
+
+
+class ModelLabels:
+    """The model names metrics may carry as a label, so that clients cannot grow
+    ``/metrics`` by naming models: the names the groups give literally (not patterns), and
+    the first `MAX_MODEL_LABELS` others a replica answered (a first token: no replica
+    answers for a made-up model). Every other model is `OTHER_MODELS`."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self._names = {"default", *names}  # "default": the delay group of no model
+        self._learned = 0
+
+    def served(self, model: str | None) -> None:
+        """A replica answered a request for ``model``."""
+        if model is not None and model not in self._names and self._learned < MAX_MODEL_LABELS:
+            self._names.add(model)
+            self._learned += 1
+
+    def label(self, model: str) -> str:
+        return model if model in self._names else OTHER_MODELS
+
+
 class _HedgerCollector(Collector):
     """Each group's Hedger state, read when Prometheus scrapes (inside Trio)."""
 
-    def __init__(self, hedgers: Mapping[str, Hedger]) -> None:
+    def __init__(self, hedgers: Mapping[str, Hedger], models: ModelLabels) -> None:
         self._hedgers = hedgers
+        self._models = models
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         state = GaugeMetricFamily(
@@ -76,10 +110,14 @@ class _HedgerCollector(Collector):
                 for name in _STATES:
                     state.add_metric([group, r.name, name], 1.0 if r.state == name else 0.0)
                 in_flight.add_metric([group, r.name], r.in_flight)
+            # Models outside the label set are folded into one series per size class (the
+            # longest of their delays).
+            delays: dict[tuple[str, str, str], float] = {}
             for d in stats.delays:
-                delay.add_metric(
-                    [group, d.group, str(d.size_class), str(d.learned).lower()], d.delay
-                )
+                labels = (self._models.label(d.group), str(d.size_class), str(d.learned).lower())
+                delays[labels] = max(d.delay, delays.get(labels, d.delay))
+            for (model, size_class, learned), seconds in delays.items():
+                delay.add_metric([group, model, size_class, learned], seconds)
         tasks.add_metric([], _count_tasks())
         yield from (state, in_flight, delay, tasks)
 
@@ -109,10 +147,25 @@ class GatewayMetrics:
             ["reason"],
             **kw,
         )
+        self.key_requests = Counter(
+            "trio_hedge_gateway_key_requests",
+            "Requests answered per gateway key (its configured name), by status.",
+            ["key", "status"],
+            **kw,
+        )
+        self.key_in_flight = Gauge(
+            "trio_hedge_gateway_key_in_flight",
+            "Chat requests in flight per gateway key (its configured name).",
+            ["key"],
+            **kw,
+        )
+        self.models = ModelLabels(())
 
-    def watch(self, hedgers: Mapping[str, Hedger]) -> None:
-        """Export the state of these Hedgers (group name -> Hedger) at each scrape."""
-        self.registry.register(_HedgerCollector(hedgers))
+    def watch(self, hedgers: Mapping[str, Hedger], models: Iterable[str] = ()) -> None:
+        """Export the state of these Hedgers (group name -> Hedger) at each scrape, with a
+        ``model`` label for the names in ``models`` (and those learned: `ModelLabels`)."""
+        self.models = ModelLabels(models)
+        self.registry.register(_HedgerCollector(hedgers, self.models))
 
     def render(self) -> bytes:
         """The Prometheus text exposition (call inside Trio)."""
@@ -129,6 +182,7 @@ class AccessRecord:
     client: str | None
     started: float  # time.time()
     status: int = 0
+    key: str | None = None  # the gateway key's name
     model: str | None = None
     group: str | None = None
     stream: bool | None = None

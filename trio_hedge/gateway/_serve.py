@@ -1,20 +1,20 @@
-"""Run the gateway on hypercorn's Trio worker: HTTP/1.1 and h2c (HTTP/2 without TLS) on one
-port, one long-lived [`Hedger`][trio_hedge.Hedger] per group over one shared connection pool.
+"""Run the gateway: HTTP/1.1 and h2c (HTTP/2 without TLS) on one port (or HTTP/1.1 only), one
+long-lived [`Hedger`][trio_hedge.Hedger] per group over one shared connection pool. The
+connections themselves are ``_server.py``'s (hypercorn's protocol code, each connection
+contained and its writes bounded).
 
 Shutdown (SIGTERM or SIGINT, or ``stop.set()``): stop accepting, answer new requests on open
 connections with 503, let in-flight requests go on for ``drain_timeout`` seconds, then cancel
 them (each ends with an in-band error event, its upstream attempts closed), then close the
-pool. A second signal cancels at once.
+connections and the pool. A second signal cancels at once.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
-from typing import Any
 
-import hypercorn.config
-import hypercorn.trio
 import trio
 
 from .. import Hedger
@@ -23,35 +23,17 @@ from ._app import GatewayApp
 from ._config import GatewayConfig
 from ._limits import Limiter
 from ._metrics import GatewayMetrics
+from ._server import Server, open_listeners
 
 __all__ = ["serve"]
 
 logger = logging.getLogger("trio_hedge.gateway")
 
-#: Seconds hypercorn waits beyond ``drain_timeout`` for cancelled requests to write their
-#: last event and close their upstreams, before it cuts the connections.
-CLOSE_GRACE = 5.0
+#: Connections waiting to be accepted: bursts of thousands of new connections.
+BACKLOG = 4096
 
 
-def _hypercorn_config(config: GatewayConfig) -> hypercorn.config.Config:
-    hc = hypercorn.config.Config()
-    host = f"[{config.host}]" if ":" in config.host else config.host
-    hc.bind = [f"{host}:{config.port}"]
-    hc.graceful_timeout = config.limits.drain_timeout + CLOSE_GRACE
-    hc.accesslog = None  # the gateway writes its own, one JSON line per request
-    hc.errorlog = logging.getLogger("trio_hedge.gateway.server")
-    hc.backlog = 4096  # bursts of thousands of new connections
-    return hc
-
-
-async def _cancel_after(limiter: Limiter, seconds: float) -> None:
-    await trio.sleep(seconds)
-    if limiter.in_flight:
-        logger.info("drain timeout: cancelling %d requests in flight", limiter.in_flight)
-    limiter.cancel_all()
-
-
-async def _signals(stop: trio.Event, limiter: Limiter) -> None:
+async def _signals(stop: trio.Event, limiter: Limiter, server: Server) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             if not stop.is_set():
@@ -62,6 +44,7 @@ async def _signals(stop: trio.Event, limiter: Limiter) -> None:
             else:
                 logger.info("second signal: cancelling %d requests now", limiter.in_flight)
                 limiter.cancel_all()
+                server.hurry()
 
 
 async def serve(
@@ -76,8 +59,13 @@ async def serve(
 
     ``await nursery.start(serve, config, stop=stop)`` returns the URLs it listens on
     (``["http://127.0.0.1:PORT"]``; port 0 picks a free one).
+
+    Raises:
+        OSError: it cannot listen on ``config.host:config.port`` (the port taken, …),
+            before anything else is opened; its message names the address.
     """
     stop = trio.Event() if stop is None else stop
+    listeners = await open_listeners(config.host, config.port, BACKLOG)
     metrics = GatewayMetrics()
     hedgers: dict[str, Hedger] = {}
     async with make_client() as client:
@@ -89,34 +77,66 @@ async def serve(
                 )
             app = GatewayApp(config, hedgers, client, metrics)
             limiter = app.limiter
+            limits = config.limits
+            server = Server(
+                app,
+                write_timeout=limits.write_timeout,
+                request_timeout=limits.request_timeout,
+                http2=config.http2,
+            )
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(server.watch)
                 if handle_signals:
-                    nursery.start_soon(_signals, stop, limiter)
-
-                async def shutdown_trigger() -> None:
-                    await stop.wait()
-                    limiter.start_draining()
-                    nursery.start_soon(_cancel_after, limiter, config.limits.drain_timeout)
-
-                async def run(task_status: trio.TaskStatus[list[str]]) -> None:
-                    framework: Any = app
-                    await hypercorn.trio.serve(
-                        framework,
-                        _hypercorn_config(config),
-                        shutdown_trigger=shutdown_trigger,
-                        task_status=task_status,
-                    )
-                    nursery.cancel_scope.cancel()  # served and drained: stop the helpers
-
-                binds: list[str] = await nursery.start(run)
-                groups = ", ".join(f"{g.name}: {'/'.join(g.replicas)}" for g in config.groups)
-                logger.info(
-                    "trio-hedge gateway listening on %s (HTTP/1.1, h2c); groups %s",
-                    " ".join(binds),
-                    groups,
-                )
-                task_status.started(binds)
+                    nursery.start_soon(_signals, stop, limiter, server)
+                await _accept_then_drain(config, server, limiter, listeners, stop, task_status)
+                nursery.cancel_scope.cancel()  # served and drained: stop the helpers
         finally:
+            for listener in listeners:
+                with trio.CancelScope(shield=True):
+                    await listener.aclose()
             with trio.CancelScope(shield=True):
                 for hedger in hedgers.values():
                     await hedger.aclose()
+
+
+async def _accept_then_drain(
+    config: GatewayConfig,
+    server: Server,
+    limiter: Limiter,
+    listeners: list[trio.SocketListener],
+    stop: trio.Event,
+    task_status: trio.TaskStatus[list[str]],
+) -> None:
+    """Accept connections until ``stop``, then stop accepting and drain."""
+    binds = [_url(listener) for listener in listeners]
+    async with trio.open_nursery() as connections:
+        try:
+            async with trio.open_nursery() as accepting:
+                await accepting.start(
+                    functools.partial(
+                        trio.serve_listeners,
+                        server.handle,
+                        listeners,
+                        handler_nursery=connections,
+                    )
+                )
+                groups = ", ".join(f"{g.name}: {'/'.join(g.replicas)}" for g in config.groups)
+                logger.info(
+                    "trio-hedge gateway listening on %s (%s); groups %s",
+                    " ".join(binds),
+                    "HTTP/1.1, h2c" if config.http2 else "HTTP/1.1 only",
+                    groups,
+                )
+                task_status.started(binds)
+                await stop.wait()
+                limiter.start_draining()
+                accepting.cancel_scope.cancel()  # the listening sockets close
+            await server.drain(config.limits.drain_timeout, limiter.cancel_all)
+            connections.cancel_scope.cancel()
+        finally:  # cancelled from outside: nothing may wait on a client
+            server.close_all()
+
+
+def _url(listener: trio.SocketListener) -> str:
+    host, port = listener.socket.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

@@ -70,6 +70,7 @@ class RequestPlanner:
         self._tokens = tokens
         self._hedgeable = hedgeable
         self._hedge_after = hedge_after  # this request's own delay, if it has one
+        self._began: float | None = None  # when the primary was asked for
         config = fleet.config
         self._per_replica = config.attempts_per_replica
         self._max_attempts = config.max_attempts
@@ -163,8 +164,18 @@ class RequestPlanner:
             if self._candidates():
                 self._refuse("throttle", trio.current_time(), failover=True)
             return None
-        wait = fleet.config.max_pushback_wait
-        deadline = math.inf if wait is None else trio.current_time() + wait
+        config = fleet.config
+        wait = config.max_pushback_wait
+        start = trio.current_time()
+        deadline = math.inf if wait is None else start + wait
+        if self._began is None:
+            self._began = start  # the race begins with its primary
+        timeout = config.first_token_timeout
+        if timeout is not None:
+            # Nor past the race's first_token_timeout: a replica cooling beyond it could not
+            # give a first token in time, so it is not waited for (the caller's own scope
+            # just cancels the wait).
+            deadline = max(start, min(deadline, self._began + timeout))
         while True:
             candidates = self._candidates()
             if not candidates:
@@ -175,8 +186,10 @@ class RequestPlanner:
                 return self._bind(chosen)
             if wait_until == math.inf:
                 if primary:
-                    assert wait is not None  # without a bound, every replica is in reach
-                    raise ReplicasCooling(until=beyond, retry_in=beyond - now, max_wait=wait)
+                    # Without a bound, every replica is in reach.
+                    assert deadline != math.inf
+                    bound = deadline - start
+                    raise ReplicasCooling(until=beyond, retry_in=beyond - now, max_wait=bound)
                 # Every replica left is ejected, or cools for longer than the bound: not sent.
                 self._refuse("no_replica", now, failover=trigger != "hedge")
                 return None

@@ -178,6 +178,20 @@ class HedgerStatistics:
         """Names of the replicas cooling now."""
         return tuple(r.name for r in self.replicas if r.state == "cooling")
 
+    def __str__(self) -> str:
+        """One field per line, and one per replica, delay or prefill fit, for
+        ``print(hedger.statistics())``; ``repr`` stays one line."""
+        lines = [f"{type(self).__name__}("]
+        for field in attrs.fields(type(self)):
+            value = getattr(self, field.name)
+            if isinstance(value, tuple) and value and attrs.has(type(value[0])):
+                lines.append(f"    {field.name}=(")
+                lines.extend(f"        {item!r}," for item in value)
+                lines.append("    ),")
+            else:
+                lines.append(f"    {field.name}={value!r},")
+        return "\n".join([*lines, ")"])
+
     def delay(self, group: str, size_class: int) -> float | None:
         """The current delay of one (group, class), or ``None`` if it has no data."""
         for d in self.delays:

@@ -494,6 +494,23 @@ def send_error(exc: Exception, request: httpx.Request, redact: Redact) -> Attemp
     return transport_error(ErrorKind.CONNECTION, exc, redact)
 
 
+def without_frames(exc: BaseException) -> BaseException:
+    """``exc`` and the exceptions chained to it, without their tracebacks: the HTTP stack's
+    frames (httpx, httpcore, Trio's sockets: ~30 lines per attempt) say nothing the type and
+    message do not, and made a failed request's traceback 100-200 lines long. The chain stays
+    (``AttemptError.__cause__`` is still the httpx exception)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.__traceback__ = None
+        todo += [current.__cause__, current.__context__]
+    return exc
+
+
 def transport_error(kind: ErrorKind, exc: Exception, redact: Redact) -> AttemptError:
     # httpx messages name the host, not the headers (validated at construction, so h11 never
     # quotes an illegal one); masked all the same.
@@ -551,4 +568,5 @@ def with_context(error: AttemptError, context: str) -> AttemptError:
         retry_after=error.retry_after,
         status_code=error.status_code,
         replica=error.replica,
+        hint=error.hint,
     )

@@ -39,6 +39,7 @@ from ._errors import (
     sent_body,
     transport_error,
     with_context,
+    without_frames,
 )
 
 __all__ = ["HeaderNames", "OpenAIChatSource", "Replica"]
@@ -309,7 +310,7 @@ class OpenAIChatSource:
                 await _reset_orphan_http2_streams(self._client)
             if not isinstance(exc, Exception):
                 raise
-            raise send_error(exc, request, self._redact) from exc
+            raise send_error(exc, request, self._redact) from without_frames(exc)
         try:
             return await attempt_for(response, self._redact)
         except BaseException:
@@ -408,12 +409,16 @@ async def attempt_for(
                     "this port (a plain HTTP request was sent to an HTTPS port); use https://"
                 ),
                 status_code=status,
+                hint="the port speaks TLS: use https://",
             )
         if status in (404, 405):
             # A wrong path or base_url (the server's own message rarely names it).
             where = request_line(response.request)
-            hint = "" if "/v1/" in where else "; OpenAI-compatible servers usually serve /v1/…"
+            missing_v1 = "/v1/" not in where
+            hint = "; OpenAI-compatible servers usually serve /v1/…" if missing_v1 else ""
             error = with_context(error, redact(f"{where}{hint}"))
+            if missing_v1:
+                error.hint = "base_url usually ends in /v1"
         raise error
     content_type = response.headers.get("content-type", "")
     if content_type.startswith("text/html"):
@@ -426,6 +431,7 @@ async def attempt_for(
                 "the API's (often ending in /v1)?"
             ),
             status_code=status,
+            hint="a web page, not the API: is base_url the API's (often ending in /v1)?",
         )
     if content_type.startswith("application/json"):
         body = await _read_bounded(response, JSON_BODY_LIMIT + 1)
@@ -498,11 +504,11 @@ class HTTPAttempt:
                 self._finished = self._exhausted = True
                 return decoder.end() or None
             except self._errors.timeout as exc:
-                raise transport_error(ErrorKind.TIMEOUT, exc, self._redact) from exc
+                raise transport_error(ErrorKind.TIMEOUT, exc, self._redact) from without_frames(exc)
             except self._errors.transport as exc:
                 # A cut after data is a truncated stream; before any data, a connection error.
                 kind = ErrorKind.STREAM_TRUNCATED if decoder.data_events else ErrorKind.CONNECTION
-                raise transport_error(kind, exc, self._redact) from exc
+                raise transport_error(kind, exc, self._redact) from without_frames(exc)
             deltas = decoder.feed(chunk)
             if decoder.done:
                 self._finished = True
