@@ -6,6 +6,7 @@ without the misbehaving one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import uuid
@@ -22,6 +23,7 @@ from trio_hedge.policy import Attribution, OutlierDetection, RetryThrottle
 from trio_hedge.report import AttemptOutcome as O
 from trio_hedge.testing import Behaviour, FakeReplica, RequestRecord
 
+from . import misbehaving as mb
 from .fleet import Fail, Fleet, run
 from .scripted import Script
 
@@ -645,12 +647,15 @@ def _echoing(record: RequestRecord) -> Behaviour:
     tag = (body.get("response_format") or {}).get("type", "text")
     if tag in ("text", "json_object"):
         return Behaviour(ttft=0.01, tokens=2)
-    message = (
+    return Behaviour(status=400, error_message=_quoting(tag))
+
+
+def _quoting(tag: str) -> str:
+    return (
         "1 validation error for ChatCompletionRequest\nresponse_format\n  Input tag "
         f"'{tag}' found using 'type' does not match any of the expected tags: 'text', "
         "'json_object'"
     )
-    return Behaviour(status=400, error_message=message)
 
 
 ECHOES = [
@@ -661,18 +666,32 @@ ECHOES = [
 ]
 
 
+@pytest.mark.parametrize("source", ["http", "openai-sdk"])
 @pytest.mark.parametrize(("name", "tag", "was"), ECHOES, ids=[row[0] for row in ECHOES])
 async def test_a_callers_words_quoted_back_blame_no_replica(
-    name: str, tag: str, was: ErrorKind
+    name: str, tag: str, was: ErrorKind, source: str
 ) -> None:
     # Both replicas quote a bad response_format tag back in a 400. The misbehaving caller's
     # tag is words the classifier reads as the server's: on the merge of issue 16 five such
     # requests ejected a (each "overloaded" 400 a failure in its run) or made the 400 a key
     # error, retried on b; now each is the request's own 400, fatal at once.
-    bad = {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": tag}}
-    good = {"messages": [{"role": "user", "content": "hi"}]}
-    async with FakeReplica(_echoing, name="a") as a, FakeReplica(_echoing, name="b") as b:
-        replicas = [th.Replica(base_url=r.url, name=r.name) for r in (a, b)]
+    good = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    bad = {**good, "response_format": {"type": tag}}
+
+    async with (
+        FakeReplica(_echoing, name="a") as a,
+        FakeReplica(_echoing, name="b") as b,
+        contextlib.AsyncExitStack() as clients,
+    ):
+        replicas: list[Any] = [th.Replica(base_url=r.url, name=r.name) for r in (a, b)]
+        if source == "openai-sdk":
+            openai = pytest.importorskip("openai")
+            from trio_hedge.sources.openai_sdk import sdk_replicas
+
+            made = [openai.AsyncOpenAI(base_url=r.url, api_key="sk-test") for r in (a, b)]
+            for client in made:
+                await clients.enter_async_context(client)
+            replicas = sdk_replicas({"a": made[0], "b": made[1]})
         async with th.Hedger(replicas, _config()) as hedger:
             for _ in range(6):
                 report = await run(hedger.stream(bad, request_id=str(uuid.uuid4())))
@@ -702,3 +721,48 @@ def test_words_the_request_did_not_send_still_decide() -> None:
     sent = b'{"response_format": {"type": "\\u0066orbidden"}}'
     body = b'{"message": "Input tag \'forbidden\' found"}'
     assert classify_http_error(400, {}, body, sent=sent).kind is ErrorKind.INVALID_REQUEST
+
+
+@pytest.mark.parametrize(("name", "tag", "was"), ECHOES, ids=[row[0] for row in ECHOES])
+def test_an_in_band_error_quoting_the_caller_is_the_requests(
+    name: str, tag: str, was: ErrorKind
+) -> None:
+    # vLLM's in-band error (its status in "code"), in a stream and as a whole JSON answer.
+    from trio_hedge.sources.openai import ChunkDecoder, decode_json_body
+
+    error = {"object": "error", "message": _quoting(tag), "type": "BadRequestError", "code": 400}
+    event = b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+    answer = json.dumps(error).encode()
+    sent = json.dumps({"response_format": {"type": tag}}).encode()
+    for words, kind in ((b"", was), (sent, ErrorKind.INVALID_REQUEST)):
+        with pytest.raises(th.AttemptError) as streamed:
+            ChunkDecoder(sent=words).feed(event)
+        with pytest.raises(th.AttemptError) as whole:
+            decode_json_body(200, {}, answer, sent=words)
+        assert streamed.value.kind is whole.value.kind is kind
+
+
+@pytest.mark.parametrize(("name", "tag", "was"), ECHOES, ids=[row[0] for row in ECHOES])
+async def test_a_stream_quoting_the_caller_back_blames_no_replica(
+    name: str, tag: str, was: ErrorKind
+) -> None:
+    # A 200 stream whose first event is vLLM's in-band error quoting the caller's tag (both
+    # sources read streams through one decoder). On the merge of issue 16 "overloaded" was
+    # a's failure, and a key error was retried.
+    error = {"object": "error", "message": _quoting(tag), "type": "BadRequestError", "code": 400}
+
+    async def answer(c: mb.ServerConn) -> None:
+        await c.send(mb.SSE_HEAD)
+        await c.send_chunks([mb.sse(json.dumps({"error": error}))])
+        await c.send(b"0\r\n\r\n")
+
+    bad = {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": tag}}
+    async with mb.RawServer(answer, name="a") as a, mb.RawServer(answer, name="b") as b:
+        replicas = [th.Replica(base_url=r.url, name=r.name) for r in (a, b)]
+        async with th.Hedger(replicas, _config()) as hedger:
+            report = await run(hedger.stream(bad))
+            stats = hedger.statistics()
+    assert [x.replica for x in report.attempts] == ["a"]
+    assert isinstance(report.error, th.FatalAttemptError)
+    assert report.error.error.kind is ErrorKind.INVALID_REQUEST
+    assert [r.failures for r in stats.replicas] == [0, 0]

@@ -186,23 +186,23 @@ class _Sent:
     a caller's text ("no healthy deployments", "forbidden", "api key") turn its own bad
     request into evidence against the replica, for every caller (``docs/guarantees.md``)."""
 
-    __slots__ = ("_body", "_text")
+    __slots__ = ("_text", "body")
 
     def __init__(self, body: bytes) -> None:
-        self._body = body
+        self.body = body
         self._text: str | None = None
 
     def said(self, phrase: str) -> bool:
         """Whether ``phrase`` (a rule's match in an error message) is in what was sent."""
-        if not self._body:
+        if not self.body:
             return False
         if self._text is None:
             try:
                 parts: list[str] = []
-                _strings(_loads(self._body), parts)
+                _strings(_loads(self.body), parts)
                 self._text = "\n".join(parts).lower()
             except (ValueError, RecursionError):  # not JSON (or nested past the parser)
-                self._text = self._body.decode("utf-8", "replace").lower()
+                self._text = self.body.decode("utf-8", "replace").lower()
         return phrase.lower() in self._text
 
 
@@ -311,9 +311,10 @@ def _in_band_error(
     *,
     status: int | None = None,
     redact: Redact = _no_redact,
+    sent: _Sent = _NOTHING_SENT,
 ) -> AttemptError:
     message, labels, code = _error_fields(payload)
-    kind, retryable = _kind_for(code, message, labels, in_band=True)
+    kind, retryable = _kind_for(code, message, labels, in_band=True, sent=sent)
     retry_after = parse_retry_after(headers) if headers else None
     return AttemptError(
         kind,
@@ -403,11 +404,12 @@ def classify_http_error(
     )
 
 
-def sent_body(response: httpx.Response) -> bytes:
-    """The body of the request ``response`` answers (``b""`` if unknown or streamed): what
-    `classify_http_error` reads as the caller's own words."""
+def sent_body(message: httpx.Response | httpx.Request | None) -> bytes:
+    """The body of a request (or of the one a response answers; ``b""`` if unknown or
+    streamed): what the error rules read as the caller's own words."""
     try:
-        return response.request.content
+        request = message.request if isinstance(message, httpx.Response) else message
+        return b"" if request is None else request.content
     except (RuntimeError, httpx.RequestNotRead):
         return b""
 

@@ -439,7 +439,9 @@ async def attempt_for(
             raise AttemptError(
                 ErrorKind.PROTOCOL, f"JSON answer larger than {JSON_BODY_LIMIT} bytes"
             )
-        whole = decode_json_body(status, response.headers, body, redact=redact)
+        whole = decode_json_body(
+            status, response.headers, body, redact=redact, sent=sent_body(response)
+        )
         return (kind or HTTPAttempt)(response, whole, redact, errors)
     return (kind or HTTPAttempt)(response, None, redact, errors)
 
@@ -469,7 +471,7 @@ class HTTPAttempt:
         self._response = response
         self._errors = errors
         self._redact = redact if redact is not None else Redactor()
-        self._decoder = ChunkDecoder(redact=self._redact)
+        self._decoder = ChunkDecoder(redact=self._redact, sent=sent_body(response))
         # Undecoded bytes skip httpx's content-decoder and re-chunking layers (hot path). A
         # compressed body, or one already read (an event hook called .read()), goes through
         # aiter_bytes(), which handles both.
