@@ -9,7 +9,9 @@ counted in the client's ``time.process_time()``.
 
 Requests choose their answer by path: ``POST /d{ms}/n{tokens}/v1/chat/completions`` sends the
 headers and a role-only chunk at once, waits ``ms`` milliseconds, then sends ``tokens``
-content chunks, a finish chunk and ``data: [DONE]``. Without ``/n{tokens}`` the body's
+content chunks, a finish chunk and ``data: [DONE]``; ``/v1/messages`` and ``/v1/responses``
+send the same tokens as Anthropic Messages and OpenAI Responses events (their real shapes
+and sizes). Without ``/n{tokens}`` the body's
 ``max_tokens`` says how many (default 16) and its ``x_pace_ms`` how many milliseconds apart
 (default 0), so one base URL (a gateway's replica) serves every size. A client that goes away
 is noticed at the next write (the thread ends).
@@ -30,7 +32,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-_PATH = re.compile(rb"^/d(\d+)(?:/n(\d+))?/v1/chat/completions$")
+_PATH = re.compile(rb"^/d(\d+)(?:/n(\d+))?/v1/(chat/completions|messages|responses)$")
 _HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
     b"transfer-encoding: chunked\r\n\r\n"
@@ -58,8 +60,78 @@ def token_text(i: int) -> str:
     return _WORDS[i % len(_WORDS)]
 
 
+def _typed(payload: dict[str, object]) -> bytes:
+    """One HTTP chunk holding one typed SSE event (``event:`` + ``data:``, as both agent APIs
+    send them)."""
+    data = json.dumps(payload, separators=(",", ":")).encode()
+    event = b"event: %s\ndata: %s\n\n" % (str(payload["type"]).encode(), data)
+    return b"%x\r\n%s\r\n" % (len(event), event)
+
+
+_MESSAGE = {
+    "id": "msg_01XFDUDYJgAACzvnptvVoYEL",
+    "type": "message",
+    "role": "assistant",
+    "model": "claude-sonnet-4-5-20250929",
+    "content": [],
+    "stop_reason": None,
+    "stop_sequence": None,
+    "usage": {"input_tokens": 25, "output_tokens": 1},
+}
+_RESPONSE = {"id": "resp_67ccd2bed1ec8190b14f964abc0542670bb6a6b452d3795b", "object": "response"}
+_ITEM = "msg_67ccd2bf17f0819081ff3bb2cf6508e60bb6a6b452d3795b"
+
+
+def _agent_events(api: bytes, tokens: int) -> tuple[bytes, list[bytes], bytes]:
+    if api == b"messages":
+        block = {"type": "text", "text": ""}
+        first = _typed({"type": "message_start", "message": _MESSAGE}) + _typed(
+            {"type": "content_block_start", "index": 0, "content_block": block}
+        )
+        body = [
+            _typed(
+                {
+                    "type": "content_block_delta",
+                    "index": 0,
+                    "delta": {"type": "text_delta", "text": token_text(i)},
+                }
+            )
+            for i in range(tokens)
+        ]
+        stop = {"stop_reason": "end_turn", "stop_sequence": None}
+        tail = (
+            _typed({"type": "content_block_stop", "index": 0})
+            + _typed({"type": "message_delta", "delta": stop, "usage": {"output_tokens": tokens}})
+            + _typed({"type": "message_stop"})
+        )
+        return first, body, tail + b"0\r\n\r\n"
+    item = {"id": _ITEM, "type": "message", "status": "in_progress", "role": "assistant"}
+    first = _typed({"type": "response.created", "sequence_number": 0, "response": _RESPONSE})
+    first += _typed({"type": "response.output_item.added", "output_index": 0, "item": item})
+    body = [
+        _typed(
+            {
+                "type": "response.output_text.delta",
+                "sequence_number": i + 2,
+                "item_id": _ITEM,
+                "output_index": 0,
+                "content_index": 0,
+                "delta": token_text(i),
+                "logprobs": [],
+                "obfuscation": "k8f2Qp",
+            }
+        )
+        for i in range(tokens)
+    ]
+    done = {**_RESPONSE, "status": "completed", "usage": {"output_tokens": tokens}}
+    tail = _typed({"type": "response.completed", "response": done}) + b"0\r\n\r\n"
+    return first, body, tail
+
+
 @functools.cache
-def _events(tokens: int) -> tuple[bytes, list[bytes], bytes]:
+def _events(tokens: int, api: bytes = b"chat/completions") -> tuple[bytes, list[bytes], bytes]:
+    if api != b"chat/completions":
+        return _agent_events(api, tokens)
     first = _event({"role": "assistant", "content": ""})
     body = [_event({"content": token_text(i)}) for i in range(tokens)]
     done = b"data: [DONE]\n\n"
@@ -111,7 +183,7 @@ def _serve_connection(sock: socket.socket) -> None:
                     asked = json.loads(request_body or b"{}")
                     tokens = int(asked.get("max_tokens", 16))
                     pace = float(asked.get("x_pace_ms", 0)) / 1000
-                first, body, tail = _events(tokens)
+                first, body, tail = _events(tokens, match[3])
                 sock.sendall(_HEAD + first)
                 if delay_ms:
                     time.sleep(delay_ms / 1000)

@@ -9,6 +9,9 @@ client's CPU is counted. Every client path streams the same answer (``--tokens``
   ``data:`` line, the common baseline (target reference);
 * ``httpx aiter_raw + split + orjson``: a hand-tuned loop, for scale;
 * ``trio_hedge (1 replica)``: ``hedged_stream`` with one replica;
+* ``trio_hedge Messages`` / ``Responses (1 replica)``: the Anthropic Messages and OpenAI
+  Responses sources reading the same tokens as their APIs' events; the target is CPU per
+  token within 10% of the chat source's (``trio_hedge (1 replica)``);
 * ``trio_hedge (hedged)``: primary slow to first token (``--slow-ms``), backup fast,
   ``hedge_after`` 5 ms: the winner is the backup, the loser is cancelled;
 * ``asyncio bridge (1 replica)`` / ``(hedged, backup wins)``: the same two requests made by
@@ -67,12 +70,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, server_process, token_text, url, verdict
 
 import trio_hedge as th
+from trio_hedge.sources.anthropic import AnthropicReplica
+from trio_hedge.sources.openai_responses import ResponsesReplica
 from trio_hedge.transport import shared_ssl_context
 
 BODY: dict[str, Any] = {
     "model": "gpt-4o-mini",
     "messages": [{"role": "user", "content": "Tell me a long story."}],
 }
+MESSAGES_BODY: dict[str, Any] = {**BODY, "max_tokens": 1024}
+RESPONSES_BODY: dict[str, Any] = {"model": "gpt-4o-mini", "input": "Tell me a long story."}
 
 
 @attrs.define
@@ -160,7 +167,10 @@ async def _httpx_raw(base: str) -> Run:
 
 
 async def _hedged(
-    replicas: list[th.Replica], policy: th.HedgePolicy, winner: int, body: dict[str, Any] = BODY
+    replicas: list[th.Replica],
+    policy: th.HedgePolicy,
+    winner: int,
+    body: dict[str, Any] = BODY,
 ) -> Run:
     run = Run()
     async with _client() as client:
@@ -280,6 +290,8 @@ class Path_:
     hedged: bool = False
     #: for the asyncio bridge: the Trio path reading the same stream (the µs/token target).
     trio_twin: str | None = None
+    #: for another API's source: the chat source's path (CPU per token within 10% of it).
+    chat_twin: str | None = None
 
 
 #: The headline: the bridge at a real server's pace, every token its own hand-over.
@@ -311,6 +323,18 @@ def _paths(
             in_trio(_hedged, pair, hedge_5ms, 2),
             tokens,
             hedged=True,
+        ),
+        *(
+            Path_(
+                f"trio_hedge {api} (1 replica)",
+                in_trio(_hedged, [kind(fast, name="fast")], no_hedge, 1, body),
+                tokens,
+                chat_twin="trio_hedge (1 replica)",
+            )
+            for api, kind, body in (
+                ("Messages", AnthropicReplica, MESSAGES_BODY),
+                ("Responses", ResponsesReplica, RESPONSES_BODY),
+            )
         ),
         Path_(
             "asyncio bridge (1 replica)",
@@ -426,6 +450,13 @@ def main(argv: list[str] | None = None) -> int:
     for p in paths:
         if p.trio_twin is not None and p is not headline:
             console.print(over_trio(p))
+        if p.chat_twin is not None:
+            ratio = cpus[p.name] / cpus[p.chat_twin]
+            console.print(
+                verdict(
+                    ratio <= 1.1, f"{p.name}: {ratio:.2f}x the chat source's CPU µs/token (<= 1.1)"
+                )
+            )
         if p.hedged:
             ratio = rates[p.name] / rates[base]
             console.print(

@@ -28,21 +28,21 @@ from trio_hedge.sources.openai import (
 )
 
 
-def _cases_path() -> Path:
-    """``$SSE_CASES/cases.json`` when set, else ``shared/sse-cases/cases.json`` next to the
-    checkout, or next to any directory above it (a git worktree under ``wt/`` finds the same
-    shared folder as the main checkout)."""
-    if os.environ.get("SSE_CASES"):
+def shared_cases(folder: str = "sse-cases") -> Path:
+    """``$SSE_CASES/cases.json`` when set (for ``sse-cases``), else ``shared/<folder>/cases.json``
+    next to the checkout, or next to any directory above it (a git worktree under ``wt/`` finds
+    the same shared folder as the main checkout)."""
+    if folder == "sse-cases" and os.environ.get("SSE_CASES"):
         return Path(os.environ["SSE_CASES"]) / "cases.json"
     here = Path(__file__).resolve()
     for parent in here.parents[1:]:
-        candidate = parent / "shared" / "sse-cases" / "cases.json"
+        candidate = parent / "shared" / folder / "cases.json"
         if candidate.exists():
             return candidate
-    return here.parents[1].parent / "shared" / "sse-cases" / "cases.json"
+    return here.parents[1].parent / "shared" / folder / "cases.json"
 
 
-CASES_PATH = _cases_path()
+CASES_PATH = shared_cases()
 CASES: list[dict[str, Any]] = (
     json.loads(CASES_PATH.read_text("utf-8")) if CASES_PATH.exists() else []
 )

@@ -201,7 +201,7 @@ def test_data_flows_one_way() -> None:
 #: estimators; the delay learner uses both; the configs hold the parts; the fleet and the
 #: planners use it all (docs/layout.md).
 POLICY_LAYERS: tuple[tuple[str, ...], ...] = (
-    ("_quantiles", "_sizing", "_budget", "_throttle", "_backoff", "_health", "_blame"),
+    ("_quantiles", "_sizing", "_budget", "_throttle", "_backoff", "_health", "_blame", "_load"),
     ("_prefill",),
     ("_delay",),
     ("_config", "_stats"),

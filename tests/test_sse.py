@@ -223,3 +223,39 @@ def test_arbitrary_bytes_raise_only_attempt_error(body: bytes, cuts: list[int]) 
         decode(*(body[a:b] for a, b in itertools.pairwise(bounds)), max_event_size=64)
     except AttemptError as exc:
         assert exc.kind is ErrorKind.PROTOCOL
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["", "message_start", "error", "a:b", "é"]),
+            st.text(
+                alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n"),
+                max_size=20,
+            ),
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_typed_event_fast_path_agrees_with_the_general_path(
+    events: list[tuple[str, str]],
+) -> None:
+    """One ``event:`` + ``data:`` event per read (the Messages and Responses APIs' shape)
+    takes a fast path; it gives what the line-by-line path gives for the same bytes."""
+    reads = [f"event: {name}\ndata: {value}\n\n".encode() for name, value in events]
+    fast = SSEDecoder()
+    general = SSEDecoder()
+    got = [e for read in reads for e in fast.feed_raw(read)]
+    want = [
+        e for read in reads for e in general.feed_raw(b"\n" + read[:-1]) + general.feed_raw(b"\n")
+    ]
+    assert got == want == [(name or "message", value, None, None) for name, value in events]
+
+
+def test_typed_event_fast_path_bounds_and_utf8() -> None:
+    with pytest.raises(AttemptError):
+        SSEDecoder(max_event_size=4).feed_raw(b"event: x\ndata: 123456\n\n")
+    with pytest.raises(AttemptError):
+        SSEDecoder().feed_raw(b"event: x\ndata: \xff\n\n")

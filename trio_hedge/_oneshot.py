@@ -48,11 +48,20 @@ def check_replicas(replicas: object) -> tuple[Callable[[object], None], ...]:
         raise ValueError("replicas must not be empty")
     names: set[str] = set()
     checks: dict[type, Callable[[object], None]] = {}
+    apis: set[str] = set()
     for r in replicas:
         cls = type(r)
         if is_bindable(r):
             if cls not in checks:
                 checks[cls] = cast(BindableReplica, r).check_request
+            apis.add(getattr(cls, "api", "chat"))
+            if len(apis) > 1:
+                # One request body cannot be a chat, a Messages and a Responses body at once.
+                raise ValueError(
+                    f"replicas must all speak one API, not {' and '.join(sorted(apis))} "
+                    "(Replica: chat completions, AnthropicReplica: Messages, "
+                    "ResponsesReplica: Responses)"
+                )
         # The runtime Protocol check costs microseconds: known classes skip it.
         elif cls not in _KNOWN_SOURCES and not isinstance(r, Source):
             raise TypeError(

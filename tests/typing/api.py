@@ -47,6 +47,7 @@ from trio_hedge.policy import (
 )
 from trio_hedge.report import AttemptOutcome, AttemptRecord
 from trio_hedge.sources import AttemptInfo, HeaderNames, Source
+from trio_hedge.sources.probes import LoadProbe
 from trio_hedge.transport import make_client
 
 assert_type(trio_hedge.__version__, str)
@@ -113,6 +114,8 @@ async def production() -> None:
     replicas = [
         Replica("http://a:8000/v1", api_key="sk-test", name="a"),
         Replica("http://b:8000/v1", headers={"X-Tenant": "t"}),
+        Replica("http://c:8000/v1", name="c", probe="vllm", backup_priority=1),
+        Replica("http://d:8080/v1", name="d", probe=LoadProbe("llama.cpp", interval=0.5)),
     ]
     async with (
         make_client(http2=True) as client,
@@ -133,6 +136,8 @@ async def production() -> None:
                 print(token, end="")
         stats = hedger.statistics()
         assert_type(stats, HedgerStatistics)
+        assert_type(stats.replicas[0].predicted_wait, float | None)
+        assert_type(stats.hedges_at_once, int)
         assert_type(stats.hedges_sent, int)
         assert_type(hedger.samples(), list[dict[str, Any]])
 
@@ -221,3 +226,34 @@ async def with_sdk_clients() -> None:
     async with hedged_stream(request, [one], HedgePolicy(hedge_after=1.0)) as stream:
         assert_type(stream, HedgedStream)
     await mixed.aclose()
+
+
+# -- the agent APIs: Anthropic Messages and OpenAI Responses -----------------------------------
+
+
+async def with_agent_apis() -> None:
+    from trio_hedge.events import Delta
+    from trio_hedge.sources.anthropic import AnthropicReplica, AnthropicSource, MessagesDecoder
+    from trio_hedge.sources.openai_responses import (
+        ResponsesDecoder,
+        ResponsesReplica,
+        ResponsesSource,
+    )
+
+    claude = [
+        AnthropicReplica("https://api.anthropic.com/v1", api_key="sk-ant", name="anthropic"),
+        AnthropicReplica("http://vllm:8000/v1", name="vllm", anthropic_version="2023-06-01"),
+    ]
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 64, "messages": []}
+    async with Hedger(claude, HedgerConfig(hedge_after=0.5)) as hedger:
+        async with hedger.stream(body) as stream:
+            async for delta in stream.events():
+                assert_type(delta, Delta)
+    responses = [ResponsesReplica("https://api.openai.com/v1", api_key="sk", name="openai")]
+    async with hedged_stream({"model": "m", "input": "hi"}, responses) as stream:
+        assert_type(stream, HedgedStream)
+    assert_type(claude[0].api, str)
+    assert_type(AnthropicSource, type[AnthropicSource])
+    assert_type(MessagesDecoder().feed(b""), list[Delta])
+    assert_type(ResponsesDecoder().response_id, str | None)
+    assert_type(ResponsesSource, type[ResponsesSource])

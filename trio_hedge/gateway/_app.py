@@ -1,9 +1,12 @@
 """The gateway's ASGI application: routes, authentication, limits, metrics, access log.
 
-Routes: ``POST /v1/chat/completions`` (``_forward.py``), ``GET /v1/models`` (the replicas'
+Routes: ``POST /v1/chat/completions`` (``_forward.py``), ``POST /v1/messages`` and
+``POST /v1/responses`` (``_agent.py``: the same race in the Anthropic Messages and OpenAI
+Responses APIs), ``GET /v1/models`` (the replicas'
 lists, merged), ``GET /healthz`` (the process is up), ``GET /readyz`` (ready while not
 draining and at least one replica is eligible), ``GET /metrics`` (Prometheus text).
-Authentication (when gateway keys are configured) covers ``/v1/*``.
+Authentication (when gateway keys are configured) covers ``/v1/*``: ``Authorization: Bearer``
+or, as Anthropic clients send it, ``x-api-key``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import httpx
 import trio
 
 from .. import Hedger, Replica
+from ._agent import agent_forwarder
 from ._config import GatewayConfig, GatewayKey
 from ._errors import ErrorAnswer
 from ._forward import ChatForwarder, Rejected
@@ -88,6 +92,9 @@ class GatewayApp:
         hedgers: one long-lived [`Hedger`][trio_hedge.Hedger] per group name.
         client: the ``httpx.AsyncClient`` the Hedgers share (for ``/v1/models``).
         metrics: the `GatewayMetrics` whose hook the Hedgers call.
+        agent_hedgers: per API (``"anthropic"``, ``"responses"``), one Hedger per group over
+            the same replicas speaking that API (``_agent.py``); an API without them has no
+            route (404).
 
     The caller owns the Hedgers and the client (``serve()`` opens and closes them).
     """
@@ -98,6 +105,7 @@ class GatewayApp:
         hedgers: Mapping[str, Hedger],
         client: httpx.AsyncClient,
         metrics: GatewayMetrics,
+        agent_hedgers: Mapping[str, Mapping[str, Hedger]] | None = None,
     ) -> None:
         self.config = config
         self.limiter = Limiter(config.limits.max_concurrent)
@@ -106,7 +114,13 @@ class GatewayApp:
         self._client = client
         self.keys = KeyLimiter(config.keys, config.limits)
         self._keys = tuple((k.key.encode(), k) for k in config.keys)
-        self._chat = ChatForwarder(config, hedgers, metrics, [k.key for k in config.keys])
+        secrets = [k.key for k in config.keys]
+        self._chat = ChatForwarder(config, hedgers, metrics, secrets)
+        self._forwarders: dict[str, ChatForwarder] = {"/v1/chat/completions": self._chat}
+        for api, by_group in (agent_hedgers or {}).items():
+            path, forwarder = agent_forwarder(api, config, by_group, metrics, secrets)
+            self._forwarders[path] = forwarder
+        self._routes = {**_ROUTES, **dict.fromkeys(self._forwarders, "POST")}
         named = (m for g in config.groups for m in g.models if not any(c in m for c in "*?["))
         metrics.watch(hedgers, named)
 
@@ -127,7 +141,7 @@ class GatewayApp:
             ex.record.error = "internal_error"
             await _answer_defect(ex)
         finally:
-            label = path if path in _ROUTES else "other"
+            label = path if path in self._routes else "other"
             status = str(ex.record.status)
             self.metrics.requests.labels(label, status).inc()
             if ex.record.key is not None:
@@ -147,7 +161,7 @@ class GatewayApp:
             # and a proxy in front may disagree where this request ends, and which is next.
             await ex.error(refusal, [(b"connection", b"close")])
             return
-        wanted = _ROUTES.get(path)
+        wanted = self._routes.get(path)
         if wanted is None:
             await ex.error(ErrorAnswer(404, f"no route {path}", code="not_found"))
             return
@@ -178,8 +192,9 @@ class GatewayApp:
                 )
                 await ex.error(answer)
                 return
-        if path == "/v1/chat/completions":
-            await self._chat_completions(ex)
+        forwarder = self._forwarders.get(path)
+        if forwarder is not None:
+            await self._forward(ex, forwarder)
         elif path == "/v1/models":
             await self._models(ex)
         elif path == "/healthz":
@@ -194,13 +209,15 @@ class GatewayApp:
         """The gateway key the request sends, or ``None``."""
         value = ex.headers.get(b"authorization", b"")
         token = value[7:].strip() if value[:7].lower() == b"bearer " else b""
+        if not token:  # Anthropic clients send their key as x-api-key
+            token = ex.headers.get(b"x-api-key", b"").strip()
         found = None
         for secret, key in self._keys:  # every key compared, each in constant time
             if hmac.compare_digest(token, secret):
                 found = key
         return found
 
-    async def _chat_completions(self, ex: Exchange) -> None:
+    async def _forward(self, ex: Exchange, forwarder: ChatForwarder) -> None:
         limits = self.config.limits
         refused = self.metrics.refused
         declared = _content_length(ex)
@@ -248,7 +265,7 @@ class GatewayApp:
                     message = f"the request body took longer than request_timeout={timeout} s"
                     await ex.error(ErrorAnswer(408, message, code="request_timeout"))
                     return
-                request, group, options, streaming = self._chat.prepare(ex, body)
+                request, group, options, streaming = forwarder.prepare(ex, body)
             except BodyTooLarge:
                 refused.labels("body_size").inc()
                 message = f"the request body is larger than max_body_bytes={limits.max_body_bytes}"
@@ -261,7 +278,7 @@ class GatewayApp:
             except ClientGone:
                 ex.record.status, ex.record.error = 499, "client_disconnected"
                 return
-            await self._chat.handle(ex, request, group, options, streaming, admitted, deadline_at)
+            await forwarder.handle(ex, request, group, options, streaming, admitted, deadline_at)
         finally:
             self.limiter.release(admitted)
             if key is not None:

@@ -54,6 +54,33 @@ def _bad(message: str, param: str | None = None, code: str = "invalid_request") 
     return Rejected(ErrorAnswer(400, message, code=code, param=param))
 
 
+def parse_object(body: bytes) -> dict[str, Any]:
+    """The request body as a JSON object (``_input.load_json``: one JSON dialect).
+
+    Raises:
+        Rejected: 400 for a body that is not one.
+    """
+    try:
+        obj = load_json(body)
+    except BadJSON as exc:
+        raise _bad(str(exc), code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise _bad("the request body must be a JSON object")
+    return obj
+
+
+def check_stream_and_model(obj: dict[str, Any]) -> None:
+    """Raise ``Rejected`` (400) for a non-boolean ``stream`` or a ``model`` that is not a
+    string of at most ``MAX_MODEL_CHARS`` characters (every API's body has both)."""
+    if not isinstance(obj.get("stream", False), bool):
+        raise _bad("'stream' must be true or false", "stream")
+    model = obj.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("'model' must be a string", "model")
+    if model is not None and len(model) > MAX_MODEL_CHARS:
+        raise _bad(f"'model' must be at most {MAX_MODEL_CHARS} characters", "model")
+
+
 def parse_chat(body: bytes) -> dict[str, Any]:
     """The chat-completions body, checked enough that no replica is bothered with a request
     every replica would refuse (or that the gateway cannot relay).
@@ -63,24 +90,13 @@ def parse_chat(body: bytes) -> dict[str, Any]:
             non-empty ``messages`` list, a non-boolean ``stream``, a ``model`` that is not a
             string of at most ``MAX_MODEL_CHARS`` characters, or ``n`` other than 1.
     """
-    try:
-        obj = load_json(body)
-    except BadJSON as exc:
-        raise _bad(str(exc), code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise _bad("the request body must be a JSON object")
+    obj = parse_object(body)
     messages = obj.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' is required: a non-empty list of messages", "messages")
     if not all(isinstance(m, dict) for m in messages):
         raise _bad("each message must be a JSON object", "messages")
-    if not isinstance(obj.get("stream", False), bool):
-        raise _bad("'stream' must be true or false", "stream")
-    model = obj.get("model")
-    if model is not None and not isinstance(model, str):
-        raise _bad("'model' must be a string", "model")
-    if model is not None and len(model) > MAX_MODEL_CHARS:
-        raise _bad(f"'model' must be at most {MAX_MODEL_CHARS} characters", "model")
+    check_stream_and_model(obj)
     n = obj.get("n")
     if n is not None and (type(n) is not int or n != 1):
         # Only choice 0 is relayed: the race commits on one answer.
@@ -289,7 +305,7 @@ class ChatForwarder:
         Raises:
             Rejected: 400 (bad body or header) or 404 (no group serves the model).
         """
-        request = parse_chat(body)
+        request = self._parse(body)
         model = request.get("model")
         group = self._config.group_for(model)
         record = ex.record
@@ -303,17 +319,38 @@ class ChatForwarder:
                     param="model",
                 )
             )
-        options = RequestOptions.from_exchange(ex, self._config)
+        options = self._options(ex)
         streaming = bool(request.get("stream", False))
         record.group, record.stream = group.name, streaming
         if not options.hedge:
             record.hedge = "off"
         elif options.hedge_after is not None:
             record.hedge = f"{options.hedge_after:g}"
+        self._upstream(request, streaming)
+        return request, group, options, streaming
+
+    # What another API's forwarder (``_agent.py``) says differently.
+
+    def _parse(self, body: bytes) -> dict[str, Any]:
+        """The request body, checked (``Rejected`` for one every replica would refuse)."""
+        return parse_chat(body)
+
+    def _options(self, ex: Exchange) -> RequestOptions:
+        return RequestOptions.from_exchange(ex, self._config)
+
+    def _upstream(self, request: dict[str, Any], streaming: bool) -> None:
+        """Adjust the body sent upstream (which always streams)."""
         if not streaming and "stream_options" not in request:
             # Upstream streams even so; ask for the usage the whole answer must carry.
             request["stream_options"] = {"include_usage": True}
-        return request, group, options, streaming
+
+    def _completion(self) -> Completion:
+        """What assembles a non-streamed answer from the winner's deltas."""
+        return Completion()
+
+    def _style(self, answer: ErrorAnswer) -> ErrorAnswer:
+        """An error answer in this API's shape."""
+        return answer
 
     async def handle(
         self,
@@ -342,7 +379,8 @@ class ChatForwarder:
                     if deadline.cancelled_caught:
                         ex.record.error = "request_timeout"
                         message = f"the request took longer than request_timeout={timeout} s"
-                        await _cut(ex, ErrorAnswer(504, message, code="request_timeout"))
+                        answer = ErrorAnswer(504, message, code="request_timeout")
+                        await _cut(ex, self._style(answer))
                 if admitted.cancelled_caught:
                     ex.record.error = "shutdown"
                     answer = ErrorAnswer(
@@ -351,7 +389,7 @@ class ChatForwarder:
                         code="shutdown",
                         retry_after=limits.retry_after,
                     )
-                    await _cut(ex, answer)
+                    await _cut(ex, self._style(answer))
                 nursery.cancel_scope.cancel()
         finally:
             metrics.in_flight.dec()
@@ -381,9 +419,9 @@ class ChatForwarder:
                 headers=options.headers,
             )
         except (TypeError, ValueError) as exc:
-            await ex.error(ErrorAnswer(400, str(exc), code="invalid_request"))
+            await ex.error(self._style(ErrorAnswer(400, str(exc), code="invalid_request")))
             return
-        completion = Completion() if not streaming else None
+        completion = self._completion() if not streaming else None
         report: Report | None = None
         try:
             try:
@@ -397,10 +435,12 @@ class ChatForwarder:
                 report = stream.report
                 _note(record, report)
         except HedgeError as exc:
-            answer = answer_for(
-                exc,
-                secrets=(*self._secrets, *options.secrets),
-                default_retry_after=self._config.limits.retry_after,
+            answer = self._style(
+                answer_for(
+                    exc,
+                    secrets=(*self._secrets, *options.secrets),
+                    default_retry_after=self._config.limits.retry_after,
+                )
             )
             record.error = answer.code
             if ex.started:

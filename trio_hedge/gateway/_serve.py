@@ -19,6 +19,7 @@ import trio
 
 from .. import Hedger
 from ..transport import make_client
+from ._agent import agent_hedgers
 from ._app import GatewayApp
 from ._config import GatewayConfig
 from ._limits import Limiter
@@ -68,6 +69,7 @@ async def serve(
     listeners = await open_listeners(config.host, config.port, BACKLOG)
     metrics = GatewayMetrics()
     hedgers: dict[str, Hedger] = {}
+    by_api: dict[str, dict[str, Hedger]] = {}
     async with make_client() as client:
         try:
             for group in config.groups:
@@ -75,7 +77,9 @@ async def serve(
                 hedgers[group.name] = Hedger(
                     replicas, group.hedger, client=client, on_event=[metrics.hook]
                 )
-            app = GatewayApp(config, hedgers, client, metrics)
+            # The same groups speaking Anthropic Messages and OpenAI Responses (_agent.py).
+            by_api = agent_hedgers(config, client, [metrics.hook])
+            app = GatewayApp(config, hedgers, client, metrics, by_api)
             limiter = app.limiter
             limits = config.limits
             server = Server(
@@ -95,7 +99,10 @@ async def serve(
                 with trio.CancelScope(shield=True):
                     await listener.aclose()
             with trio.CancelScope(shield=True):
-                for hedger in hedgers.values():
+                for hedger in [
+                    *hedgers.values(),
+                    *(h for g in by_api.values() for h in g.values()),
+                ]:
                     await hedger.aclose()
 
 

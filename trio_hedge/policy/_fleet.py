@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 import trio
@@ -27,11 +27,13 @@ from .._hooks import Scopes, emit
 from .._source import Source
 from ..events import EventHook, HedgeEvent
 from ..sources._bindable import BindableReplica
+from ..sources.probes import LoadProbe
 from ._blame import Attribution
 from ._budget import BudgetState
 from ._config import HedgerConfig
 from ._delay import DelayModel, LearnedDelay
 from ._health import ModelState, ModelStates, ReplicaState
+from ._load import ProbeState
 from ._quantiles import empirical_quantile
 from ._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
 from ._throttle import ThrottleState
@@ -69,6 +71,9 @@ class FleetCounts:
     prompt_sent: int = 0
     prompt_resent: int = 0
     wasted: int = 0
+    #: Load probes: hedges refused on the engines' evidence, backups sent at once on it.
+    saturated: int = 0
+    at_once: int = 0
 
     def refused(self, reason: str, *, failover: bool) -> None:
         """Count a hedge (or failover) not sent, for ``reason``: ``"budget"``, ``"throttle"``
@@ -86,6 +91,10 @@ class FleetCounts:
             self.no_replica += 1
 
 
+def _no_model(_tokens: int) -> None:
+    return None
+
+
 class FleetState:
     """What every request of one Hedger shares (see the module docs).
 
@@ -96,6 +105,8 @@ class FleetState:
             [`SDKReplica`][trio_hedge.sources.openai_sdk.SDKReplica] -- or any
             [`Source`][trio_hedge.sources.Source]), names unique (checked by the caller).
         on_event: the hooks events go to; the list is shared, not copied.
+        probes: the [`LoadProbe`][trio_hedge.sources.probes.LoadProbe] of each probed
+            replica, by its index in ``replicas``.
     """
 
     def __init__(
@@ -103,6 +114,7 @@ class FleetState:
         config: HedgerConfig,
         replicas: Sequence[BindableReplica | Source],
         on_event: list[EventHook],
+        probes: Mapping[int, LoadProbe] | None = None,
     ) -> None:
         self.config = config
         self.on_event = on_event
@@ -120,6 +132,12 @@ class FleetState:
         self.counts = FleetCounts()
         self.attribution: Attribution = config.attribution
         self.models = ModelStates(MODEL_STATES)
+        probes = probes or {}
+        #: Each replica's engine evidence (``None``: not probed); ``probed``: any is.
+        self.probes: list[ProbeState | None] = [
+            ProbeState(probes[i]) if i in probes else None for i in range(len(self.replicas))
+        ]
+        self.probed = bool(probes)
         self._serial = 0
 
     def next_serial(self) -> int:
@@ -131,7 +149,15 @@ class FleetState:
     def model_state(self, replica: ReplicaState, model: str) -> ModelState | None:
         return self.models.get(replica.index, model)
 
-    def pick(self, eligible: list[ReplicaState], now: float) -> ReplicaState:
+    def pick(
+        self,
+        eligible: list[ReplicaState],
+        now: float,
+        prefill: Callable[[int], float | None] | None = None,
+    ) -> ReplicaState:
+        """Where an attempt goes among ``eligible``: the lowest peak-EWMA cost, or, for a
+        replica whose engine reading is fresh, its predicted TTFT (`predicted`); ``prefill``
+        is the request's prefill model (seconds for a number of tokens)."""
         pick = self.config.pick
         if pick == "in_order" or len(eligible) == 1:
             return eligible[0]
@@ -142,10 +168,44 @@ class FleetState:
         best_key = (math.inf, 0)
         for r in eligible:
             latency, n = r.load(now, decay)
-            key = (latency * (n + 1), n)  # ties: fewer attempts, then the given order
+            cost = latency * (n + 1)
+            if self.probed:
+                predicted = self.predicted(r, now, prefill, count=True)
+                if predicted is not None:
+                    cost = predicted
+            key = (cost, n)  # ties: fewer attempts, then the given order
             if key < best_key:
                 best, best_key = r, key
         return best
+
+    def predicted(
+        self,
+        replica: ReplicaState,
+        now: float,
+        prefill: Callable[[int], float | None] | None,
+        *,
+        count: bool = False,
+    ) -> float | None:
+        """The seconds a new request would wait on ``replica`` before its prefill starts,
+        from its engine's fresh reading (``inf``: saturated), raised to the age of this
+        Hedger's oldest attempt waiting there for a first token (it says the replica is at
+        least that slow now, whatever the engine reports); ``None`` without a fresh reading
+        (the caller then uses its own view). ``count``: count the decision in statistics."""
+        state = self.probes[replica.index]
+        if state is None:
+            return None
+        reading = state.fresh(now)
+        if reading is None:
+            if count:
+                state.used_own += 1
+            return None
+        if count:
+            state.used_probe += 1
+        wait = state.predicted_wait(reading, prefill or _no_model)
+        if replica.waiting:
+            oldest = next(iter(replica.waiting.values()))
+            wait = max(wait, now - oldest)
+        return wait
 
     def prefill(self, group: str, tokens: int | None, now: float) -> float:
         """The seconds of a TTFT that the group's prefill model puts down to the prompt's
@@ -207,6 +267,21 @@ class FleetState:
         state.ejected_until = now + config.ejection_time(state.ejections)
         return state.ejected_until
 
+    def _probe_statistics(self, r: ReplicaState, now: float) -> dict[str, object]:
+        state = self.probes[r.index]
+        if state is None:
+            return {}
+        fresh = state.fresh(now)
+        return {
+            "probe": state.status(now),
+            "probe_age": None if state.reading is None else now - state.read_at,
+            "probe_polls": state.polls,
+            "probe_failures": state.failures,
+            "predicted_wait": None if fresh is None else self.predicted(r, now, None),
+            "probe_decisions": state.used_probe,
+            "own_view_decisions": state.used_own,
+        }
+
     def _replica_statistics(self, r: ReplicaState, now: float) -> ReplicaStatistics:
         cooling_until = ejected_until = -math.inf
         cooling_models: list[str] = []
@@ -240,6 +315,7 @@ class FleetState:
             lost_races=r.lost_races,
             cooling_models=tuple(sorted(cooling_models)),
             ejected_models=tuple(sorted(ejected_models)),
+            **self._probe_statistics(r, now),  # type: ignore[arg-type]
         )
 
     def statistics(self) -> HedgerStatistics:
@@ -296,4 +372,6 @@ class FleetState:
             delays=tuple(delays),
             replicas=replicas,
             prefill=() if self.model is None else tuple(self.model.fits(now)),
+            saturated_refusals=c.saturated,
+            hedges_at_once=c.at_once,
         )

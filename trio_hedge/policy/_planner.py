@@ -92,6 +92,9 @@ class RequestPlanner:
         self._winner: ReplicaState | None = None
         self._started = 0
         self._finished = False
+        # Load probes: a refusal on the engines' evidence; attempts hedged at once on it.
+        self._saturated = False
+        self._at_once: set[int] | None = None
 
     # -- where -------------------------------------------------------------------------------
 
@@ -102,7 +105,13 @@ class RequestPlanner:
         return [r for r in self._fleet.replicas if used[r.index] < limit]
 
     def _choose(
-        self, candidates: list[ReplicaState], now: float, deadline: float, *, primary: bool
+        self,
+        candidates: list[ReplicaState],
+        now: float,
+        deadline: float,
+        *,
+        primary: bool,
+        hedge: bool = False,
     ) -> tuple[ReplicaState | None, float, float]:
         """``(replica, wait_until, beyond)``: the replica for an attempt now, else ``None``,
         the earliest time one may take it within the wait bound (``deadline``), and the
@@ -145,7 +154,43 @@ class RequestPlanner:
             used = self._used
             fewest = min(used[r.index] for r in ready)
             ready = [r for r in ready if used[r.index] == fewest]
-        return self._fleet.pick(ready, now), now, now
+        if hedge and self._fleet.probed:
+            ready = self._faster(ready, now)
+            if not ready:
+                return None, math.inf, math.inf
+        return self._fleet.pick(ready, now, self._prefill(now)), now, now
+
+    def _prefill(self, now: float) -> Callable[[int], float | None] | None:
+        """This request's prefill model for the load probes' predictions (``None``: the
+        Hedger has none; each probe's ``prefill_rate`` then)."""
+        fleet = self._fleet
+        if fleet.model is None:
+            return None
+        group = self._group
+        return lambda tokens: fleet.prefill(group, tokens, now)
+
+    def _faster(self, ready: list[ReplicaState], now: float) -> list[ReplicaState]:
+        """Of ``ready``, the replicas a backup may go to on the engines' evidence: when every
+        attempt running has a fresh prediction, only those predicted sooner than the best of
+        them (none when all are saturated). A replica without a fresh reading stays in, and
+        nothing is filtered when a running attempt's replica has none: no evidence is never
+        a reason not to hedge (fail open)."""
+        fleet = self._fleet
+        prefill = self._prefill(now)
+        target = math.inf
+        for replica in self._running.values():
+            predicted = fleet.predicted(replica, now, prefill)
+            if predicted is None:
+                return ready
+            target = min(target, predicted)
+        kept = []
+        for r in ready:
+            predicted = fleet.predicted(r, now, prefill)
+            if predicted is None or predicted < target:
+                kept.append(r)
+        if not kept:
+            self._saturated = True  # counted when the refusal is
+        return kept
 
     def _bind(self, replica: ReplicaState) -> Source:
         source = self._bound.get(replica.index)
@@ -181,7 +226,9 @@ class RequestPlanner:
             if not candidates:
                 return None  # the plan is used up: not a refusal
             now = trio.current_time()
-            chosen, wait_until, beyond = self._choose(candidates, now, deadline, primary=primary)
+            chosen, wait_until, beyond = self._choose(
+                candidates, now, deadline, primary=primary, hedge=trigger == "hedge"
+            )
             if chosen is not None:
                 return self._bind(chosen)
             if wait_until == math.inf:
@@ -209,9 +256,36 @@ class RequestPlanner:
             self._fleet_delays = {}
         self._fleet_delays[number] = delay
         if self._hedge_after is not None:
-            return self._hedge_after  # the caller's own delay for this request, as given
+            delay = self._hedge_after  # the caller's own delay for this request, as given
         assert delay is not None  # hedgeable without a delay of its own
+        if delay > 0 and self._fleet.probed and self._slow_on_evidence(number, delay):
+            if self._at_once is None:
+                self._at_once = set()
+            self._at_once.add(number)
+            return 0.0
         return delay
+
+    def _slow_on_evidence(self, number: int, delay: float) -> bool:
+        """Whether the engine's fresh reading predicts attempt ``number`` waits longer than
+        ``delay`` for its prefill, and a replica a backup may go to is predicted sooner: then
+        the backup goes at once, instead of waiting for a timer the engine has answered. What
+        the fleet would have waited stays what blames a loser (`_blame.is_slow`): a replica
+        busy for other tenants is not slow for losing a race it was never given time for."""
+        replica = self._running.get(number)
+        if replica is None:
+            return False
+        now = trio.current_time()
+        fleet = self._fleet
+        predicted = fleet.predicted(replica, now, self._prefill(now))
+        if predicted is None or predicted <= delay:
+            return False
+        candidates = self._candidates()
+        if not candidates:
+            return False
+        saturated = self._saturated
+        chosen = self._choose(candidates, now, now, primary=False, hedge=True)[0]
+        self._saturated = saturated  # a check, not a refusal
+        return chosen is not None
 
     def _fleet_delay(self, number: int, now: float) -> float | None:
         """The delay the fleet would hedge attempt ``number`` at (learned or fixed; ``None``:
@@ -266,8 +340,9 @@ class RequestPlanner:
         if not candidates:
             return True  # nothing left to send: next_source ends the plan; not a refusal
         now = trio.current_time()
-        if self._choose(candidates, now, now, primary=False)[0] is None:
-            return self._refuse("no_replica", now)  # ejected, cooling or backing off
+        if self._choose(candidates, now, now, primary=False, hedge=True)[0] is None:
+            # Ejected, cooling or backing off; or (load probes) none predicted sooner.
+            return self._refuse("no_replica", now)
         if fleet.throttle is not None and not fleet.throttle.allows:
             return self._refuse("throttle", now)
         if fleet.budget is not None and not fleet.budget.allows(now):
@@ -279,6 +354,9 @@ class RequestPlanner:
         ``throttle`` or ``no_replica``."""
         fleet = self._fleet
         fleet.counts.refused(reason, failover=failover)
+        if self._saturated:
+            self._saturated = False
+            fleet.counts.saturated += 1
         kind = EventKind.FAILOVER_REFUSED if failover else EventKind.HEDGE_REFUSED
         self._emit(kind, now, reason=reason)
         return False
@@ -309,6 +387,9 @@ class RequestPlanner:
             lost = self._winner is not None
             if lost:
                 replica.lost_races += 1
+            probe = self._fleet.probes[replica.index] if self._fleet.probed else None
+            if probe is not None and record.ttft is None:
+                probe.cancelled(now)  # its prefill may run: no poll may keep it alive
             if (
                 record.ttft is None
                 and record.started_at is not None
@@ -371,6 +452,9 @@ class RequestPlanner:
         self._used[replica.index] += 1
         self._running[record.number] = replica
         replica.waiting[(self, record.number)] = now
+        probe = fleet.probes[replica.index] if fleet.probed else None
+        if probe is not None:
+            probe.started(now, self._tokens or 0)
         replica.in_flight += 1
         replica.attempts += 1
         counts.attempts += 1
@@ -381,6 +465,8 @@ class RequestPlanner:
                 fleet.budget.request(now)
         if record.trigger == "hedge":
             counts.hedges_sent += 1
+            if self._at_once is not None and record.number - 1 in self._at_once:
+                counts.at_once += 1
             if fleet.budget is not None:
                 fleet.budget.spend(now)  # spent now it really started, not when checked
             # The attempt before had no first token within the hedge delay. Whether that

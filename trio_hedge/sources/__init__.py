@@ -9,6 +9,11 @@ implementations.
 - [`Replica`][trio_hedge.sources.Replica], [`HeaderNames`][trio_hedge.sources.HeaderNames],
   [`OpenAIChatSource`][trio_hedge.sources.OpenAIChatSource]: OpenAI-compatible chat completions over
   httpx (the `trio_hedge.sources.openai` package).
+- [`trio_hedge.sources.anthropic`][trio_hedge.sources.anthropic] (``AnthropicReplica``: the
+  Anthropic Messages API) and
+  [`trio_hedge.sources.openai_responses`][trio_hedge.sources.openai_responses]
+  (``ResponsesReplica``: the OpenAI Responses API): the same transport, errors and redaction,
+  the same [`Delta`][trio_hedge.events.Delta]s.
 - [`trio_hedge.sources.openai_sdk`][trio_hedge.sources.openai_sdk]: calls made through your own
   ``openai.AsyncOpenAI`` clients.
 """

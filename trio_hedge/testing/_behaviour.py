@@ -9,7 +9,6 @@ carry the steps out.
 
 from __future__ import annotations
 
-import http
 import json
 import math
 import re
@@ -18,6 +17,8 @@ from typing import Any, TypeAlias
 
 import attrs
 import trio
+
+from ._wire import ChatWire, MessagesWire, ResponsesWire, Wire, dumps, openai_error, sse_event
 
 __all__ = [
     "KEEPALIVE",
@@ -81,7 +82,9 @@ def _non_negative_count(_inst: object, attribute: attrs.Attribute[Any], value: i
 
 @attrs.frozen
 class Behaviour:
-    """How a fake replica answers one chat-completion request. Times are in seconds.
+    """How a fake replica answers one request (chat completions, Anthropic Messages or OpenAI
+    Responses: the path says which; each streams in its API's own events). Times are in
+    seconds.
 
     A streaming 200 answer sends the response headers and a role-only chunk at once (real
     servers answer 200 while the request is still queued: headers are not a first token),
@@ -383,17 +386,8 @@ Step: TypeAlias = "Wait | Head | Chunk | Stall | Cut"
 """One step of an answer; after the last step the answer is complete."""
 
 
-def _dumps(obj: object) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def sse_event(payload: object) -> bytes:
-    """One SSE data event: ``data: <compact JSON>`` and a blank line."""
-    return b"data: " + _dumps(payload) + b"\n\n"
-
-
 def _json_answer(status: int, payload: object, extra: Sequence[tuple[str, str]] = ()) -> list[Step]:
-    body = _dumps(payload)
+    body = dumps(payload)
     headers = (
         ("content-type", "application/json"),
         ("content-length", str(len(body))),
@@ -403,25 +397,7 @@ def _json_answer(status: int, payload: object, extra: Sequence[tuple[str, str]] 
 
 
 def _error_payload(status: int, message: str) -> dict[str, Any]:
-    kind, code = {
-        401: ("invalid_request_error", "invalid_api_key"),
-        403: ("permission_error", None),
-        404: ("invalid_request_error", "not_found"),
-        429: ("requests", "rate_limit_exceeded"),
-        503: ("server_error", "overloaded"),
-    }.get(status, ("invalid_request_error" if status < 500 else "server_error", None))
-    try:
-        phrase = http.HTTPStatus(status).phrase
-    except ValueError:
-        phrase = f"HTTP {status}"
-    return {
-        "error": {
-            "message": message or f"{phrase} (fake replica)",
-            "type": kind,
-            "param": None,
-            "code": code,
-        }
-    }
+    return openai_error(status, message)
 
 
 def _seconds_header(value: float) -> str:
@@ -449,11 +425,25 @@ def render_response(
     """The steps that answer ``record`` (routing included), pure but for calling
     ``behaviour`` when it is a function.
 
-    Routes: ``POST /v1/chat/completions`` (per the behaviour; it is stored in
-    ``record.behaviour``), ``GET /health``, ``GET /v1/models``; others get 404/405.
+    Routes: ``POST /v1/chat/completions``, ``/v1/messages``, ``/v1/responses`` (per the
+    behaviour, in each API's events: ``send_done=False`` drops ``[DONE]``, ``message_stop``
+    or ``response.completed``; ``finish_reason="length"`` ends a Responses stream with
+    ``response.incomplete``; it is stored in
+    ``record.behaviour``), ``DELETE /v1/responses/{id}`` (200), ``GET /health``,
+    ``GET /v1/models``; others get 404/405.
     """
     path = record.path.split("?", 1)[0]
-    routes = {"/v1/chat/completions": "POST", "/health": "GET", "/v1/models": "GET"}
+    routes = {
+        "/v1/chat/completions": "POST",
+        "/v1/messages": "POST",
+        "/v1/responses": "POST",
+        "/health": "GET",
+        "/v1/models": "GET",
+    }
+    if record.method == "DELETE" and path.startswith("/v1/responses/"):
+        # Deleting a stored response (what hedging does with a loser's): recorded, 200.
+        ident = path.rsplit("/", 1)[1]
+        return _json_answer(200, {"id": ident, "object": "response.deleted", "deleted": True})
     if path not in routes:
         return _json_answer(404, _error_payload(404, f"no route {path}"))
     if record.method != routes[path]:
@@ -473,52 +463,45 @@ def render_response(
     chosen = behaviour if isinstance(behaviour, Behaviour) else behaviour(record)
     record.behaviour = chosen
     requested_model = record.json.get("model")
-    return _render_chat(
-        chosen,
-        record,
-        model=requested_model if isinstance(requested_model, str) else model,
-        created=created,
+    ident = f"chatcmpl-{record.replica or 'fake'}-{record.index}"
+    wire = _WIRES[path](
+        ident, requested_model if isinstance(requested_model, str) else model, created
     )
+    return _render(chosen, record, wire)
 
 
-def _render_chat(b: Behaviour, record: RequestRecord, *, model: str, created: int) -> list[Step]:
+_WIRES: dict[str, type[Wire]] = {
+    "/v1/chat/completions": ChatWire,
+    "/v1/messages": MessagesWire,
+    "/v1/responses": ResponsesWire,
+}
+
+
+def _render(b: Behaviour, record: RequestRecord, wire: Wire) -> list[Step]:
     if b.is_error:
         extra = () if b.retry_after is None else (("retry-after", _seconds_header(b.retry_after)),)
         steps: list[Step] = [Wait(b.error_delay)] if b.error_delay else []
-        return steps + _json_answer(b.status, _error_payload(b.status, b.error_message), extra)
+        return steps + _json_answer(b.status, wire.error_body(b.status, b.error_message), extra)
 
     texts = b.token_texts
     prompt = _prompt_tokens(record.json)
-    ident = f"chatcmpl-{record.replica or 'fake'}-{record.index}"
     usage = {
         "prompt_tokens": prompt,
         "completion_tokens": len(texts),
         "total_tokens": prompt + len(texts),
     }
     if not record.stream:
-        return _render_whole(b, texts, ident, model, created, usage)
-
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish}
-        return sse_event(
-            {
-                "id": ident,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [choice],
-            }
-        )
+        return _render_whole(b, texts, wire, usage)
 
     head = Head(b.status, (("content-type", "text/event-stream"), ("cache-control", "no-cache")))
-    # Headers and the role-only chunk go out at once: a queued request already has them.
-    steps = [head, Chunk(chunk({"role": "assistant"}))]
+    # Headers and what precedes the first token go out at once: a queued request has them.
+    steps = [head, *(Chunk(data) for data in wire.start())]
     thinking = b.reasoning_texts
     for i, text in enumerate(thinking):
         gap = b.ttft if i == 0 else b.token_delay
         if gap:
             steps.append(Wait(gap))
-        steps.append(Chunk(chunk({"reasoning_content": text})))
+        steps.append(Chunk(wire.reasoning(text)))
     for i, text in enumerate(texts):
         gap = b.ttft if i == 0 and not thinking else b.token_delay
         if b.stall_after == i:
@@ -528,74 +511,26 @@ def _render_chat(b: Behaviour, record: RequestRecord, *, model: str, created: in
         if b.cut_after == i:
             return [*steps, Cut()]
         if b.inband_error_after == i:
-            error = _error_payload(b.inband_error_status, b.error_message)
-            return [*steps, Chunk(sse_event(error))]
-        steps.append(Chunk(chunk({"content": text}), tokens=1))
+            return [*steps, Chunk(wire.inband_error(b.inband_error_status, b.error_message))]
+        steps.append(Chunk(wire.content(text), tokens=1))
     if b.stall_after is not None:  # stall_after >= number of tokens: stall before finishing
         return [*steps, Stall(b.keepalive_interval)]
-    for i, fragment in enumerate(_tool_call_fragments(b.tool_calls)):
+    for i, fragment in enumerate(wire.tool_fragments(b.tool_calls)):
         gap = b.ttft if i == 0 and not texts and not thinking else b.token_delay
         if gap:
             steps.append(Wait(gap))
-        steps.append(Chunk(chunk({"tool_calls": [fragment]})))
+        steps.append(Chunk(fragment))
     if not texts and not thinking and not b.tool_calls and b.ttft:
         steps.append(Wait(b.ttft))
     if b.cut_after is not None:
         return [*steps, Cut()]
-    steps.append(Chunk(chunk({}, b.finish_reason)))
-    if b.usage:
-        usage_chunk = {
-            "id": ident,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [],
-            "usage": usage,
-        }
-        steps.append(Chunk(sse_event(usage_chunk)))
-    if b.send_done:
-        steps.append(Chunk(b"data: [DONE]\n\n"))
+    ending = wire.finish(b.finish_reason, usage if b.usage else None, end=b.send_done)
+    steps += [Chunk(data) for data in ending]
     return steps
 
 
-def _whole_message(b: Behaviour, texts: tuple[str, ...]) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
-    if b.reasoning_texts:
-        message["reasoning_content"] = "".join(b.reasoning_texts)
-    if b.tool_calls:
-        message["content"] = message["content"] or None
-        message["tool_calls"] = [
-            {"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}}
-            for i, (n, a) in enumerate(b.tool_calls)
-        ]
-    return message
-
-
-def _tool_call_fragments(calls: Sequence[tuple[str, str]]) -> list[dict[str, Any]]:
-    """OpenAI's streamed shape: per call, the id and name, then the arguments in two pieces."""
-    out: list[dict[str, Any]] = []
-    for i, (name, arguments) in enumerate(calls):
-        half = len(arguments) // 2
-        out.append(
-            {
-                "index": i,
-                "id": f"call_{i}",
-                "type": "function",
-                "function": {"name": name, "arguments": ""},
-            }
-        )
-        out.append({"index": i, "function": {"arguments": arguments[:half]}})
-        out.append({"index": i, "function": {"arguments": arguments[half:]}})
-    return out
-
-
 def _render_whole(
-    b: Behaviour,
-    texts: tuple[str, ...],
-    ident: str,
-    model: str,
-    created: int,
-    usage: dict[str, int],
+    b: Behaviour, texts: tuple[str, ...], wire: Wire, usage: dict[str, int]
 ) -> list[Step]:
     """A non-stream answer: nothing until the last token is due, then the whole JSON."""
 
@@ -607,21 +542,13 @@ def _render_whole(
     if b.cut_after is not None:
         return [Wait(due(min(b.cut_after, len(texts)))), Cut()]
     wait = due(max(len(texts) - 1, 0))
-    body = {
-        "id": ident,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": _whole_message(b, texts),
-                "finish_reason": b.finish_reason,
-            }
-        ],
-    }
-    if b.usage:
-        body["usage"] = usage
+    body = wire.whole(
+        "".join(texts),
+        "".join(b.reasoning_texts),
+        b.tool_calls,
+        b.finish_reason,
+        usage if b.usage else None,
+    )
     head, whole = _json_answer(b.status, body)
     assert isinstance(whole, Chunk)
     return [*([Wait(wait)] if wait else []), head, Chunk(whole.data, tokens=len(texts))]

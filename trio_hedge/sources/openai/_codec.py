@@ -45,8 +45,9 @@ from ._errors import (
     _truncate,
     classify_http_error,
 )
+from ._framing import FramedDecoder
 from ._json import _index, _inexact, _json_loads, _loads
-from ._sse import DEFAULT_MAX_EVENT_SIZE, RawEvent, SSEDecoder
+from ._sse import DEFAULT_MAX_EVENT_SIZE, RawEvent
 
 __all__ = ["ChunkDecoder", "decode_json_body", "merge_tool_calls"]
 
@@ -210,7 +211,7 @@ def decode_json_body(
     if not raw:
         raise AttemptError(ErrorKind.EMPTY_STREAM, "empty JSON answer", status_code=status)
     if raw.startswith(_SSE_START):
-        decoder = ChunkDecoder(max(len(body) + 1, DEFAULT_MAX_EVENT_SIZE), redact=redact, sent=sent)
+        decoder = ChunkDecoder(max(len(body) + 1, DEFAULT_MAX_EVENT_SIZE), redact=redact)
         return decoder.feed(body) + decoder.end()
     try:
         obj = _loads(raw)
@@ -243,7 +244,7 @@ def decode_json_body(
 # -- the stream decoder -----------------------------------------------------------------------
 
 
-class ChunkDecoder:
+class ChunkDecoder(FramedDecoder):
     """Per-response decoder of an OpenAI-compatible chat-completion event stream.
 
     Args:
@@ -271,89 +272,7 @@ class ChunkDecoder:
     [`end`][trio_hedge.sources.openai.ChunkDecoder.end].
     """
 
-    __slots__ = (
-        "_json",
-        "_mode",
-        "_redact",
-        "_sent",
-        "_sse",
-        "data_events",
-        "done",
-        "error",
-        "finish_reason",
-        "usage",
-    )
-
-    def __init__(
-        self,
-        max_event_size: int = DEFAULT_MAX_EVENT_SIZE,
-        *,
-        redact: Redact = _no_redact,
-        sent: bytes = b"",
-    ) -> None:
-        self._sse = SSEDecoder(max_event_size)
-        self._redact = redact
-        self._sent = _Sent(sent)  # the request's words, which an error may quote back
-        self._mode = 0  # 0: undecided (only whitespace so far), 1: SSE, 2: whole JSON body
-        self._json = bytearray()
-        self.done = False
-        self.error: AttemptError | None = None
-        self.data_events = 0
-        self.finish_reason: str | None = None
-        self.usage: dict[str, Any] | None = None
-
-    def feed(self, data: bytes) -> list[Delta]:
-        """Decode the next bytes of the body; return the Deltas of the events they complete.
-
-        When an error event follows Deltas in the same read, those Deltas are returned and
-        the error is raised by the next [`feed`][trio_hedge.sources.openai.ChunkDecoder.feed] or
-        [`end`][trio_hedge.sources.openai.ChunkDecoder.end] (it is also in `error` at once): the
-        text before an in-band error is never lost.
-
-        Raises:
-            AttemptError: an in-band error event (classified), or ``PROTOCOL`` (bad SSE, an
-                event that is not JSON, an event over ``max_event_size``).
-        """
-        if self.error is not None:
-            raise self.error
-        if self.done:
-            return []
-        if self._mode != 1:
-            data = self._sniff(data)
-            if not data:
-                return []
-        out: list[Delta] = []
-        try:
-            for event in self._sse.feed_raw(data):
-                delta = self._event(event, final=False)
-                if delta is not None:
-                    out.append(delta)
-                if self.done:
-                    break
-            else:
-                if self._sse.pending_error is not None:
-                    raise self._sse.pending_error
-        except AttemptError as exc:
-            self.error = exc
-            if not out:
-                raise
-        return out
-
-    def end(self) -> list[Delta]:
-        """The body ended: return the last Deltas, or raise if the stream is incomplete.
-
-        Raises:
-            AttemptError: ``STREAM_TRUNCATED`` (data came, but neither ``[DONE]`` nor a
-                finish reason), ``EMPTY_STREAM`` (no data event), or an error from the last
-                event.
-        """
-        if self.error is not None:
-            raise self.error
-        try:
-            return self._end()
-        except AttemptError as exc:
-            self.error = exc
-            raise
+    __slots__ = ()
 
     def _end(self) -> list[Delta]:
         if self.done:
@@ -389,34 +308,9 @@ class ChunkDecoder:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _sniff(self, data: bytes) -> bytes:
-        """Until the first significant byte: decide between SSE and a whole JSON body."""
-        buf = self._json
-        buf += data
-        if len(buf) > self._sse.max_event_size:
-            raise AttemptError(ErrorKind.PROTOCOL, "answer larger than max_event_size")
-        if self._mode == 2:
-            return b""
-        raw = bytes(buf)
-        if len(raw) < 3 and _BOM.startswith(raw):
-            return b""  # maybe the start of a BOM
-        head = raw[3:] if raw.startswith(_BOM) else raw
-        head = head.lstrip(b" \t\r\n")
-        if not head:
-            return b""  # only blank lines so far: no meaning in either format
-        if head[0] in b"{[":
-            self._mode = 2
-            self._json = bytearray(head)
-            return b""
-        self._mode = 1
-        buf.clear()
-        return raw
-
     def _end_json(self) -> list[Delta]:
         self.data_events = 1
-        deltas = decode_json_body(
-            200, {}, bytes(self._json), redact=self._redact, sent=self._sent.body
-        )
+        deltas = decode_json_body(200, {}, bytes(self._json), redact=self._redact)
         self.done = True
         for delta in deltas:
             if delta.finish_reason is not None:
@@ -425,7 +319,7 @@ class ChunkDecoder:
                 self.usage = delta.usage
         return deltas
 
-    def _event(self, event: RawEvent, *, final: bool) -> Delta | None:
+    def _event(self, event: RawEvent, final: bool = False) -> Delta | None:
         kind, data = event[0], event[1]
         text = data.strip()
         if not text:

@@ -45,7 +45,8 @@ MAX_MESSAGE_CHARS = 300
 # tests/test_dialects.py (vLLM, SGLang, TGI, llama.cpp, llama-cpp-python, Ollama, LiteLLM,
 # OpenRouter, Azure OpenAI).
 _CONTEXT = re.compile(
-    r"context.?length|context.?window|context.?size|maximum context|prompt is too long|"
+    r"context.?length|context.?window|context.?size|context.?limit|maximum context|"
+    r"prompt is too long|"
     r"input is too long|too long for (the|this) model|reduce the length|"
     r"maximum (input|prompt|model) length|exceeds? the (available|maximum) context|"
     r"too many (input )?tokens in (the )?prompt|"
@@ -89,10 +90,17 @@ _RATE = re.compile(r"rate.?limit|too many requests", re.IGNORECASE)
 _TYPE_RULES: tuple[tuple[tuple[str, ...], ErrorKind], ...] = (
     (("contextlength", "contextwindow"), ErrorKind.CONTEXT_LENGTH_EXCEEDED),
     (
-        ("quota", "billing", "insufficientbalance", "insufficientcredit", "payment"),
+        (
+            "quota",
+            "billing",
+            "insufficientbalance",
+            "insufficientcredit",
+            "creditbalance",
+            "payment",
+        ),
         ErrorKind.QUOTA_EXCEEDED,
     ),
-    (("ratelimit", "toomanyrequests"), ErrorKind.RATE_LIMIT),
+    (("ratelimit", "toomanyrequests", "resourceexhausted"), ErrorKind.RATE_LIMIT),
     (("overload", "unavailable", "capacity"), ErrorKind.OVERLOADED),
     (("contentfilter", "contentpolicy", "moderation"), ErrorKind.INVALID_REQUEST),
     (("auth", "permission", "apikey", "forbidden"), ErrorKind.AUTH),
@@ -100,11 +108,13 @@ _TYPE_RULES: tuple[tuple[tuple[str, ...], ErrorKind], ...] = (
     (("server", "internal", "apierror", "unknown"), ErrorKind.SERVER_ERROR),
     (("notfound",), ErrorKind.NOT_FOUND),
     (
-        ("invalid", "badrequest", "validation", "unprocessable", "unsupported"),
+        ("invalid", "badrequest", "validation", "unprocessable", "unsupported", "toolarge"),
         ErrorKind.INVALID_REQUEST,
     ),
 )
 _NON_ALNUM = re.compile(r"[^a-z0-9]+")
+# Codes of a 4xx that mean "not on this replica" (normalised like the labels).
+_NOT_HERE = ("modelnotfound", "deploymentnotfound", "previousresponsenotfound")
 
 
 _JSON_MESSAGE = re.compile(r'"(?:message|detail)"\s*:\s*"((?:[^"\\]|\\.)*)')
@@ -279,10 +289,16 @@ def _kind_for(
                 k in norm for k in ("auth", "apikey", "permission")
             ):
                 return ErrorKind.AUTH, None  # e.g. Gemini's 400 "API key not valid"
-            if status == 404 or "modelnotfound" in norm or "deploymentnotfound" in norm:
+            if status == 404 or any(code in norm for code in _NOT_HERE):
                 # An unknown model or a wrong path: this replica's fault. An explicit
-                # model_not_found code counts on a 400 too (llama-cpp-python sends it so).
+                # model_not_found code counts on a 400 too (llama-cpp-python sends it so), as
+                # does previous_response_not_found (a Responses replica without the stored
+                # conversation another replica holds).
                 return ErrorKind.NOT_FOUND, None
+            if _QUOTA.search(text) and not _QUOTA_IS_RATE.search(text):
+                # Anthropic's 400 invalid_request_error "Your credit balance is too low":
+                # the account's, not the request's.
+                return ErrorKind.QUOTA_EXCEEDED, None
             return ErrorKind.INVALID_REQUEST, None
         return ErrorKind.PROTOCOL, None  # 1xx/2xx/3xx where an answer was expected
     # No status: classify by the type/code labels, then by the message.
@@ -292,6 +308,8 @@ def _kind_for(
                 return ErrorKind.RATE_LIMIT, None
             if kind is ErrorKind.SERVER_ERROR and _OVERLOADED.search(message):
                 return ErrorKind.OVERLOADED, None  # Azure: type server_error, "overloaded"
+            if kind is ErrorKind.INVALID_REQUEST and _QUOTA.search(message):
+                return ErrorKind.QUOTA_EXCEEDED, None  # Anthropic: "credit balance is too low"
             return kind, None
     if _REQUEST_FAULT.search(message):
         return ErrorKind.INVALID_REQUEST, None

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, ClassVar, Protocol
 from urllib.parse import urlsplit
 
 import attrs
@@ -31,6 +31,7 @@ from ...errors import AttemptError, ErrorKind
 from ...events import Delta
 from ...transport import http2_connections
 from .._aclose import aclose_nested
+from ..probes import LoadProbe, as_probe
 from ._codec import ChunkDecoder, decode_json_body
 from ._errors import (
     classify_http_error,
@@ -42,7 +43,16 @@ from ._errors import (
     without_frames,
 )
 
-__all__ = ["HeaderNames", "OpenAIChatSource", "Replica"]
+__all__ = [
+    "HTTPAttempt",
+    "HTTPSource",
+    "HeaderNames",
+    "OpenAIChatSource",
+    "Replica",
+    "StreamDecoder",
+    "TransportErrors",
+    "attempt_for",
+]
 
 #: How much of an error body is read to classify it (bytes).
 ERROR_BODY_LIMIT = 4096
@@ -142,6 +152,15 @@ def _check_path(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> N
         raise ValueError(f"{attribute.name} must be a URL path starting with '/', not {value!r}")
 
 
+def _as_probe(value: object) -> LoadProbe | None:
+    return as_probe(value, "probe")
+
+
+def _check_priority(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise TypeError(f"{attribute.name} must be an int or None")
+
+
 def _redacted_headers(headers: Mapping[str, str]) -> str:
     return "{" + ", ".join(f"{k!r}: '***'" for k in headers) + "}"
 
@@ -160,6 +179,17 @@ class Replica:
             ``model`` for the backup). Default none.
         headers: extra request headers (values hidden in reprs, as they may be secrets).
         path: the path under ``base_url``. Default ``"/chat/completions"``.
+        probe: read the engine's own load
+            ([`LoadProbe`][trio_hedge.sources.probes.LoadProbe], or an engine name:
+            ``"vllm"``, ``"llama.cpp"``, ``"sglang"``, ``"tgi"``) so a
+            [`Hedger`][trio_hedge.Hedger] sees the queue other tenants put on it. Default
+            ``None`` (the Hedger's own view only).
+        backup_priority: sent as the body's ``"priority"`` on every attempt after the
+            primary (a hedge or failover), so an engine with priority scheduling serves the
+            tenants' requests first (vLLM with ``--scheduling-policy priority``: lower values
+            first, default 0, so give e.g. 1; SGLang with priority scheduling: check which
+            way its ``--schedule-low-priority-values-first`` orders). On vLLM it orders only
+            *waiting* requests: nothing preempts a running prefill. Default ``None``.
 
     Raises:
         TypeError, ValueError: a bad URL, name or path, a URL with embedded credentials, an
@@ -190,6 +220,12 @@ class Replica:
         kw_only=True,
     )
     path: str = attrs.field(default="/chat/completions", validator=_check_path, kw_only=True)
+    probe: LoadProbe | None = attrs.field(
+        default=None,
+        converter=_as_probe,
+        kw_only=True,
+    )
+    backup_priority: int | None = attrs.field(default=None, validator=_check_priority, kw_only=True)
     # Masks the key and header values wherever a server might quote them back.
     _redact: Redactor = attrs.field(
         init=False,
@@ -201,12 +237,30 @@ class Replica:
     )
 
     def __attrs_post_init__(self) -> None:
-        if self.api_key is not None and any(n.lower() == "authorization" for n in self.headers):
+        key_header = self._key_header
+        if self.api_key is not None and any(n.lower() == key_header for n in self.headers):
             raise ValueError(
-                "give the key as api_key or as an Authorization header, not both "
+                f"give the key as api_key or as an {key_header} header, not both "
                 "(both would be sent)"
             )
         protect_in_logs(self._redact)
+
+    #: The API this kind of replica speaks (one request body fits one API, so the front doors
+    #: refuse a list of replicas that mix them).
+    api: ClassVar[str] = "chat"
+    #: What ``bind`` makes (set below for chat completions; each API's replica its own).
+    _source_class: ClassVar[type[HTTPSource]]
+    #: The (lower-case) header ``api_key`` goes in.
+    _key_header: ClassVar[str] = "authorization"
+
+    def _key_headers(self) -> dict[str, str]:
+        """The headers that carry ``api_key`` (sent over the replica's own headers)."""
+        return {} if self.api_key is None else {"authorization": f"Bearer {self.api_key}"}
+
+    def _default_headers(self) -> dict[str, str]:
+        """The headers every attempt sends unless the replica's or the request's replace
+        them (lower-case names)."""
+        return {"accept": "text/event-stream", "content-type": "application/json"}
 
     #: ``bind`` sends through the front door's ``httpx.AsyncClient``.
     needs_http_client: ClassVar[bool] = True
@@ -226,7 +280,7 @@ class Replica:
         *,
         headers: HeaderNames | None = None,
         extra_headers: Mapping[str, str] | None = None,
-    ) -> OpenAIChatSource:
+    ) -> HTTPSource:
         """This replica as a [`Source`][trio_hedge.sources.Source] for one request;
         ``extra_headers`` are added to every attempt of this request (over the replica's own
         ``headers``).
@@ -235,15 +289,30 @@ class Replica:
             TypeError: ``client`` is ``None`` (an HTTP replica needs one).
         """
         if client is None:
-            raise TypeError("a Replica needs an httpx.AsyncClient to bind to")
-        return OpenAIChatSource(
+            raise TypeError(f"a {type(self).__name__} needs an httpx.AsyncClient to bind to")
+        return self._source_class(
             self, request, client, headers or HeaderNames(), extra_headers=extra_headers
         )
 
 
-class OpenAIChatSource:
-    """One request bound to one [`Replica`][trio_hedge.sources.Replica] over one
-    ``httpx.AsyncClient``."""
+class StreamDecoder(Protocol):
+    """What an HTTP attempt reads its body through: one per response (the chat codec's
+    [`ChunkDecoder`][trio_hedge.sources.openai.ChunkDecoder], or another API's)."""
+
+    done: bool
+    error: AttemptError | None
+    data_events: int
+
+    def feed(self, data: bytes) -> list[Delta]: ...
+
+    def end(self) -> list[Delta]: ...
+
+
+class HTTPSource:
+    """One request bound to one replica over one ``httpx.AsyncClient``: builds the request,
+    sends it, classifies an error answer and reads the body through the API's decoder. The
+    API's source says which decoder (`_decoder`) and how a whole JSON answer reads
+    (`_decode_whole`)."""
 
     def __init__(
         self,
@@ -266,15 +335,18 @@ class OpenAIChatSource:
         except (TypeError, ValueError):
             check_json_body(body, "request")  # raises, naming the path
             raise
+        # A backup's body: the engine may serve it after the tenants' requests (made on the
+        # first backup: most requests have none).
+        self._priority = replica.backup_priority
+        self._backup_content: bytes | None = None
         self._url = replica.base_url + replica.path
         # Names lower-cased: HTTP names are case-insensitive, and httpx would send "Accept"
         # and "accept" (or two authorizations) as two headers.
-        headers = {"accept": "text/event-stream", "content-type": "application/json"}
+        headers = replica._default_headers()
         headers.update((name.lower(), value) for name, value in replica.headers.items())
         if extra_headers:
             headers.update((name.lower(), value) for name, value in extra_headers.items())
-        if replica.api_key is not None:
-            headers["authorization"] = f"Bearer {replica.api_key}"
+        headers.update(replica._key_headers())
         self._headers = headers
         # What a server might quote back in an error message ("Incorrect API key provided:
         # sk-…", "Received API Key = sk-...1337"): masked in every AttemptError this source
@@ -291,14 +363,36 @@ class OpenAIChatSource:
         return self._replica.name
 
     def __repr__(self) -> str:
-        return f"OpenAIChatSource(replica={self._replica!r})"
+        return f"{type(self).__name__}(replica={self._replica!r})"
+
+    #: The decoder of one response body (``ChunkDecoder(redact=…)`` for chat completions).
+    _stream_decoder: ClassVar[Callable[..., StreamDecoder]]
+    #: How a whole ``application/json`` answer reads: ``(status, headers, body, *, redact)`` to
+    #: its deltas, or the classified error raised.
+    _whole_decoder: ClassVar[Callable[..., list[Delta]]]
+
+    def _decoder(self, redact: Redactor) -> StreamDecoder:
+        return self._stream_decoder(redact=redact)
+
+    def _decode_whole(
+        self, status: int, headers: Mapping[str, str], body: bytes, redact: Redactor
+    ) -> list[Delta]:
+        return self._whole_decoder(status, headers, body, redact=redact)
+
+    def _content_for(self, number: int) -> bytes:
+        if self._priority is None or number == 1:
+            return self._content
+        if self._backup_content is None:
+            body = json.loads(self._content)
+            body["priority"] = self._priority
+            self._backup_content = json.dumps(body, ensure_ascii=False).encode()
+        return self._backup_content
 
     async def open(self, info: AttemptInfo) -> HTTPAttempt:
         headers = attempt_headers(self._headers, self._header_names, info)
-        request = self._client.build_request(
-            "POST", self._url, content=self._content, headers=headers
-        )
-        request.stream = _Body(self._content)
+        content = self._content_for(info.number)
+        request = self._client.build_request("POST", self._url, content=content, headers=headers)
+        request.stream = _Body(content)
         try:
             response = await self._client.send(request, stream=True)
         except BaseException as exc:
@@ -312,7 +406,7 @@ class OpenAIChatSource:
                 raise
             raise send_error(exc, request, self._redact) from without_frames(exc)
         try:
-            return await attempt_for(response, self._redact)
+            return await self._attempt_for(response)
         except BaseException:
             # Shielded and bounded; a failing close must not replace the error being raised.
             with (
@@ -321,6 +415,30 @@ class OpenAIChatSource:
             ):
                 await _close_response(response, finished=False)
             raise
+
+    async def _attempt_for(self, response: httpx.Response) -> HTTPAttempt:
+        return await attempt_for(
+            response,
+            self._redact,
+            kind=self._attempt_kind(),
+            whole_decoder=self._whole_decoder,
+            stream_decoder=self._stream_decoder,
+        )
+
+    def _attempt_kind(self) -> Callable[..., HTTPAttempt] | None:
+        """What makes this source's attempts (``None``: ``HTTPAttempt``)."""
+        return None
+
+
+class OpenAIChatSource(HTTPSource):
+    """One chat-completions request bound to one [`Replica`][trio_hedge.sources.Replica] over
+    one ``httpx.AsyncClient``."""
+
+    _stream_decoder = ChunkDecoder
+    _whole_decoder = staticmethod(decode_json_body)
+
+
+Replica._source_class = OpenAIChatSource
 
 
 @attrs.frozen
@@ -382,26 +500,29 @@ async def attempt_for(
     response: httpx.Response,
     redact: Redactor,
     errors: TransportErrors = HTTPX_ERRORS,
-    kind: type[HTTPAttempt] | None = None,
+    kind: Callable[..., HTTPAttempt] | None = None,
+    *,
+    whole_decoder: Callable[..., list[Delta]] = decode_json_body,
+    stream_decoder: Callable[..., StreamDecoder] = ChunkDecoder,
 ) -> HTTPAttempt:
     """The attempt a response opens, by its status and content type: an error status raises
     its classified error, a web page ``PROTOCOL``, a JSON answer is read whole and decoded
-    ([`decode_json_body`][trio_hedge.sources.openai.decode_json_body]), anything else is read
-    as an event stream. Both sources open their attempts here (one set of rules); ``errors``
-    are the classes of the library ``response`` comes from, ``kind`` the attempt's class
-    (default ``HTTPAttempt``)."""
+    (``whole_decoder``: [`decode_json_body`][trio_hedge.sources.openai.decode_json_body] for
+    chat completions), anything else is read as an event stream (``stream_decoder``:
+    [`ChunkDecoder`][trio_hedge.sources.openai.ChunkDecoder]). Every source opens its attempts
+    here (one set of rules); ``errors`` are the classes of the library ``response`` comes
+    from, ``kind`` what makes the attempt (default ``HTTPAttempt``)."""
     status = response.status_code
+    sent = sent_body(response)  # the caller's words, which an error may quote back
     if not 200 <= status < 300:
         try:
             body = await _read_bounded(response, ERROR_BODY_LIMIT)
         except errors.any:
             body = b""
-        error = classify_http_error(
-            status, response.headers, body, redact=redact, sent=sent_body(response)
-        )
+        error = classify_http_error(status, response.headers, body, redact=redact, sent=sent)
         if status == 400 and b"plain HTTP request was sent to HTTPS port" in body:
-            # nginx's 400 page for http:// on a TLS port: the replica's URL is wrong, not the
-            # request (it would be fatal as a plain 400).
+            # nginx's 400 page for http:// on a TLS port: the replica's URL is wrong, not
+            # the request (it would be fatal as a plain 400).
             raise AttemptError(
                 ErrorKind.PROTOCOL,
                 redact(
@@ -427,8 +548,8 @@ async def attempt_for(
             ErrorKind.PROTOCOL,
             redact(
                 f"HTTP {status} with Content-Type {content_type} from "
-                f"{request_line(response.request)}: a web page, not an event stream; is base_url "
-                "the API's (often ending in /v1)?"
+                f"{request_line(response.request)}: a web page, not an event stream; is "
+                "base_url the API's (often ending in /v1)?"
             ),
             status_code=status,
             hint="a web page, not the API: is base_url the API's (often ending in /v1)?",
@@ -439,11 +560,12 @@ async def attempt_for(
             raise AttemptError(
                 ErrorKind.PROTOCOL, f"JSON answer larger than {JSON_BODY_LIMIT} bytes"
             )
-        whole = decode_json_body(
-            status, response.headers, body, redact=redact, sent=sent_body(response)
-        )
-        return (kind or HTTPAttempt)(response, whole, redact, errors)
-    return (kind or HTTPAttempt)(response, None, redact, errors)
+        whole = whole_decoder(status, response.headers, body, redact=redact, sent=sent)
+        decoder = stream_decoder(redact=redact, sent=sent)
+        return (kind or HTTPAttempt)(response, whole, redact, errors, decoder)
+    return (kind or HTTPAttempt)(
+        response, None, redact, errors, stream_decoder(redact=redact, sent=sent)
+    )
 
 
 class HTTPAttempt:
@@ -467,11 +589,12 @@ class HTTPAttempt:
         whole: Sequence[Delta] | None,
         redact: Redactor | None = None,
         errors: TransportErrors = HTTPX_ERRORS,
+        decoder: StreamDecoder | None = None,
     ) -> None:
         self._response = response
         self._errors = errors
         self._redact = redact if redact is not None else Redactor()
-        self._decoder = ChunkDecoder(redact=self._redact, sent=sent_body(response))
+        self._decoder = decoder if decoder is not None else ChunkDecoder(redact=self._redact)
         # Undecoded bytes skip httpx's content-decoder and re-chunking layers (hot path). A
         # compressed body, or one already read (an event hook called .read()), goes through
         # aiter_bytes(), which handles both.

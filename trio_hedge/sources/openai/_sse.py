@@ -194,6 +194,24 @@ class SSEDecoder:
             event = (self._event or "message", value, self.last_event_id, self.retry)
             self._event = ""
             return [event]
+        elif data.startswith(b"event: ") and data.endswith(b"\n\n") and not self._data:
+            # Fast path of the typed-event APIs (Anthropic Messages, OpenAI Responses): one
+            # whole ``event: …`` + ``data: …`` event per read.
+            line = data.find(b"\n")
+            if (
+                data.startswith(b"data: ", line + 1)
+                and data.find(b"\n", line + 1) == len(data) - 2
+                and b"\r" not in data
+            ):
+                if len(data) - line - 9 > self.max_event_size:
+                    raise _protocol(f"event larger than max_event_size={self.max_event_size}")
+                try:
+                    name = data[7:line].decode("utf-8")
+                    value = data[line + 7 : -2].decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise _protocol(f"invalid UTF-8 in event stream: {exc.reason}") from None
+                self._event = ""
+                return [(name or "message", value, self.last_event_id, self.retry)]
         # Normalise line ends. A final CR ends its line now (dispatch must not wait for the
         # next read); remember it so an LF starting the next read is not a second line end.
         if b"\r" in data:
