@@ -680,3 +680,25 @@ def test_continuation_is_declared_for_chat_replicas_only(api: str) -> None:
     kind, _ = AGENT_APIS[api]
     with pytest.raises(ValueError, match="continuation"):
         kind("http://a.test/v1", continuation="vllm")
+
+
+async def test_a_cancel_during_a_recovery_is_no_delay_sample(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A recovery's time without new text includes reproducing the answer so far: never a TTFT
+    # sample, not even a censored one when the caller leaves during it (nor a lost race: a
+    # recovery is never hedged). Else a caller that cancels would move everyone's delay.
+    mock = MockReplicas({"a": cut(5), "b": Behaviour(ttft=30.0, tokens=N)})
+    replicas = [th.Replica(mock.url(n), name=n) for n in "ab"]
+    config = HedgerConfig(outlier_detection=None)  # a learned delay
+    async with httpx.AsyncClient(transport=mock.transport) as client:
+        async with th.Hedger(replicas, config, client=client) as hedger:
+            async with hedger.stream(REQUEST) as stream:
+                with trio.move_on_after(10.0):
+                    [t async for t in stream]
+            samples = hedger.samples()
+            b = hedger.statistics().replicas[1]
+    assert stream.report.attempts[1].trigger == "recovery"
+    assert stream.report.attempts[1].outcome is O.CANCELLED
+    assert [s["replica"] for s in samples] == ["a"]  # a's TTFT, nothing of b's 10 s
+    assert b.lost_races == 0

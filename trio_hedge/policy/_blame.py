@@ -38,6 +38,12 @@ Two more rules live here because they are about blame, not errors:
   another attempt of the same request won *and* it had gone without a first token for the
   delay the fleet would have hedged it at: a caller's own shorter ``hedge_after`` is the
   caller's choice, and a loss within it says nothing about the replica.
+* **a caller's cancel is a delay sample only past the fleet's delay** (`informs_delay`): an
+  attempt the caller (or the request's own failure) cut short, before the delay the fleet
+  would have hedged it at, shows nothing about the tail the delay is set at, and counted
+  toward ``min_samples`` and the window's cap (instant cancels made a class "learned" from
+  one caller's no-information samples and moved every caller's delay). Lost races and
+  ``first_token_timeout`` are the fleet's own cuts: always samples.
 * **a lost race only raises a latency estimate**: a cancelled attempt's run time is a lower
   bound on its TTFT ("at least this slow"), never evidence that the replica is fast
   (``ReplicaState.observe_lower_bound``).
@@ -54,7 +60,7 @@ import attrs
 from .._attempt_error import REPLICA_KINDS, RETRYABLE_KINDS
 from ..errors import AttemptError, ErrorKind
 
-__all__ = ["Attribution", "Fault", "is_slow", "outgrew"]
+__all__ = ["Attribution", "Fault", "informs_delay", "is_slow", "outgrew"]
 
 
 class Fault(enum.Enum):
@@ -197,3 +203,12 @@ def is_slow(*, another_won: bool, waited: float, fleet_delay: float | None) -> b
     the fleet would have hedged it at (``None``: the fleet never hedges on time, so only the
     caller chose to)."""
     return another_won and fleet_delay is not None and waited >= fleet_delay
+
+
+def informs_delay(*, ended_by_fleet: bool, ran: float, fleet_delay: float | None) -> bool:
+    """Whether a cancelled attempt's run time (``ran`` seconds, no first token) is a censored
+    sample for the delay learner: always when the fleet ended it (it lost a race, or
+    ``first_token_timeout`` passed), else (the caller left, or the request failed elsewhere)
+    only once it had run the ``fleet_delay`` the fleet would have hedged it at: earlier, the
+    time was the caller's choice and says nothing about the tail the delay is set at."""
+    return ended_by_fleet or (fleet_delay is not None and ran >= fleet_delay)

@@ -6,7 +6,7 @@ budget and the retry throttle, each replica's health and load, and the counters 
 [`statistics`][trio_hedge.Hedger.statistics]. It also makes the decisions that need the whole fleet:
 where an attempt goes among eligible replicas (`FleetState.pick`), how much of a TTFT a
 prompt's size explains (`FleetState.prefill`), and whether a failing replica is ejected
-under the fleet-wide cap (`FleetState.health_failure`, `FleetState.eject_for_model`; whether
+under the cap (`FleetState.health_failure`, `FleetState.eject_for_model`; whether
 it failed by its own fault, ``_blame.py`` decides).
 
 Trio is single-threaded, so the shared state needs no locks; every structure is bounded
@@ -231,22 +231,31 @@ class FleetState:
         if self.on_event:
             emit(self.on_event, event, scopes)
 
-    def health_failure(self, replica: ReplicaState, now: float) -> float | None:
-        """Count one failure in ``replica``'s run; eject it if it is due and the fleet-wide
-        cap (``max_ejection_percent``, never the last replica) has room. Returns when the
+    def health_failure(self, replica: ReplicaState, model: str, now: float) -> float | None:
+        """Count one failure in ``replica``'s run, seen by a request for ``model``; eject it
+        if it is due and the cap (``max_ejection_percent``, never the last replica) has room
+        among the replicas out for ``model``: ejected whole or for that model. An ejection
+        for another model does not fill it (one request for a model only some replicas serve
+        would otherwise keep a failing replica in for every caller). Returns when the
         ejection ends, or ``None`` (not ejected)."""
         config = self.config.outlier_detection
         if not replica.failure(now, config):
             return None
         assert config is not None
-        ejected = 0
-        for r in self.replicas:
-            ejected += r.ejected_until > now or r.model_ejected_until > now
-        if ejected >= self.ejection_limit:
+        if self._out_for(model, now) >= self.ejection_limit:
             self.counts.ejections_capped += 1
             return None
         replica.eject(now, config)
         return replica.ejected_until
+
+    def _out_for(self, model: str, now: float) -> int:
+        """How many replicas are out for ``model`` now: ejected whole or for it."""
+        out = 0
+        models = self.models
+        for r in self.replicas:
+            state = models.get(r.index, model)
+            out += r.ejected_until > now or (state is not None and state.ejected_until > now)
+        return out
 
     def eject_for_model(self, replica: ReplicaState, model: str, now: float) -> float | None:
         """Eject ``replica`` for ``model`` at once (an error that is its own fault for that
@@ -258,18 +267,13 @@ class FleetState:
         current = self.models.get(replica.index, model)
         if replica.ejected(now) or (current is not None and current.ejected_until > now):
             return None
-        ejected = 0
-        for r in self.replicas:
-            state = self.models.get(r.index, model)
-            ejected += r.ejected_until > now or (state is not None and state.ejected_until > now)
-        if ejected >= self.ejection_limit:
+        if self._out_for(model, now) >= self.ejection_limit:
             self.counts.ejections_capped += 1
             return None
         state = self.models.make(replica.index, model)
         state.ejections += 1
         replica.times_ejected += 1
         state.ejected_until = now + config.ejection_time(state.ejections)
-        replica.model_ejected_until = max(replica.model_ejected_until, state.ejected_until)
         return state.ejected_until
 
     def _probe_statistics(self, r: ReplicaState, now: float) -> dict[str, object]:

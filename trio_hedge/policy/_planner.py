@@ -31,7 +31,7 @@ from ..events import EventKind, HedgeEvent
 from ..report import AttemptOutcome, AttemptRecord, Report
 from ..sources._bindable import BindableReplica
 from ._backoff import backoff_delay, jitter_draw
-from ._blame import Fault, is_slow, outgrew
+from ._blame import Fault, informs_delay, is_slow, outgrew
 from ._fleet import FleetState
 from ._health import ReplicaState
 
@@ -445,36 +445,57 @@ class RequestPlanner:
             # (a hedged attempt that lost was blamed at the commit), a censored sample.
             kind = EventKind.ATTEMPT_CANCELLED
             self._end(record.number)
-            if self._winner is not None:
+            # A recovery is never hedged (it loses no race), and its time without new text
+            # includes reproducing the answer so far: no sample, not even a censored one.
+            recovery = record.trigger == "recovery"
+            lost = self._winner is not None and not recovery
+            if lost:
                 replica.lost_races += 1
             probe = self._fleet.probes[replica.index] if self._fleet.probed else None
             if probe is not None and record.ttft is None:
                 probe.cancelled(now)  # its prefill may run: no poll may keep it alive
             if (
-                record.ttft is None
+                not recovery
+                and record.ttft is None
                 and record.started_at is not None
                 and record.ended_at is not None
             ):
-                self._censored(replica, record, record.ended_at - record.started_at, now)
+                ran = record.ended_at - record.started_at
+                sample = informs_delay(
+                    ended_by_fleet=lost or outcome is AttemptOutcome.TIMEOUT,
+                    ran=ran,
+                    fleet_delay=self._asked_delay(record.number, now),
+                )
+                self._censored(replica, record, ran, now, sample=sample)
         else:  # pragma: no cover - the race reports no other outcome
             return
         self._emit(kind, now, replica.name, record=record)
 
+    def _asked_delay(self, number: int, now: float) -> float | None:
+        """The delay the fleet would hedge attempt ``number`` at, as asked when it started
+        (else now: a request that may not hedge asks none, nor a planner driven without
+        ``hedge_delay``)."""
+        asked = self._fleet_delays
+        if asked is not None and number in asked:
+            return asked[number]
+        return self._fleet_delay(number, now)
+
     def _censored(
-        self, replica: ReplicaState, record: AttemptRecord, ran: float, now: float
+        self, replica: ReplicaState, record: AttemptRecord, ran: float, now: float, *, sample: bool
     ) -> None:
         """An attempt cancelled after ``ran`` seconds without a first token: its TTFT is at
-        least that (right-censored) for the delay learner and for its replica's latency; and
-        its server may still be prefilling it (llama.cpp notices a disconnect only when the
-        prefill ends): it counts as in flight there until the prefill model's median for its
-        size has passed since it started."""
+        least that (right-censored) for the delay learner (if ``sample``: _blame.informs_delay)
+        and for its replica's latency; and its server may still be prefilling it (llama.cpp
+        notices a disconnect only when the prefill ends): it counts as in flight there until
+        the prefill model's median for its size has passed since it started."""
         fleet = self._fleet
         tokens = self._tokens
         model = fleet.model
         if model is not None:
-            model.observe(
-                self._group, self._class, now, ran, False, tokens, replica.name, record.number
-            )
+            if sample:
+                model.observe(
+                    self._group, self._class, now, ran, False, tokens, replica.name, record.number
+                )
             fit = model.fit(self._group, now)
             if fit is not None:
                 x = model.tokens_of(self._class) if tokens is None else tokens
@@ -522,12 +543,7 @@ class RequestPlanner:
                 if self._hedged_over is None:
                     self._hedged_over = []
                 number = record.number - 1
-                asked = self._fleet_delays
-                if asked is not None and number in asked:
-                    fleet_delay = asked[number]
-                else:  # a planner driven without hedge_delay (tests): the fleet's now
-                    fleet_delay = self._fleet_delay(number, now)
-                self._hedged_over.append((number, started, fleet_delay))
+                self._hedged_over.append((number, started, self._asked_delay(number, now)))
         elif record.trigger == "failover":
             counts.failovers += 1
         elif record.trigger == "recovery":
@@ -576,7 +592,7 @@ class RequestPlanner:
                     waited=now - started,
                     fleet_delay=fleet_delay,
                 ):
-                    self._ejected(slow, fleet.health_failure(slow, now), "slow", now)
+                    self._ejected(slow, fleet.health_failure(slow, self._model, now), "slow", now)
 
     def _end(self, number: int) -> None:
         replica = self._running.pop(number, None)
@@ -596,7 +612,9 @@ class RequestPlanner:
             self._cool(replica, retry_after, error, now)
         if fault is Fault.REPLICA:
             replica.failures += 1
-            self._ejected(replica, fleet.health_failure(replica, now), error.kind.value, now)
+            self._ejected(
+                replica, fleet.health_failure(replica, self._model, now), error.kind.value, now
+            )
         elif fault is Fault.MISCONFIGURED:
             self._misconfigured(replica, error, now)
         elif fault is Fault.UNDECIDED:
@@ -711,7 +729,8 @@ class RequestPlanner:
                 at = by_name.get(record.replica)
                 if at is not None and fleet.attribution.after_commit(record.error) is Fault.REPLICA:
                     at.failures += 1
-                    self._ejected(at, fleet.health_failure(at, now), record.error.kind.value, now)
+                    until = fleet.health_failure(at, self._model, now)
+                    self._ejected(at, until, record.error.kind.value, now)
         counts.wasted += report.wasted_tokens
         counts.prompt_resent += report.prompt_tokens_resent or 0
         self._emit(EventKind.REQUEST_FINISHED, now, report=report)

@@ -38,6 +38,7 @@ from ._errors import (
     classify_http_error,
     request_line,
     send_error,
+    sent_body,
     transport_error,
     with_context,
     without_frames,
@@ -579,12 +580,13 @@ async def attempt_for(
     here (one set of rules); ``errors`` are the classes of the library ``response`` comes
     from, ``kind`` what makes the attempt (default ``HTTPAttempt``)."""
     status = response.status_code
+    sent = sent_body(response)  # the caller's words, which an error may quote back
     if not 200 <= status < 300:
         try:
             body = await _read_bounded(response, ERROR_BODY_LIMIT)
         except errors.any:
             body = b""
-        error = classify_http_error(status, response.headers, body, redact=redact)
+        error = classify_http_error(status, response.headers, body, redact=redact, sent=sent)
         if status == 400 and b"plain HTTP request was sent to HTTPS port" in body:
             # nginx's 400 page for http:// on a TLS port: the replica's URL is wrong, not
             # the request (it would be fatal as a plain 400).
@@ -625,9 +627,12 @@ async def attempt_for(
             raise AttemptError(
                 ErrorKind.PROTOCOL, f"JSON answer larger than {JSON_BODY_LIMIT} bytes"
             )
-        whole = whole_decoder(status, response.headers, body, redact=redact)
-        return (kind or HTTPAttempt)(response, whole, redact, errors, stream_decoder(redact=redact))
-    return (kind or HTTPAttempt)(response, None, redact, errors, stream_decoder(redact=redact))
+        whole = whole_decoder(status, response.headers, body, redact=redact, sent=sent)
+        decoder = stream_decoder(redact=redact, sent=sent)
+        return (kind or HTTPAttempt)(response, whole, redact, errors, decoder)
+    return (kind or HTTPAttempt)(
+        response, None, redact, errors, stream_decoder(redact=redact, sent=sent)
+    )
 
 
 class HTTPAttempt:
