@@ -412,6 +412,39 @@ async def test_another_callers_double_sends_do_not_move_the_measured_callers_pri
     assert {attempts for attempts, _ in alone} == {(("a", "primary", 0.0, O.WON),)}
 
 
+@pytest.mark.parametrize("hostile_per_second", [2.0, 10.0])
+async def test_another_callers_double_sends_leave_the_budget_the_measured_caller_needs(
+    hostile_per_second: float, autojump_clock: trio.testing.MockClock
+) -> None:
+    # The hedge budget is shared: a caller sending X-Hedge-After: 0 on every request spent
+    # it, and the measured caller's stuck requests (a: TTFT 1.5 s, b: 0.2 s, hedged at the
+    # fleet's 1 s) went unhedged: 6 of 20 rescued at 2 req/s, 2 of 20 at 10 req/s. Backups
+    # sent before the fleet's own delay may now use only half the budget's capacity.
+    def behave(replica: str, info: th.sources.AttemptInfo) -> Script:
+        if info.request_id.startswith("zero"):
+            return FAST
+        return Script(ttft=1.5, tokens=2) if replica == "a" else FAST
+
+    def make() -> th.Hedger:
+        return th.Hedger(Fleet(["a", "b"], behave).sources(), _config(outlier_detection=None))
+
+    async def misbehaving(hedger: th.Hedger) -> None:
+        async with trio.open_nursery() as nursery:
+            for i in range(int(125 * hostile_per_second)):
+                nursery.start_soon(
+                    run, hedger.stream(None, group="m", request_id=f"zero{i}", hedge_after=0.0)
+                )
+                await trio.sleep(1 / hostile_per_second)
+
+    alone, beside, hedger = await _with_and_without(
+        make, _every(6.0, 20, start=3.0, group="m"), misbehaving
+    )
+    assert alone == beside
+    assert all(len(attempts) == 2 for attempts, _ in alone)  # each one rescued by a backup
+    stats = hedger.statistics()
+    assert stats.budget_refusals > 0  # the hostile caller's own double sends were held back
+
+
 # -- 5. a lost race only moves a replica's latency estimate up -----------------------------------
 
 

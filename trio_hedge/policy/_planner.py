@@ -406,9 +406,23 @@ class RequestPlanner:
             return self._refuse("no_replica", now)
         if fleet.throttle is not None and not fleet.throttle.allows:
             return self._refuse("throttle", now)
-        if fleet.budget is not None and not fleet.budget.allows(now):
+        if fleet.budget is not None and not fleet.budget.allows(now, early=self._early(now)):
             return self._refuse("budget", now)
         return True
+
+    def _early(self, now: float) -> bool:
+        """Whether a hedge now would go before the fleet's own delay for the attempt it backs
+        up: the caller's own shorter ``hedge_after`` chose it (it then draws on only part of
+        the shared budget, `BudgetState.allows`)."""
+        if self._hedge_after is None or not self._fleet_delays:
+            return False
+        number = max(self._fleet_delays)
+        fleet_delay = self._fleet_delays[number]
+        if fleet_delay is None:
+            return True  # the fleet never hedges on time: only the caller asked for it
+        replica = self._running.get(number)
+        started = None if replica is None else replica.waiting.get((self, number))
+        return started is not None and now - started < fleet_delay
 
     def _refuse(self, reason: str, now: float, *, failover: bool = False) -> bool:
         """Count and announce a hedge (or failover) not sent, for ``reason``: ``budget``,
