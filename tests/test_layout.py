@@ -26,6 +26,8 @@ ROOT = Path(trio_hedge.__file__).parent
 ENGINE = (
     "trio_hedge._race",
     "trio_hedge._stream",
+    "trio_hedge._recovery",
+    "trio_hedge._verify",
     "trio_hedge._plan",
     "trio_hedge._source",
     "trio_hedge._attempt_error",

@@ -377,6 +377,13 @@ class Hedger:
             client = self._http_client() if replica.needs_http_client else None
             return replica.bind(request, client, headers=self._headers, extra_headers=extra_headers)
 
+        # The context window the request needs: its prompt and the answer it allows.
+        context_tokens = tokens
+        allowed = None if request is None else request.get("max_completion_tokens")
+        if allowed is None and request is not None:
+            allowed = request.get("max_tokens")
+        if context_tokens is not None and isinstance(allowed, int) and allowed > 0:
+            context_tokens += allowed
         planner = RequestPlanner(
             self._fleet,
             bind,
@@ -387,6 +394,7 @@ class Hedger:
             hedgeable=hedgeable,
             hedge_after=request_delay,
             model=model,
+            context_tokens=context_tokens,
         )
         return HedgedStream(
             planner,

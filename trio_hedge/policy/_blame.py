@@ -24,6 +24,14 @@ statistics -- asks this module (through `Attribution`) instead of reading error 
   once for the kinds named in ``Attribution.replica`` (a trusted caller whose 404 always
   means a replica's wrong configuration).
 
+A context-length error is the request's too (nothing counts against the replica), but only
+for that replica's window: `outgrew` says the request may still fail over, to a replica that
+declares a larger window (``Replica.context_window``); it is fatal only when none does. The
+replica's window is learned from it, per (replica, model): a request at least as large goes
+elsewhere when another replica can take it. The size is the request's own evidence (its
+estimated prompt plus its ``max_tokens``), so a caller asking for a huge ``max_tokens`` teaches
+only that a request that large does not fit.
+
 Two more rules live here because they are about blame, not errors:
 
 * **slow** (`is_slow`): an attempt hedged for lack of a first token counts as slow only if
@@ -52,7 +60,7 @@ import attrs
 from .._attempt_error import REPLICA_KINDS, RETRYABLE_KINDS
 from ..errors import AttemptError, ErrorKind
 
-__all__ = ["Attribution", "Fault", "informs_delay", "is_slow"]
+__all__ = ["Attribution", "Fault", "informs_delay", "is_slow", "outgrew"]
 
 
 class Fault(enum.Enum):
@@ -181,6 +189,12 @@ class Attribution:
         serve what another replica served) or the request's (every replica tried answered
         the same, or none answered)."""
         return Fault.MISCONFIGURED if served_elsewhere else Fault.REQUEST
+
+
+def outgrew(error: AttemptError) -> bool:
+    """Whether ``error`` says the request outgrew its replica's context window: the
+    request's fault there, but another replica with a larger window may take it."""
+    return error.kind is ErrorKind.CONTEXT_LENGTH_EXCEEDED
 
 
 def is_slow(*, another_won: bool, waited: float, fleet_delay: float | None) -> bool:

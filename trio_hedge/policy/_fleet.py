@@ -58,6 +58,7 @@ class FleetCounts:
     attempts: int = 0
     hedges_sent: int = 0
     failovers: int = 0
+    recoveries: int = 0
     backup_wins: int = 0
     #: Hedges not sent, by reason.
     budget: int = 0
@@ -119,8 +120,16 @@ class FleetState:
         self.config = config
         self.on_event = on_event
         self.replicas = [
-            ReplicaState(index=i, name=r.name, source=r) for i, r in enumerate(replicas)
+            ReplicaState(
+                index=i,
+                name=r.name,
+                source=r,
+                context_window=getattr(r, "context_window", None),
+                fallback=getattr(r, "fallback", False) is True,
+            )
+            for i, r in enumerate(replicas)
         ]
+        self.has_fallback = any(r.fallback for r in self.replicas)
         delay = config.hedge_after
         self.model = DelayModel(delay) if isinstance(delay, LearnedDelay) else None
         self.budget = BudgetState(config.budget) if config.budget is not None else None
@@ -351,6 +360,7 @@ class FleetState:
             attempts=c.attempts,
             hedges_sent=c.hedges_sent,
             failovers=c.failovers,
+            recoveries=c.recoveries,
             backup_wins=c.backup_wins,
             hedges_refused=c.budget + c.throttle + c.no_replica,
             budget_refusals=c.budget,

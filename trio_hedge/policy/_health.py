@@ -124,6 +124,10 @@ class ReplicaState:
     latency_at: float = float("-inf")
     waiting: dict[object, float] = attrs.Factory(dict)
     lingering: list[tuple[float, float]] = attrs.Factory(list)
+    # Its declared context window (tokens; ``Replica.context_window``), or None: unknown.
+    context_window: int | None = None
+    # Used only when no peer can take an attempt in time (``Replica.fallback``).
+    fallback: bool = False
 
     def latency_now(self, now: float, decay: float) -> float:
         """The peak-EWMA TTFT estimate now: the last value, decayed toward zero with time
@@ -209,6 +213,9 @@ class ModelState:
     cooling_until: float = float("-inf")
     ejected_until: float = float("-inf")
     ejections: int = 0  # for this model, since its last success there
+    # The smallest request (estimated prompt tokens plus max_tokens) it answered a
+    # context-length error to: its window is smaller (learned, _blame.outgrew).
+    too_long_at: float = float("inf")
 
     def push_back(self, now: float, seconds: float) -> None:
         self.cooling_until = max(self.cooling_until, now + seconds)

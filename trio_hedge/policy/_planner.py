@@ -26,12 +26,12 @@ import trio
 
 from .._hooks import Scopes
 from .._source import Source
-from ..errors import AttemptError, ReplicasCooling, StreamInterrupted
+from ..errors import AttemptError, ReplicasCooling
 from ..events import EventKind, HedgeEvent
 from ..report import AttemptOutcome, AttemptRecord, Report
 from ..sources._bindable import BindableReplica
 from ._backoff import backoff_delay, jitter_draw
-from ._blame import Fault, informs_delay, is_slow
+from ._blame import Fault, informs_delay, is_slow, outgrew
 from ._fleet import FleetState
 from ._health import ReplicaState
 
@@ -59,6 +59,7 @@ class RequestPlanner:
         hedgeable: bool,
         hedge_after: float | None = None,
         model: str | None = None,
+        context_tokens: int | None = None,
     ) -> None:
         self._fleet = fleet
         self._make_source = bind
@@ -92,6 +93,11 @@ class RequestPlanner:
         self._winner: ReplicaState | None = None
         self._started = 0
         self._finished = False
+        # The context window the request needs (estimated prompt plus max_tokens), and whether
+        # a replica answered it a context-length error (then only a declared larger window).
+        self._need = context_tokens
+        self._outgrown = False
+        self._retried: set[int] | None = None  # peers given one more try before a fallback
         # Load probes: a refusal on the engines' evidence; attempts hedged at once on it.
         self._saturated = False
         self._at_once: set[int] | None = None
@@ -102,7 +108,30 @@ class RequestPlanner:
         if self._max_attempts is not None and self._started >= self._max_attempts:
             return []
         used, limit = self._used, self._per_replica
-        return [r for r in self._fleet.replicas if used[r.index] < limit]
+        out = [r for r in self._fleet.replicas if used[r.index] < limit]
+        if (self._need is None and not self._outgrown) or not out:
+            return out
+        fitting = [r for r in out if self._fits(r, self._need or 0)]
+        # Before any context-length error, an estimate never empties the plan (the servers
+        # decide); after one, only a replica that says it has room is tried (_blame.outgrew).
+        return fitting if fitting or self._outgrown else out
+
+    def _fits(self, replica: ReplicaState, need: int) -> bool:
+        """Whether ``replica``'s window, declared or learned for this model, takes ``need``
+        tokens (after a context-length error in this request: only a declared one)."""
+        window = replica.context_window
+        if window is None and self._outgrown:
+            return False
+        if window is not None and need > window:
+            return False
+        models = self._fleet.models
+        state = models.get(replica.index, self._model) if len(models) else None
+        return state is None or need < state.too_long_at
+
+    def fails_over(self, error: AttemptError) -> bool:
+        """Whether a request-fault ``error`` may still fail over: a context-length error,
+        while a replica that declares a larger window is left (the race asks)."""
+        return outgrew(error) and bool(self._candidates())
 
     def _choose(
         self,
@@ -112,6 +141,36 @@ class RequestPlanner:
         *,
         primary: bool,
         hedge: bool = False,
+    ) -> tuple[ReplicaState | None, float, float]:
+        """As `_choose_among`, peers first: a replica marked as a fallback
+        (``Replica.fallback``) only when no peer can take the attempt within
+        ``fallback_wait`` seconds (a peer that will, after a short cooldown, is waited for)."""
+        fallbacks = [r for r in candidates if r.fallback]
+        if not fallbacks or len(fallbacks) == len(candidates):
+            return self._choose_among(candidates, now, deadline, primary=primary, hedge=hedge)
+        peers = [r for r in candidates if not r.fallback]
+        saturated = self._saturated
+        chosen, wait_until, beyond = self._choose_among(
+            peers, now, deadline, primary=primary, hedge=hedge
+        )
+        if chosen is not None or wait_until <= now + self._fleet.config.fallback_wait:
+            return chosen, wait_until, beyond
+        other, other_wait, other_beyond = self._choose_among(
+            fallbacks, now, deadline, primary=primary, hedge=hedge
+        )
+        if other is not None:
+            self._saturated = saturated  # the peers' saturation refused nothing
+            return other, now, now
+        return None, min(wait_until, other_wait), min(beyond, other_beyond)
+
+    def _choose_among(
+        self,
+        candidates: list[ReplicaState],
+        now: float,
+        deadline: float,
+        *,
+        primary: bool,
+        hedge: bool,
     ) -> tuple[ReplicaState | None, float, float]:
         """``(replica, wait_until, beyond)``: the replica for an attempt now, else ``None``,
         the earliest time one may take it within the wait bound (``deadline``), and the
@@ -204,7 +263,9 @@ class RequestPlanner:
         fleet = self._fleet
         primary = number == 1
         throttle = fleet.throttle
-        if trigger == "failover" and throttle is not None and not throttle.allows:
+        # A recovery after the commit goes as a failover does (throttle, ejection, the plan).
+        retry = trigger == "failover" or trigger == "recovery"
+        if retry and throttle is not None and not throttle.allows:
             # gRFC A6: at or below half the tokens, no retries either (a primary always goes).
             if self._candidates():
                 self._refuse("throttle", trio.current_time(), failover=True)
@@ -216,10 +277,10 @@ class RequestPlanner:
         if self._began is None:
             self._began = start  # the race begins with its primary
         timeout = config.first_token_timeout
-        if timeout is not None:
+        if timeout is not None and trigger != "recovery":
             # Nor past the race's first_token_timeout: a replica cooling beyond it could not
             # give a first token in time, so it is not waited for (the caller's own scope
-            # just cancels the wait).
+            # just cancels the wait). A recovery's race, after the commit, has no such timeout.
             deadline = max(start, min(deadline, self._began + timeout))
         while True:
             candidates = self._candidates()
@@ -398,14 +459,18 @@ class RequestPlanner:
             # (a hedged attempt that lost was blamed at the commit), a censored sample.
             kind = EventKind.ATTEMPT_CANCELLED
             self._end(record.number)
-            lost = self._winner is not None
+            # A recovery is never hedged (it loses no race), and its time without new text
+            # includes reproducing the answer so far: no sample, not even a censored one.
+            recovery = record.trigger == "recovery"
+            lost = self._winner is not None and not recovery
             if lost:
                 replica.lost_races += 1
             probe = self._fleet.probes[replica.index] if self._fleet.probed else None
             if probe is not None and record.ttft is None:
                 probe.cancelled(now)  # its prefill may run: no poll may keep it alive
             if (
-                record.ttft is None
+                not recovery
+                and record.ttft is None
                 and record.started_at is not None
                 and record.ended_at is not None
             ):
@@ -495,6 +560,8 @@ class RequestPlanner:
                 self._hedged_over.append((number, started, self._asked_delay(number, now)))
         elif record.trigger == "failover":
             counts.failovers += 1
+        elif record.trigger == "recovery":
+            counts.recoveries += 1
 
     def _won(self, replica: ReplicaState, record: AttemptRecord, now: float) -> None:
         fleet = self._fleet
@@ -507,6 +574,8 @@ class RequestPlanner:
                 fleet.throttle.refund(self._taken)
                 self._taken = 0
         replica.waiting.pop((self, record.number), None)
+        if record.trigger == "recovery":
+            return  # its time to new text is no TTFT (it may have reproduced a long prefix)
         if record.ttft is not None:  # None: an empty answer won, with no token to time
             model = fleet.model
             if model is not None:
@@ -548,6 +617,8 @@ class RequestPlanner:
     def _failed(self, replica: ReplicaState, error: AttemptError, now: float) -> None:
         fleet = self._fleet
         fault = fleet.attribution.fault(error)
+        if outgrew(error):
+            self._outgrew(replica)
         retry_after = error.retry_after
         # Pushback cools the replica for this model, unless the error is the request's (or
         # waits for the evidence: a quota error's pushback is as much the caller's as it).
@@ -581,6 +652,39 @@ class RequestPlanner:
             self._retry_at[index] = now + backoff_delay(repeat, backoff, draw)
         if (fault is Fault.REPLICA or fault is Fault.PUSHBACK) and fleet.throttle is not None:
             self._taken += fleet.throttle.failure()
+        if fault is Fault.REPLICA or fault is Fault.PUSHBACK:
+            self._retry_before_falling_back(replica, error)
+
+    def _retry_before_falling_back(self, replica: ReplicaState, error: AttemptError) -> None:
+        """A peer that answered a single 500, or pushback of at most ``fallback_wait``
+        seconds, is tried once more (after its ``Retry-After``) before a fallback, when only
+        fallbacks are left: LiteLLM's users expect the preferred model to be retried first.
+        The report says which happened: the next attempt's replica."""
+        if replica.fallback or not self._fleet.has_fallback:
+            return
+        index, used, limit = replica.index, self._used, self._per_replica
+        if used[index] < limit or (self._retried is not None and index in self._retried):
+            return
+        wait = self._fleet.config.fallback_wait
+        short = error.retry_after is not None and 0 < error.retry_after <= wait
+        if not (error.status_code == 500 or short):
+            return
+        if any(not r.fallback and used[r.index] < limit for r in self._fleet.replicas):
+            return  # another peer goes first
+        if self._retried is None:
+            self._retried = set()
+        self._retried.add(index)
+        used[index] -= 1
+
+    def _outgrew(self, replica: ReplicaState) -> None:
+        """``replica`` answered that the request does not fit its window: learn it (for this
+        model, from this request's own size), and need more than its window from now on."""
+        need = self._need
+        if need is not None:
+            state = self._fleet.models.make(replica.index, self._model)
+            state.too_long_at = min(state.too_long_at, need)
+        self._outgrown = True
+        self._need = max(need or 0, (replica.context_window or 0) + 1)
 
     def _cool(self, replica: ReplicaState, seconds: float, error: AttemptError, now: float) -> None:
         """Server pushback: no attempt for this model goes to ``replica`` for ``seconds``."""
@@ -629,17 +733,18 @@ class RequestPlanner:
                 served = winner is not None and winner is not replica
                 if settle(served_elsewhere=served) is Fault.MISCONFIGURED:
                     self._misconfigured(replica, failure, now)
-        error = report.error
-        if (
-            isinstance(error, StreamInterrupted)
-            and winner is not None
-            and fleet.attribution.after_commit(error.error) is Fault.REPLICA
-        ):
-            # The winner failed after commit (a stall, a cut): its replica's health suffers.
-            winner.failures += 1
-            self._ejected(
-                winner, fleet.health_failure(winner, self._model, now), error.error.kind.value, now
-            )
+        broke = [a for a in report.attempts if a.outcome is AttemptOutcome.WON and a.error]
+        if broke:
+            # A winner that failed after the commit (a stall, a cut), recovered elsewhere or
+            # not: its replica's health suffers.
+            by_name = {r.name: r for r in fleet.replicas}
+            for record in broke:
+                assert record.error is not None
+                at = by_name.get(record.replica)
+                if at is not None and fleet.attribution.after_commit(record.error) is Fault.REPLICA:
+                    at.failures += 1
+                    until = fleet.health_failure(at, self._model, now)
+                    self._ejected(at, until, record.error.kind.value, now)
         counts.wasted += report.wasted_tokens
         counts.prompt_resent += report.prompt_tokens_resent or 0
         self._emit(EventKind.REQUEST_FINISHED, now, report=report)

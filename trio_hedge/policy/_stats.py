@@ -147,6 +147,8 @@ class HedgerStatistics:
         attempts: attempts started (primaries and backups).
         hedges_sent: backups sent because the hedge delay passed (Finagle ``backups_sent``).
         failovers: attempts started because an earlier attempt failed.
+        recoveries: attempts started after a commit because the winner broke
+            (``trigger="recovery"``).
         backup_wins: requests won by a hedge (Finagle ``backups_won``).
         hedges_refused: hedges not sent, for any reason (sum of the three below).
         budget_refusals: refused by the [`HedgeBudget`][trio_hedge.policy.HedgeBudget]
@@ -198,6 +200,7 @@ class HedgerStatistics:
     attempts: int
     hedges_sent: int
     failovers: int
+    recoveries: int
     backup_wins: int
     hedges_refused: int
     budget_refusals: int
