@@ -35,6 +35,18 @@ wrappers below when upgrading it, tests/test_gateway_server.py sends each input)
    when the shutdown trigger fires), so a request a client sent on one just then meets a
    closed connection. Here they stay open while requests are in flight (a request on one is
    answered 503, ``Connection: close``), and close when the last request in flight ends.
+
+Also: an answer sent before the request's body was read (a 401, a 404) is followed by
+hypercorn closing the connection when the body has not come by then, without saying so;
+`_H11` adds ``Connection: close`` to it.
+
+Two costs on the token path are taken out here too (issue 20, ``benchmarks/gateway.py``):
+hypercorn's write of each chunk takes a ``trio.Lock`` and a shielded cancel scope (two passes
+through Trio's scheduler), and goes through ``app_send``, ``stream_send`` and h11's ``send``
+(event objects, checks, the state machine): `_Connection.protocol_send` writes at once when
+the socket takes the bytes, and `_Connection._chunked` frames a streamed body's chunk itself
+where h11 writes chunked. A response head waits for the first body bytes
+(`_Connection.send_head`): one write before the first token, not two.
 """
 
 from __future__ import annotations
