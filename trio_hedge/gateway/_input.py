@@ -45,6 +45,7 @@ READ_HEADERS = (
     b"x-hedge",
     b"x-hedge-after",
     b"x-request-id",
+    b"x-api-key",  # the gateway key too, as Anthropic clients send it
 )
 
 _orjson_loads: Any

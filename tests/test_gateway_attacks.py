@@ -1,0 +1,101 @@
+"""Attacks on the gateway from outside, over real loopback sockets, that an earlier gateway
+did not hold: a body trickled to hold a slot, a second gateway key in another header, and
+connections opened until the process has no file descriptor left for its replicas.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import trio
+
+from trio_hedge.gateway import Limits
+from trio_hedge.testing import Behaviour, FakeReplica
+
+from .gateway_support import CHAT, Gateway, config_for
+from .test_gateway_server import H2, _headers, _port
+
+FAST = Behaviour(ttft=0.0, token_delay=0.0, tokens=3)
+
+
+async def _head(stream: trio.SocketStream) -> bytes:
+    """The bytes up to the end of an HTTP/1.1 response's head."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        piece = await stream.receive_some()
+        if not piece:
+            break
+        data += piece
+    return data
+
+
+# -- a body trickled to hold a slot -------------------------------------------------------
+
+
+@pytest.mark.parametrize("protocol", ["http/1.1", "h2"])
+async def test_a_body_that_does_not_arrive_loses_its_slot(protocol: str) -> None:
+    """A client that sends a chat request's headers and one byte of its body held a
+    concurrency slot until ``request_timeout`` (600 s by default): ``max_concurrent`` such
+    sockets, 80 bytes each, locked every other client out with 503. ``body_timeout`` ends
+    it: 408, the slot freed, the next client served."""
+    limits = Limits(max_concurrent=1, body_timeout=0.2, drain_timeout=0.0)
+    async with FakeReplica(FAST, name="a") as a, Gateway(config_for([a], limits=limits)) as gw:
+        port = _port(gw)
+        with trio.fail_after(5):
+            if protocol == "h2":
+                async with H2.open(port) as client:
+                    length = (b"content-length", b"1000")
+                    sid = await client.request(
+                        _headers(b"/v1/chat/completions", b"POST", length), end=False
+                    )
+                    client.connection.send_data(sid, b"{")
+                    await client.flush()
+                    await client.until(lambda: client.status(sid) is not None)
+                    status = client.status(sid)
+            else:
+                async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+                    await stream.send_all(
+                        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                        b"content-length: 1000\r\n\r\n{"
+                    )
+                    head = await _head(stream)
+                    status = int(head.split()[1])
+                    assert b"connection: close" in head.lower()
+            async with httpx.AsyncClient() as http:
+                after = await http.post(f"{gw.url}/chat/completions", json=CHAT)
+    assert status == 408
+    assert after.status_code == 200
+    assert len(a.requests) == 1
+
+
+# -- a second gateway key in another header ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("headers", "code"),
+    [
+        ([("x-api-key", "wrong"), ("x-api-key", "sk-right")], "duplicate_header"),
+        ([("x-api-key", "sk-right"), ("x-api-key", "wrong")], "duplicate_header"),
+        ([("authorization", "Bearer sk-right"), ("x-api-key", "wrong")], "ambiguous_credentials"),
+        ([("authorization", "Bearer wrong"), ("x-api-key", "sk-right")], "ambiguous_credentials"),
+    ],
+    ids=["x-api-key-wrong-right", "x-api-key-right-wrong", "bearer-right", "x-api-key-right"],
+)
+async def test_two_keys_in_one_request_are_refused(
+    headers: list[tuple[str, str]], code: str
+) -> None:
+    """Two ``x-api-key`` headers: the last one won (wrong-then-right got 200); a bearer
+    token and an ``x-api-key`` that differ: the bearer won. A proxy or replica reading the
+    other one disagrees about who the caller is."""
+    async with FakeReplica(FAST, name="a") as a:
+        async with Gateway(config_for([a], keys=("sk-right",))) as gw:
+            async with httpx.AsyncClient() as http:
+                url = f"{gw.url}/chat/completions"
+                twice = await http.post(url, json=CHAT, headers=headers)
+                same = [("authorization", "Bearer sk-right"), ("x-api-key", "sk-right")]
+                once = await http.post(url, json=CHAT, headers=same)
+    assert twice.status_code == 400
+    assert twice.json()["error"]["code"] == code
+    assert "sk-right" not in twice.text
+    assert once.status_code == 200
+    assert len(a.requests) == 1
