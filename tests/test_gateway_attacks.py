@@ -5,6 +5,12 @@ connections opened until the process has no file descriptor left for its replica
 
 from __future__ import annotations
 
+import logging
+import os
+import re
+import socket
+import sys
+
 import httpx
 import pytest
 import trio
@@ -13,7 +19,8 @@ from trio_hedge.gateway import Limits
 from trio_hedge.testing import Behaviour, FakeReplica
 
 from .gateway_support import CHAT, Gateway, config_for
-from .test_gateway_server import H2, _headers, _port
+from .test_gateway_serve import Process, _start
+from .test_gateway_server import H2, _headers, _logged, _port
 
 FAST = Behaviour(ttft=0.0, token_delay=0.0, tokens=3)
 
@@ -33,11 +40,14 @@ async def _head(stream: trio.SocketStream) -> bytes:
 
 
 @pytest.mark.parametrize("protocol", ["http/1.1", "h2"])
-async def test_a_body_that_does_not_arrive_loses_its_slot(protocol: str) -> None:
+async def test_a_body_that_does_not_arrive_loses_its_slot(
+    protocol: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """A client that sends a chat request's headers and one byte of its body held a
     concurrency slot until ``request_timeout`` (600 s by default): ``max_concurrent`` such
     sockets, 80 bytes each, locked every other client out with 503. ``body_timeout`` ends
     it: 408, the slot freed, the next client served."""
+    caplog.set_level(logging.INFO)
     limits = Limits(max_concurrent=1, body_timeout=0.2, drain_timeout=0.0)
     async with FakeReplica(FAST, name="a") as a, Gateway(config_for([a], limits=limits)) as gw:
         port = _port(gw)
@@ -61,6 +71,7 @@ async def test_a_body_that_does_not_arrive_loses_its_slot(protocol: str) -> None
                     head = await _head(stream)
                     status = int(head.split()[1])
                     assert b"connection: close" in head.lower()
+            await _logged(caplog, "trio_hedge.gateway.access")  # the slot is released
             async with httpx.AsyncClient() as http:
                 after = await http.post(f"{gw.url}/chat/completions", json=CHAT)
     assert status == 408
@@ -99,3 +110,75 @@ async def test_two_keys_in_one_request_are_refused(
     assert "sk-right" not in twice.text
     assert once.status_code == 200
     assert len(a.requests) == 1
+
+
+# -- connections opened until no descriptor is left for the replicas ----------------------
+
+#: The file-descriptor limit of the gateway process in the test (soft and hard).
+FD_LIMIT = 128
+
+
+def _low_fd_limit() -> None:  # pragma: no cover - runs in the child
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
+
+
+def _closed(sockets: list[socket.socket]) -> int:
+    """How many of ``sockets`` the other side closed."""
+    closed = 0
+    for sock in sockets:
+        sock.setblocking(False)
+        try:
+            closed += sock.recv(1) == b""
+        except BlockingIOError:
+            pass
+        except OSError:  # reset
+            closed += 1
+    return closed
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and RLIMIT_NOFILE")
+async def test_idle_connections_leave_descriptors_for_the_replicas() -> None:
+    """Idle connections up to the process's descriptor limit (each held until its 5 s
+    keep-alive): the gateway could not connect to its replica (``EMFILE``) and answered a
+    client's request 502 ``connection``, as if the replica had failed. With
+    ``max_connections`` (half the limit by default) the ones beyond it are closed at once and
+    the request is served."""
+    flood = 2 * FD_LIMIT
+    async with FakeReplica(FAST, name="a") as a, trio.open_nursery() as nursery:
+        gateway: Process = await _start(
+            nursery,
+            "serve",
+            "--port=0",
+            f"--replica={a.url}",
+            "--hedge-after=off",
+            preexec_fn=_low_fd_limit,
+        )
+        with trio.fail_after(20):
+            line = await gateway.line_with("listening on")
+            port = int(re.search(r"127\.0\.0\.1:(\d+)", line).group(1))  # type: ignore[union-attr]
+            fds = f"/proc/{gateway.process.pid}/fd"
+            async with await trio.open_tcp_stream("127.0.0.1", port) as client:
+                await client.send_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+                assert b" 200 " in await _head(client)
+                others = [socket.create_connection(("127.0.0.1", port)) for _ in range(flood)]
+                # Until the gateway has taken what it will of them: its descriptors are
+                # all used, or it closes the ones beyond max_connections.
+                while len(os.listdir(fds)) < FD_LIMIT - 2 and _closed(others) < flood - FD_LIMIT:  # noqa: ASYNC110 (no event says so: poll)
+                    await trio.sleep(0.01)
+                body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+                await client.send_all(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: "
+                    + str(len(body)).encode()
+                    + b"\r\n\r\n"
+                    + body
+                )
+                head = await _head(client)
+                for other in others:
+                    other.close()
+            gateway.process.terminate()
+            await gateway.rest()
+    assert head.split()[1] == b"200", head
+    assert len(a.requests) == 1
+    assert any("max_connections" in line for line in gateway.lines)

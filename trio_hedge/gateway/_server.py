@@ -31,7 +31,12 @@ wrappers below when upgrading it, tests/test_gateway_server.py sends each input)
    Also over HTTP/2: with a window that stays shut, ``H2Protocol._send_data`` pops 0 bytes,
    which wakes the app's send (under the low-water mark), so the stream's buffer took the
    whole answer; `_H2` waits for the window instead (memory: 32 KiB a stream).
-3. **Shutdown closes idle keep-alive connections at once** (the ``terminated`` event is set
+3. **Nothing bounds the connections.** Each one holds a file descriptor until its
+   ``keep_alive_timeout`` (5 s idle); at the process's ``RLIMIT_NOFILE`` the gateway cannot
+   open a connection to a replica (``EMFILE``: the request answered 502 ``connection``, as
+   if the replica had failed). Here connections beyond ``max_connections`` are closed as
+   soon as they are accepted, leaving descriptors for the replicas.
+4. **Shutdown closes idle keep-alive connections at once** (the ``terminated`` event is set
    when the shutdown trigger fires), so a request a client sent on one just then meets a
    closed connection. Here they stay open while requests are in flight (a request on one is
    answered 503, ``Connection: close``), and close when the last request in flight ends.
@@ -42,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import resource
 import sys
 import traceback
 from collections.abc import Awaitable, Callable, Iterable
@@ -68,7 +74,15 @@ from hypercorn.utils import parse_socket_addr
 if sys.version_info < (3, 11):  # pragma: no cover - Python 3.10
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["ABORT_GRACE", "CLOSE_GRACE", "ListenError", "Server", "open_listeners"]
+__all__ = [
+    "ABORT_GRACE",
+    "CLOSE_GRACE",
+    "ListenError",
+    "Server",
+    "default_max_connections",
+    "open_listeners",
+    "raise_fd_limit",
+]
 
 logger = logging.getLogger("trio_hedge.gateway")
 
@@ -105,6 +119,22 @@ async def open_listeners(host: str, port: int, backlog: int) -> list[trio.Socket
     except OSError as exc:
         where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         raise ListenError(exc.errno, exc.strerror or str(exc), where) from None
+
+
+def raise_fd_limit() -> None:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit (a service manager's
+    soft limit is often 1024: less than ``max_concurrent`` streams need)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):  # not allowed: keep the soft limit
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def default_max_connections() -> int:
+    """Half the process's soft ``RLIMIT_NOFILE`` (the other half for the replicas'
+    connections, the listeners and the logs)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return max(1, (1 << 20 if soft == resource.RLIM_INFINITY else soft) // 2)
 
 
 def _where(exc: BaseException) -> str:
@@ -370,6 +400,8 @@ class Server:
         request_timeout: the app's own request deadline (seconds; ``None``: none): a request
             still running `ABORT_GRACE` seconds later is cancelled.
         http2: serve h2c (prior knowledge and ``Upgrade``) besides HTTP/1.1.
+        max_connections: connections open at once; one more is closed as soon as it is
+            accepted.
     """
 
     def __init__(
@@ -379,8 +411,11 @@ class Server:
         write_timeout: float | None,
         request_timeout: float | None,
         http2: bool,
+        max_connections: int,
     ) -> None:
         self.app = app
+        self.max_connections = max_connections
+        self._full = False  # connections are being refused (logged once per episode)
         self.write_timeout = write_timeout
         self.request_limit = math.inf if request_timeout is None else request_timeout + ABORT_GRACE
         self.http2 = http2
@@ -401,6 +436,17 @@ class Server:
     async def handle(self, stream: trio.SocketStream) -> None:
         """Serve one connection (a ``trio.serve_listeners`` handler). Whatever it raises
         ends it alone."""
+        if len(self.connections) >= self.max_connections:
+            if not self._full:
+                self._full = True
+                logger.warning(
+                    "%d connections open (max_connections): closing new ones at once",
+                    len(self.connections),
+                )
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)
+            return
+        self._full = False
         connection = _Connection(self, stream)
         self.connections.add(connection)
         try:
