@@ -182,3 +182,33 @@ async def test_idle_connections_leave_descriptors_for_the_replicas() -> None:
     assert head.split()[1] == b"200", head
     assert len(a.requests) == 1
     assert any("max_connections" in line for line in gateway.lines)
+
+
+# -- h2 PRIORITY frames for streams that never open ---------------------------------------
+
+
+@pytest.mark.parametrize("depends", ["idle streams", "open stream"])
+async def test_priority_frames_do_not_end_the_connection(
+    depends: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """hypercorn 0.18.0 keeps every stream a PRIORITY frame names (and the one it depends
+    on) in its priority tree; at 1001 the tree raised and the connection failed, cutting
+    its requests (1001 frames of 14 bytes). Now PRIORITY is ignored (RFC 9113 §5.3.2) and
+    the connection's next request is answered."""
+    async with FakeReplica(FAST, name="a") as a, Gateway(config_for([a])) as gw:
+        async with H2.open(_port(gw)) as client:
+            with trio.fail_after(10):
+                if depends == "idle streams":  # a PRIORITY frame per idle stream
+                    for stream_id in range(1001, 3003, 2):
+                        client.connection.prioritize(stream_id, depends_on=stream_id + 2)
+                else:  # one open stream, made to depend on 1001 streams in turn
+                    held = await client.request(
+                        _headers(b"/v1/chat/completions", b"POST"), end=False
+                    )
+                    for parent in range(1001, 3003, 2):
+                        client.connection.prioritize(held, depends_on=parent)
+                await client.flush()
+                good = await client.request(_headers())
+                await client.until(client.ended(good))
+    assert client.status(good) == 200
+    assert not [r for r in caplog.records if "failed (" in r.getMessage()]

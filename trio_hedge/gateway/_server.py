@@ -12,7 +12,9 @@ wrappers below when upgrading it, tests/test_gateway_server.py sends each input)
    unauthenticated h2c request: a ``:method`` or ``:path`` that is not ASCII
    (``UnicodeDecodeError``, ``h2.py`` ``_create_stream`` and ``http_stream.py`` ``handle``),
    and DATA on a stream whose response is complete (``KeyError`` in ``h2.py``
-   ``_handle_events``: a 404 or 413 answered before the body is enough); and three more
+   ``_handle_events``: a 404 or 413 answered before the body is enough); PRIORITY frames
+   naming 1001 streams (``priority.TooManyStreamsError``, ``_priority_updated``: that
+   connection only, its requests cut; ignored here); and three more
    found by trying malformed inputs: a ``CONNECT`` without ``:path`` (``UnboundLocalError``),
    an ``Upgrade: h2c`` whose ``HTTP2-Settings`` is not base64 or holds a bad value
    (``binascii.Error``, ``InvalidSettingsValueError``, after hypercorn's 101). Here the
@@ -259,6 +261,14 @@ class _H2(H2Protocol):
                 self.priority.block(stream_id)
                 return
         await super()._send_data(stream_id)
+
+    async def _priority_updated(self, event: h2.events.PriorityUpdated) -> None:
+        # Ignored (RFC 9113 deprecates this priority scheme, section 5.3.2: a server may
+        # ignore it). hypercorn puts each PRIORITY frame's stream, and the stream it depends
+        # on, in its priority tree for good; at 1001 the tree raises TooManyStreamsError
+        # and the connection failed: 1001 PRIORITY frames of 14 bytes ended every request
+        # on it.
+        return
 
     async def _handle_events(self, events: list[h2.events.Event]) -> None:
         for event in events:
