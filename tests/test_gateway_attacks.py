@@ -212,3 +212,24 @@ async def test_priority_frames_do_not_end_the_connection(
                 await client.until(client.ended(good))
     assert client.status(good) == 200
     assert not [r for r in caplog.records if "failed (" in r.getMessage()]
+
+
+# -- a websocket upgrade -------------------------------------------------------------------
+
+
+async def test_a_websocket_upgrade_is_refused_403() -> None:
+    """``Upgrade: websocket`` on any path was answered 500 (the app returned without a
+    word: hypercorn's answer to a defect); it is refused 403 and the gateway goes on."""
+    async with FakeReplica(FAST, name="a") as a, Gateway(config_for([a])) as gw:
+        with trio.fail_after(5):
+            async with await trio.open_tcp_stream("127.0.0.1", _port(gw)) as stream:
+                await stream.send_all(
+                    b"GET /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\n"
+                    b"upgrade: websocket\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                    b"sec-websocket-version: 13\r\n\r\n"
+                )
+                head = await _head(stream)
+            async with httpx.AsyncClient() as http:
+                after = await http.get(f"{gw.base_url}/healthz")
+    assert head.split()[1] == b"403", head
+    assert after.status_code == 200

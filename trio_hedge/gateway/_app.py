@@ -140,8 +140,12 @@ class GatewayApp:
         if kind == "lifespan":
             await _lifespan(receive, send)
             return
+        if kind == "websocket":  # no websockets: refused 403 (a return would be a 500)
+            await receive()
+            await send({"type": "websocket.close", "code": 1008})
+            return
         if kind != "http":
-            return  # no websockets
+            return
         ex = Exchange(scope, receive, send)
         ex.record.started = time.time()
         path = ex.record.path
