@@ -233,3 +233,37 @@ async def test_a_websocket_upgrade_is_refused_403() -> None:
                 after = await http.get(f"{gw.base_url}/healthz")
     assert head.split()[1] == b"403", head
     assert after.status_code == 200
+
+
+# -- a body of a million empty objects -----------------------------------------------------
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+async def test_a_body_of_too_many_objects_is_refused(extra: int) -> None:
+    """4 MiB of ``{},`` is 1.4 M objects: walking them for the depth check took 1.6 s of the
+    event loop, every other stream stalled meanwhile, and the parsed request held ~50 MB.
+    Past `MAX_JSON_CONTAINERS` arrays and objects the body is a 400 (the walk stops there);
+    at the limit it is relayed."""
+    from trio_hedge.gateway._input import MAX_JSON_CONTAINERS
+
+    # The body, its messages list and message, the list "x", and its objects.
+    objects = MAX_JSON_CONTAINERS - 4 + extra
+    body = (
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "x": ['
+        + b",".join([b"{}"] * objects)
+        + b"]}"
+    )
+    async with FakeReplica(FAST, name="a") as a, Gateway(config_for([a])) as gw:
+        async with httpx.AsyncClient() as http:
+            url = f"{gw.url}/chat/completions"
+            answer = await http.post(
+                url, content=body, headers={"content-type": "application/json"}
+            )
+            after = await http.post(url, json=CHAT)
+    if extra:
+        assert answer.status_code == 400
+        assert "arrays and objects" in answer.json()["error"]["message"]
+    else:
+        assert answer.status_code == 200
+    assert after.status_code == 200
+    assert len(a.requests) == 2 - extra
