@@ -5,8 +5,9 @@ One JSON dialect whichever parser is installed (orjson with the ``speed`` extra,
 standard library's ``json``): strict UTF-8, no ``NaN``/``Infinity`` and no number that is
 infinite as a double, no lone surrogate (it could not be sent upstream as UTF-8), at most
 `MAX_JSON_DEPTH` levels of nesting (the upstream body is written with ``json.dumps``, which
-recurses) and `MAX_JSON_CONTAINERS` arrays and objects, and integers kept exact at any size (orjson turns those beyond 64 bits into floats:
-such a body is read with ``json``). A body outside it is a 400, never a 500.
+recurses) and `MAX_JSON_CONTAINERS` arrays and objects, and integers kept exact at any size
+(orjson turns those beyond 64 bits into floats: such a body is read with ``json``). A body
+outside it is a 400, never a 500.
 """
 
 from __future__ import annotations
