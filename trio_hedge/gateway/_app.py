@@ -291,6 +291,7 @@ class GatewayApp:
                     )
                     return
                 request, group, options, streaming = forwarder.prepare(ex, body)
+                del body  # parsed: its bytes are not held for the whole request
             except BodyTooLarge:
                 refused.labels("body_size").inc()
                 message = f"the request body is larger than max_body_bytes={limits.max_body_bytes}"
