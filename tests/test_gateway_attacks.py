@@ -1,16 +1,18 @@
 """Attacks on the gateway from outside, over real loopback sockets, that an earlier gateway
-did not hold: a body trickled to hold a slot, a second gateway key in another header, and
-connections opened until the process has no file descriptor left for its replicas.
-"""
+did not hold: a body trickled to hold a slot, a second gateway key in another header,
+connections opened until no file descriptor is left for the replicas, h2 PRIORITY frames, a
+body of a million objects, an h2 client gone while its answer ends."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import socket
 import sys
 
+import h2.settings
 import httpx
 import pytest
 import trio
@@ -214,27 +216,6 @@ async def test_priority_frames_do_not_end_the_connection(
     assert not [r for r in caplog.records if "failed (" in r.getMessage()]
 
 
-# -- a websocket upgrade -------------------------------------------------------------------
-
-
-async def test_a_websocket_upgrade_is_refused_403() -> None:
-    """``Upgrade: websocket`` on any path was answered 500 (the app returned without a
-    word: hypercorn's answer to a defect); it is refused 403 and the gateway goes on."""
-    async with FakeReplica(FAST, name="a") as a, Gateway(config_for([a])) as gw:
-        with trio.fail_after(5):
-            async with await trio.open_tcp_stream("127.0.0.1", _port(gw)) as stream:
-                await stream.send_all(
-                    b"GET /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\n"
-                    b"upgrade: websocket\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-                    b"sec-websocket-version: 13\r\n\r\n"
-                )
-                head = await _head(stream)
-            async with httpx.AsyncClient() as http:
-                after = await http.get(f"{gw.base_url}/healthz")
-    assert head.split()[1] == b"403", head
-    assert after.status_code == 200
-
-
 # -- a body of a million empty objects -----------------------------------------------------
 
 
@@ -267,3 +248,31 @@ async def test_a_body_of_too_many_objects_is_refused(extra: int) -> None:
         assert answer.status_code == 200
     assert after.status_code == 200
     assert len(a.requests) == 2 - extra
+
+
+# -- an h2 client gone while its answer's last bytes wait ----------------------------------
+
+
+async def test_an_h2_client_gone_while_its_answer_ends_frees_its_slot(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A window of 0 (``SETTINGS_INITIAL_WINDOW_SIZE``), a request, the answer's head read,
+    the connection closed: hypercorn's send task stopped but the stream's buffer stayed
+    open, so the request waited for its last bytes forever (``write_timeout`` off) holding
+    its slot. Now it ends when the connection does; the next client is served."""
+    caplog.set_level(logging.INFO)
+    limits = Limits(max_concurrent=1, write_timeout=None, drain_timeout=0.0)
+    async with FakeReplica(FAST, name="a") as a, Gateway(config_for([a], limits=limits)) as gw:
+        with trio.fail_after(5):
+            async with H2.open(_port(gw)) as client:
+                client.connection.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+                await client.flush()
+                sid = await client.request(_headers(b"/v1/chat/completions", b"POST"), end=False)
+                client.connection.send_data(sid, json.dumps(CHAT).encode(), end_stream=True)
+                await client.flush()
+                await client.until(lambda: client.status(sid) is not None)
+            await _logged(caplog, "trio_hedge.gateway.access")  # the slot is released
+            async with httpx.AsyncClient() as http:
+                after = await http.post(f"{gw.url}/chat/completions", json=CHAT)
+    assert client.status(sid) == 200
+    assert after.status_code == 200

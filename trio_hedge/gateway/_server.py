@@ -33,6 +33,9 @@ wrappers below when upgrading it, tests/test_gateway_server.py sends each input)
    Also over HTTP/2: with a window that stays shut, ``H2Protocol._send_data`` pops 0 bytes,
    which wakes the app's send (under the low-water mark), so the stream's buffer took the
    whole answer; `_H2` waits for the window instead (memory: 32 KiB a stream).
+   And the connection's end leaves each stream's buffer open, so a request whose response
+   was ending (waiting for its last bytes to be sent) waited on after its client had gone,
+   holding its slot; `_H2` closes them.
 3. **Nothing bounds the connections.** Each one holds a file descriptor until its
    ``keep_alive_timeout`` (5 s idle); at the process's ``RLIMIT_NOFILE`` the gateway cannot
    open a connection to a replica (``EMFILE``: the request answered 502 ``connection``, as
@@ -261,6 +264,15 @@ class _H2(H2Protocol):
                 self.priority.block(stream_id)
                 return
         await super()._send_data(stream_id)
+
+    async def handle(self, event: Event) -> None:
+        await super().handle(event)
+        if isinstance(event, Closed):
+            # hypercorn's send task stops at Closed, but the streams' buffers stay open: a
+            # request waiting for its last bytes to be sent (a response's end) waited until
+            # write_timeout, holding its slot after its client had gone. Wake it.
+            for buffer in list(self.stream_buffers.values()):
+                await buffer.close()
 
     async def _priority_updated(self, event: h2.events.PriorityUpdated) -> None:
         # Ignored (RFC 9113 deprecates this priority scheme, section 5.3.2: a server may
