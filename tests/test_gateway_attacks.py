@@ -22,7 +22,7 @@ from trio_hedge.testing import Behaviour, FakeReplica
 
 from .gateway_support import CHAT, Gateway, config_for
 from .test_gateway_serve import Process, _start
-from .test_gateway_server import H2, _headers, _logged, _port
+from .test_gateway_server import H2, _frame, _headers, _logged, _port
 
 FAST = Behaviour(ttft=0.0, token_delay=0.0, tokens=3)
 
@@ -276,3 +276,34 @@ async def test_an_h2_client_gone_while_its_answer_ends_frees_its_slot(
                 after = await http.post(f"{gw.url}/chat/completions", json=CHAT)
     assert client.status(sid) == 200
     assert after.status_code == 200
+
+
+# -- an h2 connection that never ends a stream ----------------------------------------------
+
+
+@pytest.mark.parametrize("then", ["nothing", "PINGs", "a header block never ended"])
+async def test_an_h2_connection_without_a_finished_stream_times_out(
+    then: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The HTTP/2 preface, then nothing (or a PING a second, or HEADERS without
+    END_HEADERS): hypercorn stopped the keep-alive timer on the preface and restarts it only
+    when a stream ends, so the connection stayed open forever (and took a
+    ``max_connections`` place). Now it is closed after the keep-alive timeout (5 s, virtual
+    time here)."""
+    async with FakeReplica(FAST, name="a") as a, Gateway(config_for([a])) as gw:
+        async with H2.open(_port(gw)) as client:
+            opened = trio.current_time()
+            with trio.fail_after(60):
+                if then == "a header block never ended":
+                    block = b"\x82\x84\x86\x41\x01x"  # GET / http, :authority x (HPACK)
+                    await client.stream.send_all(_frame(1, 0, 1, block))  # no END_HEADERS
+                try:
+                    while await client.stream.receive_some():
+                        if then == "PINGs":  # one a second, each answered
+                            await trio.sleep(1)
+                            client.connection.ping(b"12345678")
+                            await client.flush()
+                except trio.BrokenResourceError:  # reset: closed too
+                    pass
+            closed = trio.current_time() - opened
+    assert closed == pytest.approx(5.0, abs=1.0)

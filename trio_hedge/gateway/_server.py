@@ -36,6 +36,11 @@ wrappers below when upgrading it, tests/test_gateway_server.py sends each input)
    And the connection's end leaves each stream's buffer open, so a request whose response
    was ending (waiting for its last bytes to be sent) waited on after its client had gone,
    holding its slot; `_H2` closes them.
+5. **An HTTP/2 connection that never ends a stream has no idle timeout.** The HTTP/1.1
+   protocol stops the keep-alive timer on reading the preface as a request, and HTTP/2
+   restarts it only when a stream ends: a client that sends the preface and then nothing
+   (or PINGs, or a header block it never ends) held its connection, and with it a
+   ``max_connections`` place, forever. `_Protocols` restarts the timer at the switch.
 3. **Nothing bounds the connections.** Each one holds a file descriptor until its
    ``keep_alive_timeout`` (5 s idle); at the process's ``RLIMIT_NOFILE`` the gateway cannot
    open a connection to a replica (``EMFILE``: the request answered 502 ``connection``, as
@@ -66,7 +71,7 @@ import h2.exceptions
 import h11
 import hypercorn.config
 import trio
-from hypercorn.events import Closed, Event, RawData
+from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol import ProtocolWrapper
 from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.protocol.h11 import H2CProtocolRequiredError, H2ProtocolAssumedError, H11Protocol
@@ -314,6 +319,11 @@ class _Protocols(ProtocolWrapper):
         except H2ProtocolAssumedError as error:  # the HTTP/2 preface
             self.protocol = _H2(*self._args)
             await self.protocol.initiate()
+            # hypercorn's HTTP/1.1 stopped the keep-alive timer on taking the preface for a
+            # request, and its HTTP/2 restarts it only when a stream ends: a connection
+            # that never finishes a stream (nothing after the preface, PINGs, a header
+            # block never ended) stayed open forever. No stream yet: the timer runs.
+            await self.send(Updated(idle=True))
             if error.data != b"":
                 return await self.protocol.handle(RawData(data=error.data))
         except H2CProtocolRequiredError as error:  # Upgrade: h2c
