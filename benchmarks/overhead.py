@@ -9,6 +9,8 @@ client's CPU is counted. Every client path streams the same answer (``--tokens``
   ``data:`` line, the common baseline (target reference);
 * ``httpx aiter_raw + split + orjson``: a hand-tuned loop, for scale;
 * ``trio_hedge (1 replica)``: ``hedged_stream`` with one replica;
+* ``trio_hedge (1 replica, recovery armed)``: the same with ``max_recoveries=2`` (the
+  Hedger's default): what being ready to recover costs a stream that needs none;
 * ``trio_hedge Messages`` / ``Responses (1 replica)``: the Anthropic Messages and OpenAI
   Responses sources reading the same tokens as their APIs' events; the target is CPU per
   token within 10% of the chat source's (``trio_hedge (1 replica)``);
@@ -310,6 +312,7 @@ def _paths(
     paced_body = {**BODY, "max_tokens": paced_tokens, "x_pace_ms": 1}
     no_hedge = th.HedgePolicy(hedge_after=None, stall_timeout=stall)
     hedge_5ms = th.HedgePolicy(hedge_after=0.005, stall_timeout=stall)
+    recovery_armed = th.HedgePolicy(hedge_after=None, stall_timeout=stall, max_recoveries=2)
 
     def in_trio(fn: Callable[..., Awaitable[Run]], *args: Any) -> Callable[[], Run]:
         return lambda: trio.run(fn, *args)
@@ -318,6 +321,12 @@ def _paths(
         Path_("httpx aiter_lines + json", in_trio(_httpx_lines, fast), tokens),
         Path_("httpx aiter_raw + split + orjson", in_trio(_httpx_raw, fast), tokens),
         Path_("trio_hedge (1 replica)", in_trio(_hedged, one, no_hedge, 1), tokens, hedged=True),
+        Path_(
+            "trio_hedge (1 replica, recovery armed)",
+            in_trio(_hedged, one, recovery_armed, 1),
+            tokens,
+            hedged=True,
+        ),
         Path_(
             "trio_hedge (hedged, backup wins)",
             in_trio(_hedged, pair, hedge_5ms, 2),

@@ -791,15 +791,20 @@ def hedger_race(config: Any) -> Strategy:
         hedger = hedgers.get(cluster)
         if hedger is None:
             hedger = hedgers[cluster] = Hedger(cluster.shared_sources(), config)
-        start = trio.current_time()
-        rid = cluster.register(request)
-        async with hedger.stream(None, prompt_tokens=request.prompt_tokens, request_id=rid) as s:
-            ttft, total = await _read(s, start)
-        report = s.report
-        cluster.mark_useful(request, report.winner_replica)
-        return Outcome(ttft, total, len(report.attempts), report.hedged, cluster.busy(request))
+        return await hedger_outcome(hedger, cluster, request)
 
     return run
+
+
+async def hedger_outcome(hedger: Any, cluster: Cluster, request: Request) -> Outcome:
+    """One request through a Hedger over ``cluster.shared_sources()``: what the caller saw."""
+    start = trio.current_time()
+    rid = cluster.register(request)
+    async with hedger.stream(None, prompt_tokens=request.prompt_tokens, request_id=rid) as s:
+        ttft, total = await _read(s, start)
+    report = s.report
+    cluster.mark_useful(request, report.winner_replica)
+    return Outcome(ttft, total, len(report.attempts), report.hedged, cluster.busy(request))
 
 
 def print_params(console: Console, p: Params, requests: Sequence[Request]) -> None:

@@ -13,8 +13,9 @@ import trio_hedge as th
 from trio_hedge.gateway import GatewayConfig, Group, Limits, serve
 from trio_hedge.testing import FakeReplica
 
-#: No learning, budget, throttle or ejection: a fixed, short hedge delay, the replicas in the
-#: order given (the default latency-aware pick would learn to avoid a slow primary).
+#: No learning, budget, throttle, ejection or recovery (the gateway's default): a fixed, short
+#: hedge delay, the replicas in the order given (the default latency-aware pick would learn to
+#: avoid a slow primary).
 HEDGER = th.HedgerConfig(
     hedge_after=0.05,
     first_token=th.events.FirstToken.ANY_OUTPUT,
@@ -22,6 +23,7 @@ HEDGER = th.HedgerConfig(
     throttle=None,
     outlier_detection=None,
     pick="in_order",
+    max_recoveries=0,
 )
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
 

@@ -31,8 +31,15 @@ API = {
     "anthropic": (AnthropicReplica, MESSAGES),
     "responses": (ResponsesReplica, RESPONSES),
 }
+#: No recovery after the commit: each case is about how one API's stream ends
+#: (tests/test_recovery.py recovers them).
 PLAIN = HedgerConfig(
-    hedge_after=1.0, budget=None, throttle=None, outlier_detection=None, pick="in_order"
+    hedge_after=1.0,
+    budget=None,
+    throttle=None,
+    outlier_detection=None,
+    pick="in_order",
+    max_recoveries=0,
 )
 
 

@@ -6,7 +6,10 @@ without the misbehaving one."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,7 +21,9 @@ import trio_hedge as th
 from trio_hedge.errors import ErrorKind
 from trio_hedge.policy import Attribution, OutlierDetection, RetryThrottle
 from trio_hedge.report import AttemptOutcome as O
+from trio_hedge.testing import Behaviour, FakeReplica, RequestRecord
 
+from . import misbehaving as mb
 from .fleet import Fail, Fleet, run
 from .scripted import Script
 
@@ -43,6 +48,23 @@ def _trace(report: th.Report) -> Trace:
         (a.replica, a.trigger, _round(a.started_at), a.outcome) for a in report.attempts
     )
     return attempts, _round(report.ttft)
+
+
+def _every(
+    period: float, count: int, *, start: float = 1.0, group: str = "m"
+) -> Callable[[th.Hedger, list[Trace]], Awaitable[None]]:
+    """A measured caller: ``count`` requests for ``group``, one every ``period`` seconds from
+    ``start`` (ids ``<group><i>``), each one's trace appended to ``out``."""
+
+    async def measured(hedger: th.Hedger, out: list[Trace]) -> None:
+        t0 = trio.current_time()
+        for i in range(count):
+            await trio.sleep_until(t0 + period * i + start)
+            out.append(
+                _trace(await run(hedger.stream(None, group=group, request_id=f"{group}{i}")))
+            )
+
+    return measured
 
 
 async def _with_and_without(
@@ -248,6 +270,35 @@ async def test_client_chosen_models_never_grow_the_state(
     assert model is not None and len(model._groups) == 256
 
 
+async def test_an_ejection_for_another_model_keeps_no_failing_replica_in(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # b answers 503 for everyone's model m, a serves it; a serves no model x, which b does.
+    # The misbehaving caller asks for x once, hedged at once: a's 404, b serves, so a is
+    # ejected for x (its own evidence, for x). On the merge of issue 16 that ejection filled
+    # the fleet-wide cap (1 of 2): b, failing every measured request, was never ejected,
+    # and each measured request paid b's 503 before a answered (TTFT 0.25 s, not 0.2 s).
+    def behave(replica: str, info: th.sources.AttemptInfo) -> Script | Fail:
+        if info.request_id.startswith("x"):
+            return NOT_FOUND if replica == "a" else FAST
+        return OVERLOADED if replica == "b" else FAST
+
+    def make() -> th.Hedger:
+        return th.Hedger(Fleet(["b", "a"], behave).sources(), _config())
+
+    async def misbehaving(hedger: th.Hedger) -> None:
+        await run(hedger.stream(None, group="x", request_id="x0", hedge_after=0.0))
+        assert hedger.statistics().replicas[1].ejected_models == ("x",)
+
+    alone, beside, hedger = await _with_and_without(make, _every(1.0, 12), misbehaving)
+    assert alone == beside
+    through_b = (("b", "primary", 0.0, O.FAILED), ("a", "failover", 0.05, O.WON)), 0.25
+    straight = (("a", "primary", 0.0, O.WON),), 0.2
+    assert alone == [through_b] * 5 + [straight] * 7  # b ejected after its fifth 503
+    b, a = hedger.statistics().replicas
+    assert (b.times_ejected, a.times_ejected) == (1, 1)  # a for x only
+
+
 # -- 3. the throttle bounds storms of the fleet, never failover to a replica that answers -------
 
 
@@ -361,6 +412,39 @@ async def test_another_callers_double_sends_do_not_move_the_measured_callers_pri
     assert {attempts for attempts, _ in alone} == {(("a", "primary", 0.0, O.WON),)}
 
 
+@pytest.mark.parametrize("hostile_per_second", [2.0, 10.0])
+async def test_another_callers_double_sends_leave_the_budget_the_measured_caller_needs(
+    hostile_per_second: float, autojump_clock: trio.testing.MockClock
+) -> None:
+    # The hedge budget is shared: a caller sending X-Hedge-After: 0 on every request spent
+    # it, and the measured caller's stuck requests (a: TTFT 1.5 s, b: 0.2 s, hedged at the
+    # fleet's 1 s) went unhedged: 6 of 20 rescued at 2 req/s, 2 of 20 at 10 req/s. Backups
+    # sent before the fleet's own delay may now use only half the budget's capacity.
+    def behave(replica: str, info: th.sources.AttemptInfo) -> Script:
+        if info.request_id.startswith("zero"):
+            return FAST
+        return Script(ttft=1.5, tokens=2) if replica == "a" else FAST
+
+    def make() -> th.Hedger:
+        return th.Hedger(Fleet(["a", "b"], behave).sources(), _config(outlier_detection=None))
+
+    async def misbehaving(hedger: th.Hedger) -> None:
+        async with trio.open_nursery() as nursery:
+            for i in range(int(125 * hostile_per_second)):
+                nursery.start_soon(
+                    run, hedger.stream(None, group="m", request_id=f"zero{i}", hedge_after=0.0)
+                )
+                await trio.sleep(1 / hostile_per_second)
+
+    alone, beside, hedger = await _with_and_without(
+        make, _every(6.0, 20, start=3.0, group="m"), misbehaving
+    )
+    assert alone == beside
+    assert all(len(attempts) == 2 for attempts, _ in alone)  # each one rescued by a backup
+    stats = hedger.statistics()
+    assert stats.budget_refusals > 0  # the hostile caller's own double sends were held back
+
+
 # -- 5. a lost race only moves a replica's latency estimate up -----------------------------------
 
 
@@ -393,6 +477,66 @@ async def test_a_lost_race_never_makes_the_loser_look_fast(
     assert (a.lost_races, a.failures, b.lost_races) == (1, 0, 0)
     scripts["b"] = Script(ttft=0.3, tokens=1)
     assert (await run(hedger.stream(None))).attempts[0].replica == "b"
+
+
+@pytest.mark.parametrize("cancel_at", [0.0, 0.001, 0.199])
+async def test_a_callers_early_cancels_do_not_move_the_learned_delay(
+    cancel_at: float, autojump_clock: trio.testing.MockClock
+) -> None:
+    # a is stuck (1.5 s), b answers in 0.2 s; the delay is learned (fallback 1.0 s). The
+    # misbehaving caller cancels each of its requests before the fleet's delay, and before
+    # any replica could answer (at once, after 1 ms, 1 ms before b's first token: a request
+    # served is data, of its replica, whoever sent it): on the merge of issue 16 each cancel
+    # was a censored sample counted toward min_samples, so the class was "learned" after two
+    # measured requests instead of eleven and its delay climbed to 1.5 s: 19 of 30 requests
+    # were hedged later or not at all (TTFT 1.4-1.5 s, not 1.2 s).
+    def behave(replica: str, _info: th.sources.AttemptInfo) -> Script:
+        return Script(ttft=1.5, tokens=2) if replica == "a" else FAST
+
+    def make() -> th.Hedger:
+        config = _config(hedge_after=th.LearnedDelay())
+        return th.Hedger(Fleet(["a", "b"], behave).sources(), config)
+
+    async def misbehaving(hedger: th.Hedger) -> None:
+        for i in range(300):
+            with trio.move_on_after(cancel_at):
+                await run(hedger.stream(None, group="m", request_id=f"c{i}"))
+            await trio.sleep(0.3)
+
+    alone, beside, hedger = await _with_and_without(make, _every(3.0, 30), misbehaving)
+    assert alone == beside
+    assert alone[0] == ((("a", "primary", 0.0, O.CANCELLED), ("b", "hedge", 1.0, O.WON)), 1.2)
+    (delays,) = hedger.statistics().delays
+    assert (delays.observations, delays.censored) == (41, 11)  # the measured caller's own
+
+
+CANCELS = [
+    # (name, the request may hedge, the caller cancels at, (observations, censored) learned)
+    ("before the fleet's delay: no sample", True, 0.5, (0, 0)),
+    ("past it, hedged: the primary's, not the backup's 0.1 s", True, 1.1, (1, 1)),
+    ("past it, no hedge: a sample (the replica was that slow)", False, 1.3, (1, 1)),
+    ("before it, no hedge: no sample", False, 0.9, (0, 0)),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "hedge", "cancel_at", "learned"), CANCELS, ids=[row[0] for row in CANCELS]
+)
+async def test_a_callers_cancel_is_a_delay_sample_only_past_the_fleets_delay(
+    name: str,
+    hedge: bool,
+    cancel_at: float,
+    learned: tuple[int, int],
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The fleet's delay is the fallback, 1.0 s; a replica answers in 1.5 s, b in 0.2 s.
+    scripts = {"a": Script(ttft=1.5, tokens=2), "b": Script(ttft=0.2, tokens=2)}
+    fleet = Fleet(["a", "b"], lambda replica, _info: scripts[replica])
+    hedger = th.Hedger(fleet.sources(), _config(hedge_after=th.LearnedDelay()))
+    with trio.move_on_after(cancel_at):
+        await run(hedger.stream(None, group="m", hedge=hedge))
+    delays = hedger.statistics().delays
+    assert tuple((d.observations, d.censored) for d in delays) == ((learned,) if learned[0] else ())
 
 
 # -- 6. hook and span state belongs to the request, not to its id ---------------------------------
@@ -463,7 +607,7 @@ def test_the_gateway_says_whose_fault_errors_are() -> None:
     assert config.groups[0].hedger.attribution == Attribution()
     document = {"replicas": replicas, "auth": {"forward_client_key": True}}
     config = parse_config(document, environ={})
-    caller = {ErrorKind.AUTH, ErrorKind.QUOTA_EXCEEDED, ErrorKind.RATE_LIMIT}
+    caller = {ErrorKind.AUTH, ErrorKind.QUOTA_EXCEEDED, ErrorKind.RATE_LIMIT, ErrorKind.NOT_FOUND}
     assert config.groups[0].hedger.attribution.caller == caller
     document["hedger"] = {"attribution": {"caller": ["auth"], "replica": ["not_found"]}}
     config = parse_config(document, environ={})
@@ -473,6 +617,38 @@ def test_the_gateway_says_whose_fault_errors_are() -> None:
     document["hedger"] = {"attribution": {"caller": ["nope"]}}
     with pytest.raises(ConfigError, match=r"^hedger.attribution: caller unknown error kind"):
         parse_config(document, environ={})
+
+
+async def test_a_forwarded_keys_404_ejects_nothing(autojump_clock: trio.testing.MockClock) -> None:
+    # A gateway forwarding clients' keys to a (no key of its own); b has its own key. The
+    # misbehaving client's key may not use model m at a's provider: 404 ("does not exist or
+    # you do not have access to it"), and b serves it. On the merge of issue 16 that ejected
+    # a for m, for every client: the measured one's primaries went to b.
+    from trio_hedge.gateway._config import parse_config
+
+    replicas = [{"base_url": "http://127.0.0.1:1/v1"}]
+    document = {"replicas": replicas, "auth": {"forward_client_key": True}}
+    attribution = parse_config(document, environ={}).groups[0].hedger.attribution
+
+    def behave(replica: str, info: th.sources.AttemptInfo) -> Script | Fail:
+        if info.request_id.startswith("restricted") and replica == "a":
+            return NOT_FOUND
+        return FAST
+
+    def make() -> th.Hedger:
+        config = _config(attribution=attribution)
+        return th.Hedger(Fleet(["a", "b"], behave).sources(), config)
+
+    async def misbehaving(hedger: th.Hedger) -> None:
+        for i in range(5):
+            report = await run(hedger.stream(None, group="m", request_id=f"restricted{i}"))
+            assert [x.replica for x in report.attempts] == ["a", "b"]  # served, at once
+            await trio.sleep(2.0)
+
+    alone, beside, hedger = await _with_and_without(make, _every(2.0, 5), misbehaving)
+    assert alone == beside
+    assert {attempts for attempts, _ in alone} == {(("a", "primary", 0.0, O.WON),)}
+    assert hedger.statistics().ejected == ()
 
 
 def test_a_flood_of_new_models_does_not_forget_what_was_learned() -> None:
@@ -492,3 +668,134 @@ def test_a_flood_of_new_models_does_not_forget_what_was_learned() -> None:
     now = 23.0
     assert {g: model.delay(g, 0, now) for g in ("m1", "m2")} == learned
     assert learned["m1"] != th.LearnedDelay().fallback
+
+
+# -- 7. a caller's own words, quoted back by a server, are no evidence against it -------------
+
+
+def _echoing(record: RequestRecord) -> Behaviour:
+    """A server that validates ``response_format`` as vLLM's pydantic models do: a 400 that
+    quotes the caller's bad tag back."""
+    body = record.json or {}
+    tag = (body.get("response_format") or {}).get("type", "text")
+    if tag in ("text", "json_object"):
+        return Behaviour(ttft=0.01, tokens=2)
+    return Behaviour(status=400, error_message=_quoting(tag))
+
+
+def _quoting(tag: str) -> str:
+    return (
+        "1 validation error for ChatCompletionRequest\nresponse_format\n  Input tag "
+        f"'{tag}' found using 'type' does not match any of the expected tags: 'text', "
+        "'json_object'"
+    )
+
+
+ECHOES = [
+    # (name, the caller's tag, on the merge of issue 16)
+    ("LiteLLM's words: overloaded", "no healthy deployments", ErrorKind.OVERLOADED),
+    ("Gemini's words: a key error", "API key not valid", ErrorKind.AUTH),
+    ("a key error's words", "forbidden", ErrorKind.AUTH),
+]
+
+
+@pytest.mark.parametrize("source", ["http", "openai-sdk"])
+@pytest.mark.parametrize(("name", "tag", "was"), ECHOES, ids=[row[0] for row in ECHOES])
+async def test_a_callers_words_quoted_back_blame_no_replica(
+    name: str, tag: str, was: ErrorKind, source: str
+) -> None:
+    # Both replicas quote a bad response_format tag back in a 400. The misbehaving caller's
+    # tag is words the classifier reads as the server's: on the merge of issue 16 five such
+    # requests ejected a (each "overloaded" 400 a failure in its run) or made the 400 a key
+    # error, retried on b; now each is the request's own 400, fatal at once.
+    good = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    bad = {**good, "response_format": {"type": tag}}
+
+    async with (
+        FakeReplica(_echoing, name="a") as a,
+        FakeReplica(_echoing, name="b") as b,
+        contextlib.AsyncExitStack() as clients,
+    ):
+        replicas: list[Any] = [th.Replica(base_url=r.url, name=r.name) for r in (a, b)]
+        if source == "openai-sdk":
+            openai = pytest.importorskip("openai")
+            from trio_hedge.sources.openai_sdk import sdk_replicas
+
+            made = [openai.AsyncOpenAI(base_url=r.url, api_key="sk-test") for r in (a, b)]
+            for client in made:
+                await clients.enter_async_context(client)
+            replicas = sdk_replicas({"a": made[0], "b": made[1]})
+        async with th.Hedger(replicas, _config()) as hedger:
+            for _ in range(6):
+                report = await run(hedger.stream(bad, request_id=str(uuid.uuid4())))
+                assert [x.replica for x in report.attempts] == ["a"]
+                assert isinstance(report.error, th.FatalAttemptError)
+                assert report.error.error.kind is ErrorKind.INVALID_REQUEST
+            served = await run(hedger.stream(good))
+            stats = hedger.statistics()
+    assert [x.replica for x in served.attempts] == ["a"]
+    assert stats.ejected == () and stats.throttle_tokens == 10
+    assert [r.failures for r in stats.replicas] == [0, 0]
+
+
+def test_words_the_request_did_not_send_still_decide() -> None:
+    # The same messages are the server's own when the request did not send those words.
+    from trio_hedge.sources.openai import classify_http_error
+
+    for _, tag, was in ECHOES:
+        body = json.dumps({"message": f"Input tag '{tag}' found", "type": "BadRequestError"})
+        sent = json.dumps({"response_format": {"type": tag}}).encode()
+        other = json.dumps({"response_format": {"type": "xml"}}).encode()
+        assert classify_http_error(400, {}, body.encode(), sent=other).kind is was
+        assert classify_http_error(400, {}, body.encode()).kind is was
+        quoted = classify_http_error(400, {}, body.encode(), sent=sent)
+        assert (quoted.kind, quoted.retryable) == (ErrorKind.INVALID_REQUEST, False)
+    # Escaped in the JSON the caller sent, quoted back decoded: still the caller's words.
+    sent = b'{"response_format": {"type": "\\u0066orbidden"}}'
+    body = b'{"message": "Input tag \'forbidden\' found"}'
+    assert classify_http_error(400, {}, body, sent=sent).kind is ErrorKind.INVALID_REQUEST
+
+
+@pytest.mark.parametrize(("name", "tag", "was"), ECHOES, ids=[row[0] for row in ECHOES])
+def test_an_in_band_error_quoting_the_caller_is_the_requests(
+    name: str, tag: str, was: ErrorKind
+) -> None:
+    # vLLM's in-band error (its status in "code"), in a stream and as a whole JSON answer.
+    from trio_hedge.sources.openai import ChunkDecoder, decode_json_body
+
+    error = {"object": "error", "message": _quoting(tag), "type": "BadRequestError", "code": 400}
+    event = b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+    answer = json.dumps(error).encode()
+    sent = json.dumps({"response_format": {"type": tag}}).encode()
+    for words, kind in ((b"", was), (sent, ErrorKind.INVALID_REQUEST)):
+        with pytest.raises(th.AttemptError) as streamed:
+            ChunkDecoder(sent=words).feed(event)
+        with pytest.raises(th.AttemptError) as whole:
+            decode_json_body(200, {}, answer, sent=words)
+        assert streamed.value.kind is whole.value.kind is kind
+
+
+@pytest.mark.parametrize(("name", "tag", "was"), ECHOES, ids=[row[0] for row in ECHOES])
+async def test_a_stream_quoting_the_caller_back_blames_no_replica(
+    name: str, tag: str, was: ErrorKind
+) -> None:
+    # A 200 stream whose first event is vLLM's in-band error quoting the caller's tag (both
+    # sources read streams through one decoder). On the merge of issue 16 "overloaded" was
+    # a's failure, and a key error was retried.
+    error = {"object": "error", "message": _quoting(tag), "type": "BadRequestError", "code": 400}
+
+    async def answer(c: mb.ServerConn) -> None:
+        await c.send(mb.SSE_HEAD)
+        await c.send_chunks([mb.sse(json.dumps({"error": error}))])
+        await c.send(b"0\r\n\r\n")
+
+    bad = {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": tag}}
+    async with mb.RawServer(answer, name="a") as a, mb.RawServer(answer, name="b") as b:
+        replicas = [th.Replica(base_url=r.url, name=r.name) for r in (a, b)]
+        async with th.Hedger(replicas, _config()) as hedger:
+            report = await run(hedger.stream(bad))
+            stats = hedger.statistics()
+    assert [x.replica for x in report.attempts] == ["a"]
+    assert isinstance(report.error, th.FatalAttemptError)
+    assert report.error.error.kind is ErrorKind.INVALID_REQUEST
+    assert [r.failures for r in stats.replicas] == [0, 0]

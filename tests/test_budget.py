@@ -335,3 +335,26 @@ async def test_only_retryable_failures_take_throttle_tokens(
         report = await run(hedger.stream(None))
         assert isinstance(report.error, th.FatalAttemptError)
     assert hedger.statistics().throttle_tokens == 10.0
+
+
+@pytest.mark.parametrize(
+    ("backups", "early", "allowed"),
+    [
+        # 100 requests at ratio 0.1, no floor: a capacity of 10 backups in the window.
+        (0, True, True),
+        (4, True, True),  # the 5th early backup fits: 5 <= 10 / 2
+        (5, True, False),  # a 6th early one would eat into the fleet's half
+        (5, False, True),  # the fleet's own backups may use the rest
+        (9, False, True),
+        (10, False, False),
+    ],
+)
+def test_early_backups_use_at_most_half_the_budget(
+    backups: int, early: bool, allowed: bool
+) -> None:
+    state = BudgetState(HedgeBudget(ratio=0.1, min_per_second=0.0, window=60.0))
+    for _ in range(100):
+        state.request(0.0)
+    for _ in range(backups):
+        state.spend(0.0)
+    assert state.allows(0.0, early=early) is allowed

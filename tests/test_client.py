@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import trio
@@ -133,6 +135,40 @@ async def test_after_a_burst_low_load_reuses_one_connection_and_idle_pools_go(
             assert transport.shards == 3
         with trio.fail_after(2):
             await replica.wait_connections(0)
+
+
+async def test_make_client_writes_a_request_head_and_body_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """httpcore 1.0.9 writes an HTTP/1.1 request's head and body in two writes (two
+    segments, two wake-ups of the server before it can answer: TTFT, issue 20);
+    make_client's HTTP/1.1 connections write them at once, a GET's head too, and every
+    request is answered as before on the kept-alive connection. HTTP/2 writes are
+    httpcore's own."""
+    from httpcore._backends.trio import TrioStream
+
+    writes: list[bytes] = []
+    original = TrioStream.write
+
+    async def recorded(self: TrioStream, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        if buffer:
+            writes.append(bytes(buffer))
+        await original(self, buffer, timeout)
+
+    monkeypatch.setattr(TrioStream, "write", recorded)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with FakeReplica(Behaviour(tokens=3)) as replica, make_client() as client:
+        for _ in range(2):
+            async with client.stream("POST", f"{replica.url}/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                assert b"tok2" in b"".join([chunk async for chunk in r.aiter_raw()])
+        models = await client.get(f"{replica.url}/models")
+        assert replica.open_connections == 1  # kept alive
+    assert models.status_code == 200
+    assert len(writes) == 3  # two POSTs and a GET, each in one write
+    assert all(w.startswith((b"POST ", b"GET ")) for w in writes)
+    head, _, sent = writes[0].partition(b"\r\n\r\n")
+    assert json.loads(sent) == body and b"content-length: %d" % len(sent) in head.lower()
 
 
 async def test_make_client_reads_tokens_without_httpcores_timeout_scope(

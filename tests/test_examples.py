@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -92,7 +93,11 @@ def test_the_chat_example_shows_the_hedge_its_docstring_promises() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     out = " ".join(done.stdout.split())  # rich wraps lines
     assert "winner primary (attempt 1) · not hedged" in out
-    assert "winner backup (attempt 2) · hedged after 0.30 s" in out
+    # The backup went once the 0.3 s hedge delay had passed: the figure is wall-clock time, a
+    # hundredth or two later on a loaded machine (it read 0.31 s under CI load).
+    hedged = re.search(r"winner backup \(attempt 2\) · hedged after (\d+\.\d\d) s", out)
+    assert hedged is not None, out
+    assert float(hedged.group(1)) >= 0.30
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process")

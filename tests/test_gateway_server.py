@@ -575,3 +575,29 @@ def test_config_and_flags_carry_the_connection_settings() -> None:
     assert with_flags(None, replicas=["http://127.0.0.1:9/v1"], http2=False).http2 is False
     with pytest.raises(ValueError, match="write_timeout"):
         Limits(write_timeout=0)
+
+
+@pytest.mark.parametrize(
+    ("what", "request_head", "status"),
+    [
+        ("no route", b"POST /nope HTTP/1.1\r\nhost: x\r\n", b"404"),
+        ("a refused key", b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n", b"401"),
+    ],
+)
+async def test_an_answer_before_the_body_is_read_says_the_connection_closes(
+    what: str, request_head: bytes, status: bytes
+) -> None:
+    """An answer sent before the request's body was read (a 404, a 401: nothing reads it)
+    is followed by hypercorn closing the connection when the body has not come by the end
+    of the answer: the answer says so (``Connection: close``), so no client sends its next
+    request on it and loses it (on bcbad18 it did not: test_gateway_keys lost a request that
+    way now and then). A request without a body keeps its connection."""
+    async with FakeReplica(PACED, name="a") as a:
+        async with Gateway(config_for([a], keys=("sk-gateway-key-0123456789",))) as gw:
+            with trio.fail_after(10):
+                early = await _exchange(_port(gw), request_head + b"content-length: 2\r\n\r\n")
+                async with await trio.open_tcp_stream("127.0.0.1", _port(gw)) as stream:
+                    ready = [await _ask(stream, READYZ), await _ask(stream, READYZ)]
+    head = early.partition(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 " + status) and b"\r\nconnection: close" in head
+    assert all(r.startswith(b"HTTP/1.1 200") and b"connection: close" not in r for r in ready)

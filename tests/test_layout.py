@@ -26,6 +26,8 @@ ROOT = Path(trio_hedge.__file__).parent
 ENGINE = (
     "trio_hedge._race",
     "trio_hedge._stream",
+    "trio_hedge._recovery",
+    "trio_hedge._verify",
     "trio_hedge._plan",
     "trio_hedge._source",
     "trio_hedge._attempt_error",
@@ -201,7 +203,7 @@ def test_data_flows_one_way() -> None:
 #: estimators; the delay learner uses both; the configs hold the parts; the fleet and the
 #: planners use it all (docs/layout.md).
 POLICY_LAYERS: tuple[tuple[str, ...], ...] = (
-    ("_quantiles", "_sizing", "_budget", "_throttle", "_backoff", "_health", "_blame"),
+    ("_quantiles", "_sizing", "_budget", "_throttle", "_backoff", "_health", "_blame", "_load"),
     ("_prefill",),
     ("_delay",),
     ("_config", "_stats"),

@@ -34,8 +34,9 @@ from .test_chunks import CASES, needs_cases  # noqa: E402
 from .test_faults import FAULTS, Fault, serve  # noqa: E402
 
 REQUEST = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-#: Ends the faults that never send a token (both sources time out alike).
-FIRST_TOKEN_TIMEOUT = 0.25
+#: Ends the faults that never send a token (both sources time out alike); long enough that
+#: an answer on a loaded machine still arrives (0.25 s timed out answers under CI load).
+FIRST_TOKEN_TIMEOUT = 1.0
 
 
 def _case_script(case: dict[str, Any]) -> mb.Script:

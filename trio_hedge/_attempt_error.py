@@ -62,6 +62,10 @@ class ErrorKind(str, enum.Enum):
     retryable before the first token (another replica may be sane)."""
     UNKNOWN = "unknown"
     """the source raised something the library does not know; fatal."""
+    DIVERGED = "diverged"
+    """a recovery after the commit did not reproduce the output the caller already has (a
+    replay that sampled differently, a continuation that did not repeat its prefix as its
+    engine promised): not retried, the answer ends as it was; nobody's fault."""
 
 
 #: Kinds that are the replica's fault, not the request's: that replica will fail every request

@@ -22,7 +22,13 @@ class Planner(Protocol):
 
     A planner may set a class attribute ``observes_attempts = False`` when its
     [`attempt_changed`][trio_hedge.policy.Planner.attempt_changed] ignores its calls: the race then
-    skips building the records."""
+    skips building the records.
+
+    A planner may also have a method ``fails_over(error) -> bool``: asked (after
+    ``attempt_changed`` heard of the failure) when an attempt fails with an error that is
+    not retryable, whether another attempt may still go instead of the request failing
+    ([`Hedger`][trio_hedge.Hedger]'s: a context-length error while a replica declares a larger
+    window)."""
 
     async def next_source(self, number: int, trigger: str) -> Source | None:
         """The source for attempt ``number`` (``trigger`` says why it starts), or ``None``

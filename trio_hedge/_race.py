@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import sys
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import trio
@@ -48,14 +48,19 @@ import trio
 from ._attempt_error import classify_exception, leaves
 from ._plan import Planner
 from ._source import AttemptInfo, AttemptStream, Source
+from ._verify import Gate
 from .errors import AllAttemptsFailed, AttemptError, ErrorKind, FatalAttemptError
 from .events import Delta, FirstToken, counts_as_first_token
-from .report import AttemptOutcome, _AttemptState, _Recorder
+from .report import AttemptOutcome, RecoveryRecord, _AttemptState, _Recorder
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["Committed", "close_quietly", "race"]
+__all__ = ["Committed", "Resume", "close_quietly", "race"]
+
+#: How a recovery race starts each attempt on ``source``: the text to continue from (or
+#: ``None``: a replay), the gate its output passes, and its record (``_recovery.py``).
+Resume = Callable[[Source], tuple[str | None, Gate, RecoveryRecord]]
 
 
 @attrs.frozen
@@ -144,6 +149,9 @@ class _Race:
         first_token: FirstToken,
         close_timeout: float,
         first_token_timeout: float | None,
+        resume: Resume | None = None,
+        stall_timeout: float | None = None,
+        limit: int | None = None,
     ) -> None:
         self._planner = planner
         self._observed = getattr(planner, "observes_attempts", True)
@@ -169,6 +177,13 @@ class _Race:
         # (a deque and a parking lot: a memory channel costs more to make, per request).
         self._news: deque[_News] = deque()
         self._news_arrived = trio.lowlevel.ParkingLot()
+        # A recovery race (after the commit, `_recovery.py`): its attempts continue an answer
+        # the caller has, each through a gate; none is hedged; at most ``limit`` start.
+        self._resume = resume
+        self._gates: dict[int, Gate] = {}
+        self._stall_timeout = stall_timeout
+        self._limit = limit
+        self._retry = "failover" if resume is None else "recovery"
 
     def _changed(self, state: _AttemptState) -> None:
         if not self._observed:  # a frozen record per state change costs; skip it when unused
@@ -198,6 +213,11 @@ class _Race:
             # abandoned race now (an attempt woken in this very tick closes its own stream),
             # and a winner that committed was not handed over: it is closed here.
             self._decided = True
+            if self._resume is not None:
+                # A recovery runs inside the caller's `async with`: a cancel scope of the
+                # caller's around its loop does not reach the nursery's tasks.
+                for scope in self._scopes.values():
+                    scope.cancel()
             winner, self._winner = self._winner, None
             if winner is not None:
                 self._recorder.attempt(winner.number).ended_at = trio.current_time()
@@ -221,17 +241,20 @@ class _Race:
         raise AllAttemptsFailed(_summary(failures), failures)
 
     async def _stagger(self) -> None:
-        number = 0
-        trigger: str | None = "primary"
-        while trigger is not None:
+        number = len(self._recorder.attempts)  # a recovery race numbers on
+        trigger: str | None = "primary" if self._resume is None else "recovery"
+        started, limit = 0, self._limit
+        while trigger is not None and (limit is None or started < limit):
             source = await self._planner.next_source(number + 1, trigger)
             if source is None:
                 break
             if self._decided:  # a commit or a fatal error landed while the planner decided
                 return
             number += 1
+            started += 1
             self._start(number, source, trigger)
-            trigger = await self._next_trigger(self._planner.hedge_delay(number))
+            delay = None if self._resume is not None else self._planner.hedge_delay(number)
+            trigger = await self._next_trigger(delay)
         # Nothing more starts: wait for the running attempts (a commit cancels this wait),
         # and read every piece of news, down to the last one queued in the same tick.
         while self._live or self._news:
@@ -275,7 +298,7 @@ class _Race:
         kind, number = news
         if kind == "empty" and self._answer is None:
             self._answer = number
-        return None if self._answer is not None else "failover"
+        return None if self._answer is not None else self._retry
 
     def _start(self, number: int, source: Source, trigger: str) -> None:
         state = _AttemptState(
@@ -285,6 +308,9 @@ class _Race:
         rec.attempts.append(state)
         if trigger == "hedge":
             rec.hedged = True  # a backup really was sent on the hedge delay
+        continue_from = None
+        if self._resume is not None:
+            continue_from, self._gates[number], state.recovery = self._resume(source)
         self._sources[number] = source
         self._live.add(number)
         self._changed(state)
@@ -293,6 +319,7 @@ class _Race:
             number=number,
             trigger=trigger,
             idempotency_key=rec.idempotency_key,
+            continue_from=continue_from,
         )
         scope = self._scopes[number] = trio.CancelScope()
         self._nursery.start_soon(
@@ -307,7 +334,10 @@ class _Race:
         number = state.number
         with scope:
             try:
-                await self._read(state, source, info)
+                if self._resume is None:
+                    await self._read(state, source, info)
+                else:
+                    await self._read_gated(state, source, info)
             except BaseException as exc:
                 # Settle first, close after: a failure starts the next attempt at once, not
                 # after this attempt's close.
@@ -376,6 +406,48 @@ class _Race:
                         await self._relay(number, stream)
                     return
 
+    async def _read_gated(self, state: _AttemptState, source: Source, info: AttemptInfo) -> None:
+        """A recovery attempt: its output passes the gate (held back while it reproduces the
+        answer so far); it commits at the first delta that follows. Under ``stall_timeout``
+        from its start and from each delta with output (the prefix it reproduces too)."""
+        number = state.number
+        stream = await source.open(info)
+        self._streams[number] = stream  # no checkpoint since open() returned: owned
+        gate = self._gates[number]
+        stall = self._stall_timeout
+        progress_at = trio.current_time()
+        while True:
+            if stall is None:
+                batch = await stream.receive()
+            else:
+                with trio.move_on_at(progress_at + stall) as waited:
+                    batch = await stream.receive()
+                if waited.cancelled_caught:
+                    raise AttemptError(
+                        ErrorKind.STALL, f"no progress for stall_timeout={stall} s in a recovery"
+                    )
+            if batch is None:
+                gate.end()  # raises unless the answer so far was reproduced
+                self._pending[number] = []
+                self._post(("empty", number))  # the whole answer was reproduced, nothing more
+                self._live.discard(number)
+                await trio.sleep_forever()
+            state.tokens_received += sum(1 for d in batch if d.content)
+            if any(d.has_output for d in batch):
+                progress_at = trio.current_time()
+            relayed = gate.feed(batch)
+            if relayed:
+                self._pending[number] = relayed
+                assert state.recovery is not None
+                state.recovery = attrs.evolve(
+                    state.recovery, verified=gate.verified, held_back=gate.held_back
+                )
+                if not self._commit(state):
+                    self._ended_early(state)
+                elif getattr(stream, "task_bound", False):
+                    await self._relay(number, stream)
+                return
+
     async def _relay(self, number: int, stream: AttemptStream) -> None:
         """Serve a task-bound winner: read it here, hand batches to the caller's task."""
         send, receive = trio.open_memory_channel[Sequence[Delta] | Exception | None](0)
@@ -440,7 +512,8 @@ class _Race:
         stream = self._streams.pop(number)  # the one line that takes it from its task
         self._winner = Committed(number, stream, self._pending.pop(number), ended)
         self._recorder.winner = number
-        self._recorder.committed_at = now
+        if self._resume is None:  # a recovery serves an answer committed long ago
+            self._recorder.committed_at = now
         self._decide()
 
     def _ended_early(self, state: _AttemptState) -> None:
@@ -462,7 +535,8 @@ class _Race:
         self._changed(state)
         if self._decided:
             return
-        if not error.retryable:
+        fails_over = getattr(self._planner, "fails_over", None)
+        if not error.retryable and (fails_over is None or not fails_over(error)):
             self._fatal = error
             self._decide()
         else:
@@ -477,11 +551,19 @@ async def race(
     first_token: FirstToken,
     close_timeout: float,
     first_token_timeout: float | None = None,
+    resume: Resume | None = None,
+    stall_timeout: float | None = None,
+    limit: int | None = None,
 ) -> Committed:
     """Race attempts, as tasks of ``nursery``, until one produces a first token.
 
     Returns at the commit, without waiting for the losers: they close their streams in their
     own tasks, which ``nursery`` waits for.
+
+    With ``resume``, a *recovery* race (after the winner broke, ``_recovery.py``): attempts
+    are numbered on from the recorder's, start with ``trigger="recovery"`` (one at a time,
+    never hedged, at most ``limit``), pass a gate and commit at the first delta after the
+    answer so far; ``stall_timeout`` bounds each one's silence; the request's TTFT stays.
 
     Returns:
         the `Committed` winner; its stream is open and owned by the caller.
@@ -499,4 +581,7 @@ async def race(
         first_token=first_token,
         close_timeout=close_timeout,
         first_token_timeout=first_token_timeout,
+        resume=resume,
+        stall_timeout=stall_timeout,
+        limit=limit,
     ).run()

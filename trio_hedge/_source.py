@@ -25,16 +25,23 @@ class AttemptInfo:
         request_id: the id shared by every attempt of one request (a UUID4 string).
         number: 1 for the primary, 2 for the first backup, and so on.
         trigger: why it started: ``"primary"``, ``"hedge"`` (the hedge delay passed with no
-            first token) or ``"failover"`` (an earlier attempt failed before its first token).
+            first token), ``"failover"`` (an earlier attempt failed before its first token) or
+            ``"recovery"`` (the winner broke after the commit: this attempt goes on with the
+            answer; see ``continue_from``).
         idempotency_key: the caller's idempotency key, sent unchanged on every attempt of a
             request with side effects (so the server runs it once), or ``None``. Sources that
             talk to an API should forward it (the HTTP source sends ``Idempotency-Key``).
+        continue_from: for a recovery by continuation (``trigger="recovery"``), the answer
+            text the caller already has: the source sends it as a final assistant message by
+            its engine's contract (and only a source whose ``continues`` attribute says how
+            is ever given one); else ``None``.
     """
 
     request_id: str
     number: int
     trigger: str
     idempotency_key: str | None = None
+    continue_from: str | None = None
 
 
 @runtime_checkable
@@ -65,7 +72,13 @@ class AttemptStream(Protocol):
 
 @runtime_checkable
 class Source(Protocol):
-    """Something that can start attempts: a replica bound to one request."""
+    """Something that can start attempts: a replica bound to one request.
+
+    A source may say how it continues an answer begun elsewhere, with an attribute
+    ``continues``: ``"appends"`` (given ``AttemptInfo.continue_from``, its answer is only what
+    follows that text: vLLM's ``continue_final_message``), ``"repeats"`` (its answer repeats
+    that text first, then goes on: llama.cpp's server; the engine verifies and strips it) or
+    ``None`` (the default: it is never asked, and a recovery on it replays the request)."""
 
     @property
     def name(self) -> str:

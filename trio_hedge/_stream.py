@@ -3,6 +3,8 @@
 Entering races the attempts until one commits (the race's nursery lives and dies inside
 ``__aenter__``); iterating then reads the winner's stream in the caller's own task, so after
 commit a token pays no task switch and no channel hop. Leaving, by any path, closes the winner.
+When the winner breaks after the commit, ``_recovery.py`` may go on with the answer on another
+replica (``max_recoveries``); the stream then reads the new winner as directly.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import trio
 
 from ._attempt_error import classify_exception, leaves
 from ._plan import Planner
-from ._race import close_quietly, race
+from ._race import Committed, close_quietly, race
+from ._recovery import recover
 from ._source import AttemptStream
 from .errors import AttemptError, ErrorKind, HedgeError, StreamInterrupted
 from .events import Delta, FirstToken
@@ -45,6 +48,8 @@ class StreamSettings(Protocol):
     def stall_timeout(self) -> float | None: ...
     @property
     def close_timeout(self) -> float: ...
+    @property
+    def max_recoveries(self) -> int: ...
 
 
 class AsyncCloseable(Protocol):
@@ -105,6 +110,11 @@ class HedgedStream:
         # The stall clock: seconds spent waiting on the winner since its last output. It runs
         # only inside receive(): time the caller spends between reads is not the upstream's.
         self._silent_for = 0.0
+        # Recoveries after the commit this request may still make, and the deltas with
+        # reasoning or tool calls the caller was given (what a replay must reproduce besides
+        # the text; kept only when a recovery may need them).
+        self._recoveries_left = policy.max_recoveries
+        self._others: list[Delta] | None = [] if self._recoveries_left else None
 
     @property
     def request_id(self) -> str:
@@ -159,14 +169,7 @@ class HedgedStream:
                     exc.report = rec.snapshot()
                 self._tell_planner()
             raise
-        self._winner = committed.stream
-        if policy.stall_timeout is None:
-            self._direct = committed.stream
-        self._winner_number = committed.number
-        self._ended = committed.ended
-        self._pending.extend(committed.pending)
-        # The race already counted these in the winner's tokens_received.
-        self._take(committed.pending, trio.current_time(), count_for_attempt=False)
+        self._install(committed)
         return self
 
     # -- leaving: close the winner, wait for the losers --------------------------------------
@@ -182,11 +185,11 @@ class HedgedStream:
             rec.ended_at = trio.current_time()
         winner, self._winner = self._winner, None
         self._direct = None
+        if exc is not None and not isinstance(exc, HedgeError) and rec.error is None:
+            rec.error = exc
         if winner is not None:
             state = rec.attempt(self._winner_number)
             state.ended_at = rec.ended_at
-            if exc is not None and not isinstance(exc, HedgeError) and rec.error is None:
-                rec.error = exc
             await close_quietly(winner, self._policy.close_timeout)
         try:
             await self._leave()
@@ -228,12 +231,15 @@ class HedgedStream:
         """Account one batch of the winner's deltas (text, token times, counts)."""
         rec = self._recorder
         chunks = rec.chunks
+        others = self._others
         count = 0
         for delta in batch:
             content = delta.content
             if content:
                 chunks.append(content)
                 count += 1
+            if others is not None and (delta.reasoning or delta.tool_calls):
+                others.append(delta)
         if count:
             last = rec.last_token_time
             if last is None:
@@ -277,7 +283,55 @@ class HedgedStream:
                 ErrorKind.STALL, f"no output from the winner in stall_timeout={stall} s of waiting"
             )
         except Exception as exc:
-            self._fail(classify_exception(exc))
+            return await self._broken(classify_exception(exc))
+
+    async def _broken(self, error: AttemptError) -> Sequence[Delta]:
+        """The winner failed after the commit: go on with the answer on another replica (its
+        first deltas are then pending: returns an empty batch), or raise
+        `StreamInterrupted` for ``error``, the original failure, whatever the recoveries met."""
+        if not self._recoveries_left or self._nursery is None:
+            self._fail(error)
+        rec = self._recorder
+        broken = self._winner_number
+        state = rec.attempt(broken)
+        if error.replica is None:
+            error.replica = state.replica
+        state.error = error
+        state.ended_at = trio.current_time()
+        winner, self._winner, self._direct = self._winner, None, None
+        policy = self._policy
+        if winner is not None:  # its server must see it stop before another one starts
+            await close_quietly(winner, policy.close_timeout)
+        before = len(rec.attempts)
+        committed = await recover(
+            self._planner,
+            rec,
+            self._nursery,
+            replaces=broken,
+            others=self._others or (),
+            limit=self._recoveries_left,
+            first_token=policy.first_token,
+            close_timeout=policy.close_timeout,
+            stall_timeout=policy.stall_timeout,
+        )
+        self._recoveries_left -= len(rec.attempts) - before
+        if committed is None:
+            self._fail(error)
+        self._install(committed)
+        return ()
+
+    def _install(self, committed: Committed) -> None:
+        """Read ``committed`` from now on (the race's winner, or a recovery's); its stall
+        clock starts at zero."""
+        self._winner = committed.stream
+        if self._policy.stall_timeout is None:
+            self._direct = committed.stream
+        self._winner_number = committed.number
+        self._ended = committed.ended
+        self._silent_for = 0.0
+        self._pending.extend(committed.pending)
+        # The race already counted these in the winner's tokens_received.
+        self._take(committed.pending, trio.current_time(), count_for_attempt=False)
 
     def _fail(self, error: AttemptError) -> NoReturn:
         rec = self._recorder
@@ -285,7 +339,9 @@ class HedgedStream:
         if error.replica is None:
             error.replica = state.replica
         state.error = error
-        rec.ended_at = state.ended_at = trio.current_time()
+        rec.ended_at = trio.current_time()
+        if state.ended_at is None:  # (a winner that broke before a failed recovery: then)
+            state.ended_at = rec.ended_at
         interrupted = StreamInterrupted(error, self.text)
         rec.error = interrupted
         self._ended = True
@@ -311,7 +367,7 @@ class HedgedStream:
                 try:
                     batch = await direct.receive()
                 except Exception as exc:
-                    self._fail(classify_exception(exc))
+                    batch = await self._broken(classify_exception(exc))
             else:
                 batch = await self._receive()
             if batch is None:

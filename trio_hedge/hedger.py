@@ -24,6 +24,11 @@ state across requests and consults it at each decision of the race (through the
   replica is cooling, the attempt waits for the earliest, at most ``max_pushback_wait``
   seconds (beyond that the primary raises [`ReplicasCooling`][trio_hedge.ReplicasCooling], a later
   attempt is not sent);
+* **what the engines say** (opt-in, ``Replica(..., probe="vllm")``): one poller per probed
+  replica, inside ``async with``, reads the engine's queue; a fresh reading's predicted wait
+  replaces the peak-EWMA cost, sends a backup at once when the primary's engine says it will
+  be slow, and holds one back from a replica predicted no faster; a stale or failing probe
+  leaves the Hedger's own view (``docs/policy.md``, "Load probes");
 * **whom to blame** — the evidence of the request decides, in one place
   (``policy/_blame.py``, [`Attribution`][trio_hedge.policy.Attribution]): errors that are the
   request's fault never count; a key, quota or "not found" error (401/403, quota, unknown
@@ -43,6 +48,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any
 
@@ -50,6 +56,7 @@ import httpx
 import trio
 
 from ._oneshot import check_replicas, check_request
+from ._probing import poll_load
 from ._source import Source
 from ._stream import HedgedStream, require_trio
 from ._validate import (
@@ -66,6 +73,7 @@ from .policy._sizing import estimate_prompt_tokens
 from .policy._stats import HedgerStatistics
 from .sources._bindable import BindableReplica, is_bindable
 from .sources.openai._http import HeaderNames, Replica
+from .sources.probes import LoadProbe, LoadReading, as_probe, read_load
 from .transport import make_client
 
 __all__ = ["Hedger"]
@@ -74,6 +82,36 @@ __all__ = ["Hedger"]
 _TTFT_SAMPLES = 4096
 #: Cancelled attempts a replica may count as still being prefilled (a memory bound).
 _MAX_LINGERING = 1024
+
+
+def _probes_of(
+    replicas: Sequence[Replica | BindableReplica | Source],
+    probes: Mapping[str, LoadProbe | str] | None,
+) -> dict[int, tuple[LoadProbe, Replica | None]]:
+    """Each probed replica's probe and (for the HTTP read) its ``Replica``, by index."""
+    found: dict[int, tuple[LoadProbe, Replica | None]] = {}
+    index = {r.name: i for i, r in enumerate(replicas)}
+    for i, r in enumerate(replicas):
+        if isinstance(r, Replica) and r.probe is not None:
+            found[i] = (r.probe, r)
+    if probes is None:
+        return found
+    if not isinstance(probes, Mapping):
+        raise TypeError("probes must be a mapping of replica names to LoadProbes")
+    for name, value in probes.items():
+        if name not in index:
+            raise ValueError("probes names a replica the Hedger does not have")
+        probe = as_probe(value, "probes")
+        i = index[name]
+        if probe is None:
+            found.pop(i, None)
+            continue
+        replica = replicas[i]
+        http = replica if isinstance(replica, Replica) else None
+        if http is None and probe.reader is None:
+            raise ValueError("probes: a replica that is not a Replica needs a LoadProbe reader")
+        found[i] = (probe, http)
+    return found
 
 
 class Hedger:
@@ -101,9 +139,16 @@ class Hedger:
             attempt started, committed, failed or cancelled, every hedge or failover refused,
             replica cooled or ejected, and request finished. Also the mutable list
             [`on_event`][trio_hedge.Hedger.on_event].
+        probes: [`LoadProbe`][trio_hedge.sources.probes.LoadProbe]s (or engine names) by
+            replica name, over each [`Replica`][trio_hedge.sources.Replica]'s own ``probe``; a
+            replica that is not a ``Replica`` needs a probe with a ``reader``. The probes run
+            inside ``async with Hedger(...)``, one poller per replica in the Hedger's own
+            nursery (``docs/policy.md``, "Load probes"). Default none: the Hedger decides from
+            its own view only, exactly as without this argument.
 
     Raises:
-        TypeError, ValueError: bad replicas (empty, wrong type, duplicate names) or config.
+        TypeError, ValueError: bad replicas (empty, wrong type, duplicate names), config or
+            probes (an unknown replica name, a non-HTTP replica's probe without a reader).
     """
 
     def __init__(
@@ -114,6 +159,7 @@ class Hedger:
         client: httpx.AsyncClient | None = None,
         headers: HeaderNames | None = None,
         on_event: Iterable[EventHook] = (),
+        probes: Mapping[str, LoadProbe | str] | None = None,
     ) -> None:
         config = HedgerConfig() if config is None else config
         if not isinstance(config, HedgerConfig):
@@ -125,7 +171,12 @@ class Hedger:
             raise TypeError(f"headers must be HeaderNames or None, not {type(headers).__name__}")
         self._config = config
         self._policy = config.stream_policy()
-        self._fleet = FleetState(config, replicas, list(on_event))
+        self._probes = _probes_of(replicas, probes)
+        self._fleet = FleetState(
+            config, replicas, list(on_event), {i: p for i, (p, _) in self._probes.items()}
+        )
+        self._pollers: AbstractAsyncContextManager[trio.Nursery] | None = None
+        self._poller_nursery: trio.Nursery | None = None
         # The checks each request must pass (one per kind of replica bound to requests),
         # and the replicas bound to requests (by id: the planner hands the object back).
         self._request_checks = request_checks
@@ -158,6 +209,18 @@ class Hedger:
 
     async def __aenter__(self) -> Hedger:
         require_trio("Hedger")
+        if self._probes:
+            if self._pollers is not None:
+                raise RuntimeError("a Hedger with load probes can be entered only once at a time")
+            # The pollers' nursery lives exactly as long as this ``async with``: no poller
+            # outlives it. Pollers never raise (a failed poll is only "no evidence").
+            manager = trio.open_nursery()
+            nursery = await manager.__aenter__()
+            self._pollers, self._poller_nursery = manager, nursery
+            for index, (probe, replica) in self._probes.items():
+                state = self._fleet.probes[index]
+                assert state is not None
+                nursery.start_soon(poll_load, state, self._reader(probe, replica))
         return self
 
     async def __aexit__(
@@ -166,7 +229,28 @@ class Hedger:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        manager, nursery = self._pollers, self._poller_nursery
+        if manager is not None and nursery is not None:
+            self._pollers = self._poller_nursery = None
+            nursery.cancel_scope.cancel()
+            # The body's own exception is not handed to the nursery (it would come out in an
+            # ExceptionGroup): the pollers end at once on the cancel, and never raise.
+            await manager.__aexit__(None, None, None)
         await self.aclose()
+
+    def _reader(self, probe: LoadProbe, replica: Replica | None) -> Any:
+        """The probe's own reader, or the HTTP read of ``replica``'s engine."""
+        if probe.reader is not None:
+            return probe.reader
+        assert replica is not None
+        headers = dict(replica.headers)
+        if replica.api_key is not None:
+            headers["authorization"] = f"Bearer {replica.api_key}"
+
+        async def read() -> LoadReading:
+            return await read_load(self._http_client(), probe, replica.base_url, headers)
+
+        return read
 
     async def aclose(self) -> None:
         """Close the client the Hedger created (not one you passed). Streams opened later
@@ -293,6 +377,13 @@ class Hedger:
             client = self._http_client() if replica.needs_http_client else None
             return replica.bind(request, client, headers=self._headers, extra_headers=extra_headers)
 
+        # The context window the request needs: its prompt and the answer it allows.
+        context_tokens = tokens
+        allowed = None if request is None else request.get("max_completion_tokens")
+        if allowed is None and request is not None:
+            allowed = request.get("max_tokens")
+        if context_tokens is not None and isinstance(allowed, int) and allowed > 0:
+            context_tokens += allowed
         planner = RequestPlanner(
             self._fleet,
             bind,
@@ -303,6 +394,7 @@ class Hedger:
             hedgeable=hedgeable,
             hedge_after=request_delay,
             model=model,
+            context_tokens=context_tokens,
         )
         return HedgedStream(
             planner,

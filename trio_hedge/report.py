@@ -1,7 +1,8 @@
 """What happened to one hedged request: [`Report`][trio_hedge.Report] (the request: winner, TTFT,
 TPOT, gaps, text, wasted tokens, error), [`AttemptRecord`][trio_hedge.report.AttemptRecord] (one
-attempt: replica, start, TTFT, outcome, error) and
-[`AttemptOutcome`][trio_hedge.report.AttemptOutcome].
+attempt: replica, start, TTFT, outcome, error),
+[`RecoveryRecord`][trio_hedge.report.RecoveryRecord] (what a recovery after the commit resumed
+from) and [`AttemptOutcome`][trio_hedge.report.AttemptOutcome].
 
 The race and the stream fill a mutable `_Recorder` as things happen; ``stream.report``
 hands out a frozen [`Report`][trio_hedge.Report] snapshot, during the stream and after it (also when
@@ -18,7 +19,7 @@ import attrs
 
 from ._attempt_error import AttemptError
 
-__all__ = ["AttemptOutcome", "AttemptRecord", "Report"]
+__all__ = ["AttemptOutcome", "AttemptRecord", "RecoveryRecord", "Report"]
 
 
 class AttemptOutcome(str, enum.Enum):
@@ -37,22 +38,56 @@ class AttemptOutcome(str, enum.Enum):
 
 
 @attrs.frozen
+class RecoveryRecord:
+    """What a recovery attempt (``trigger="recovery"``) resumed: the winner before it broke
+    after the commit, and the answer went on here (see ``docs/recovery.md``).
+
+    Attributes:
+        replaces: the number of the attempt whose failure it recovers.
+        position: characters of answer text the caller had when that attempt broke.
+        tokens: content tokens the caller had then.
+        method: ``"continuation"`` (the text so far was sent as a final assistant message,
+            by the replica's declared engine contract) or ``"replay"`` (the original request
+            again, its output held back until it reproduced what the caller had).
+        verified: characters of output (content, reasoning, tool-call names and arguments)
+            this attempt reproduced before anything was relayed from it; 0 for a
+            continuation that does not repeat its prefix (vLLM's).
+        held_back: content tokens received and not relayed (the reproduced prefix): wasted
+            tokens of a recovery that won.
+    """
+
+    replaces: int
+    position: int
+    tokens: int
+    method: str
+    verified: int = 0
+    held_back: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
 class AttemptRecord:
     """One attempt of a request.
 
     Attributes:
         number: 1 for the primary, 2 for the first backup, …
         replica: the replica's name.
-        trigger: ``"primary"``, ``"hedge"`` (the hedge delay passed) or ``"failover"`` (an
-            earlier attempt failed before its first token).
+        trigger: ``"primary"``, ``"hedge"`` (the hedge delay passed), ``"failover"`` (an
+            earlier attempt failed before its first token) or ``"recovery"`` (the winner broke
+            after the commit and the answer goes on here; ``recovery`` says from where).
         started_at: seconds from the request's start to this attempt's start.
         ttft: seconds from this attempt's start to its first token, or ``None``.
         ended_at: seconds from the request's start to when it failed or was cancelled (for
-            the winner: when the stream ended), or ``None`` while running.
+            the winner: when the stream ended or broke), or ``None`` while running.
         outcome: an [`AttemptOutcome`][trio_hedge.report.AttemptOutcome].
         error: the [`AttemptError`][trio_hedge.AttemptError] when it failed, else ``None``.
         tokens_received: content tokens this attempt received; for a loser these are wasted
             tokens.
+        recovery: for a recovery attempt, a [`RecoveryRecord`][trio_hedge.report.RecoveryRecord];
+            else ``None``. A winner that broke after the commit keeps ``outcome="won"`` and
+            has its ``error``.
     """
 
     number: int
@@ -64,6 +99,7 @@ class AttemptRecord:
     outcome: AttemptOutcome
     error: AttemptError | None = attrs.field(default=None, eq=False)
     tokens_received: int = 0
+    recovery: RecoveryRecord | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -76,6 +112,7 @@ class AttemptRecord:
             "outcome": self.outcome.value,
             "error": self.error.to_dict() if self.error is not None else None,
             "tokens_received": self.tokens_received,
+            "recovery": self.recovery.to_dict() if self.recovery is not None else None,
         }
 
 
@@ -87,7 +124,8 @@ class Report:
         request_id: the id every attempt carried (a UUID4 string).
         attempts: one [`AttemptRecord`][trio_hedge.report.AttemptRecord] per started attempt, in
             start order.
-        winner: the winning attempt's number, or ``None`` (not committed, or failed).
+        winner: the winning attempt's number, or ``None`` (not committed, or failed); after a
+            recovery, the recovery attempt that serves the answer now.
         hedged: whether a backup was sent because the hedge delay passed.
         hedges_refused: backups the hedge budget refused for this request.
         ttft: caller-visible time to first token (seconds from the request's start to the
@@ -152,9 +190,21 @@ class Report:
         return None
 
     @property
+    def recoveries(self) -> int:
+        """Recovery attempts started after the commit (``trigger="recovery"``)."""
+        return sum(1 for a in self.attempts if a.trigger == "recovery")
+
+    @property
     def wasted_tokens(self) -> int:
-        """Content tokens received by attempts that lost."""
-        return sum(a.tokens_received for a in self.attempts if a.number != self.winner)
+        """Content tokens received and never relayed: by attempts that lost or failed, and
+        the prefix a recovery reproduced before its new text (``held_back``)."""
+        wasted = 0
+        for a in self.attempts:
+            if a.outcome is not AttemptOutcome.WON:
+                wasted += a.tokens_received
+            elif a.recovery is not None:
+                wasted += a.recovery.held_back
+        return wasted
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready description (used by ``trio-hedge --json``). Holds no credentials."""
@@ -185,6 +235,7 @@ class Report:
             "wasted_tokens": self.wasted_tokens,
             "attempts_sent": self.attempts_sent,
             "backups_sent": self.backups_sent,
+            "recoveries": self.recoveries,
             "prompt_tokens": self.prompt_tokens,
             "prompt_tokens_resent": self.prompt_tokens_resent,
             "idempotency_key": self.idempotency_key,
@@ -207,6 +258,7 @@ class _AttemptState:
     outcome: AttemptOutcome = AttemptOutcome.RUNNING
     error: AttemptError | None = None
     tokens_received: int = 0
+    recovery: RecoveryRecord | None = None
 
     def freeze(self, origin: float) -> AttemptRecord:
         """The public record, with times as offsets from ``origin`` (the request's start)."""
@@ -220,6 +272,7 @@ class _AttemptState:
             outcome=self.outcome,
             error=self.error,
             tokens_received=self.tokens_received,
+            recovery=self.recovery,
         )
 
 

@@ -277,7 +277,8 @@ class _CountedStream(httpx.AsyncByteStream):
 
 class _LeanStream(httpcore.AsyncNetworkStream):
     """httpcore's Trio stream, with a read that has no timeout (the library's: ``read=None``)
-    going straight to ``receive_some``.
+    going straight to ``receive_some``, and (``hold_heads``: an HTTP/1.1-only client) a
+    request's head written with its body.
 
     Why: httpcore 1.0.9's ``TrioStream.read`` enters ``trio.fail_after(inf)`` and an
     exception-mapping context manager on every read, i.e. on every token of a stream: 7.5 µs
@@ -285,16 +286,33 @@ class _LeanStream(httpcore.AsyncNetworkStream):
     gateway's CPU per relayed token (``benchmarks/gateway.py``, issue 20: 105 -> 93 µs per
     paced token). The errors are httpcore's own (``ReadError`` from the same trio errors);
     a read with a timeout, writes and TLS are the inner stream's.
+
+    The head: httpcore 1.0.9's HTTP/1.1 connection writes a request's head, then its body,
+    in two writes: two segments and two wake-ups of the server before it can answer (TTFT).
+    Here a head (a write that ends in a blank line, the first since a read) waits for the
+    next write or read: one write of head and body. As httpcore does for the head's own
+    write, a failed write then leaves the answer to the read (a server that refused the
+    request may have answered). Not for HTTP/2, whose writes and reads are shared by
+    streams.
     """
 
-    def __init__(self, inner: httpcore.AsyncNetworkStream) -> None:
+    def __init__(self, inner: httpcore.AsyncNetworkStream, *, hold_heads: bool = False) -> None:
         self._inner = inner
+        self._hold_heads = hold_heads
+        self._head: bytes | None = None  # a request head not written yet
+        self._head_timeout: float | None = None
+        self._read_since_write = True
         # httpcore's TrioStream keeps its trio stream as ``_stream``; any other shape (a
         # different httpcore) reads through the inner stream, unchanged.
         stream = getattr(inner, "_stream", None)
         self._trio_stream = stream if isinstance(stream, trio.abc.ReceiveStream) else None
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
+        if self._head is not None:
+            head, self._head = self._head, None
+            with contextlib.suppress(httpcore.WriteError):  # httpcore's own rule for a head
+                await self._inner.write(head, self._head_timeout)
+        self._read_since_write = True
         stream = self._trio_stream
         if timeout is not None or stream is None:
             return await self._inner.read(max_bytes, timeout)
@@ -305,9 +323,19 @@ class _LeanStream(httpcore.AsyncNetworkStream):
         return cast("bytes", data)  # trio's socket streams give bytes (h11 takes either)
 
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        head = self._head
+        if head is not None:
+            self._head = None
+            buffer = head + buffer
+        elif self._hold_heads and self._read_since_write and buffer.endswith(b"\r\n\r\n"):
+            self._head, self._head_timeout = buffer, timeout
+            self._read_since_write = False
+            return
+        self._read_since_write = False
         await self._inner.write(buffer, timeout)
 
     async def aclose(self) -> None:
+        self._head = None
         await self._inner.aclose()
 
     async def start_tls(
@@ -316,10 +344,15 @@ class _LeanStream(httpcore.AsyncNetworkStream):
         server_hostname: str | None = None,
         timeout: float | None = None,  # noqa: ASYNC109
     ) -> httpcore.AsyncNetworkStream:
-        return _LeanStream(await self._inner.start_tls(ssl_context, server_hostname, timeout))
+        tls = await self._inner.start_tls(ssl_context, server_hostname, timeout)
+        return _LeanStream(tls, hold_heads=self._hold_heads)
 
     def get_extra_info(self, info: str) -> Any:
         return self._inner.get_extra_info(info)
+
+
+def _lean_http1(inner: httpcore.AsyncNetworkStream) -> _LeanStream:
+    return _LeanStream(inner, hold_heads=True)
 
 
 def make_client(
@@ -337,7 +370,8 @@ def make_client(
     of about ``per_shard`` open responses each, added as needed, no connection cap), with the
     library's timeouts (connect 5 s, no read timeout, no pool timeout), over httpcore's Trio
     backend with reads that skip its per-read timeout scope when there is no read timeout
-    (the token path: one read per token). Use it as
+    (the token path: one read per token) and, HTTP/1.1 only, each request's head and body
+    in one write (one wake-up of the server, not two, before it can answer). Use it as
     ``async with make_client() as client:`` and pass ``client=client`` to
     [`hedged_stream`][trio_hedge.hedged_stream].
 
@@ -363,7 +397,7 @@ def make_client(
         http1=http1,
         http2=http2,
         limits=limits,
-        network_backend=WrappingBackend(wrap=_LeanStream),
+        network_backend=WrappingBackend(wrap=_lean_http1 if not http2 else _LeanStream),
     )
     return httpx.AsyncClient(transport=transport, timeout=timeout, **client_kwargs)
 

@@ -47,6 +47,7 @@ from trio_hedge.policy import (
 )
 from trio_hedge.report import AttemptOutcome, AttemptRecord
 from trio_hedge.sources import AttemptInfo, HeaderNames, Source
+from trio_hedge.sources.probes import LoadProbe
 from trio_hedge.transport import make_client
 
 assert_type(trio_hedge.__version__, str)
@@ -113,6 +114,8 @@ async def production() -> None:
     replicas = [
         Replica("http://a:8000/v1", api_key="sk-test", name="a"),
         Replica("http://b:8000/v1", headers={"X-Tenant": "t"}),
+        Replica("http://c:8000/v1", name="c", probe="vllm", backup_priority=1),
+        Replica("http://d:8080/v1", name="d", probe=LoadProbe("llama.cpp", interval=0.5)),
     ]
     async with (
         make_client(http2=True) as client,
@@ -133,6 +136,8 @@ async def production() -> None:
                 print(token, end="")
         stats = hedger.statistics()
         assert_type(stats, HedgerStatistics)
+        assert_type(stats.replicas[0].predicted_wait, float | None)
+        assert_type(stats.hedges_at_once, int)
         assert_type(stats.hedges_sent, int)
         assert_type(hedger.samples(), list[dict[str, Any]])
 

@@ -313,7 +313,7 @@ class AgentForwarder(ChatForwarder):
     async def _stream_out(self, ex: Exchange, stream: HedgedStream, model: str | None) -> None:
         """The server's JSON with its ``event:`` line, one ``send`` per read of the winner
         (as the chat route sends)."""
-        await ex.start(200, [*_SSE_HEADERS, *_hedge_headers(stream.report)])
+        await ex.start(200, [*_SSE_HEADERS, *_hedge_headers(stream.report)], with_body=True)
         send = ex.send
         first = True
         async for batch in stream.batches():

@@ -42,9 +42,16 @@ __all__ = [
 
 #: A gateway relays every event, so the first one a client would see commits the race:
 #: content, reasoning or a tool-call fragment (the library's default counts content only).
-DEFAULT_HEDGER = HedgerConfig(first_token=FirstToken.ANY_OUTPUT)
-#: Whose fault errors are when clients' own keys are forwarded (``forward_client_key``).
-FORWARDED_KEYS = Attribution(caller={"auth", "quota_exceeded", "rate_limit"})
+#: No recovery after the commit by default (``[hedger] max_recoveries`` turns it on): the
+#: gateway relays each upstream's events as they are, so after a recovery the chunk id
+#: changes mid-stream and usage counts only the new upstream's tokens (issue 17's gateway
+#: part is not built yet; docs/recovery.md).
+DEFAULT_HEDGER = HedgerConfig(first_token=FirstToken.ANY_OUTPUT, max_recoveries=0)
+#: Whose fault errors are when clients' own keys are forwarded (``forward_client_key``): a key,
+#: quota or rate-limit error is the key's; so is a "not found", which a provider answers for a
+#: model the key may not use (OpenAI: "does not exist or you do not have access to it") -- a
+#: replica with a key of its own serving it is no evidence against the other.
+FORWARDED_KEYS = Attribution(caller={"auth", "quota_exceeded", "rate_limit", "not_found"})
 
 
 class ConfigError(ValueError):
@@ -518,7 +525,8 @@ def parse_config(
     hedger_table = _table(document.get("hedger", {}), "hedger")
     base = DEFAULT_HEDGER
     if auth.get("forward_client_key") is True:
-        # The client's own key goes upstream: its 401, quota and rate limit are the client's.
+        # The client's own key goes upstream: its 401, quota, rate limit and 404 (a model
+        # the key may not use) are the client's.
         base = attrs.evolve(base, attribution=FORWARDED_KEYS)
     base = hedger_config(hedger_table, base, "hedger")
     raw_replicas = document.get("replicas", [])

@@ -459,7 +459,8 @@ class ChatForwarder:
         (the events one read brought go out together: a send costs ~40 µs of hypercorn, h11
         and a syscall, and a model server's burst, or a reader that fell behind, brings
         several events per read)."""
-        await ex.start(200, [*_SSE_HEADERS, *_hedge_headers(stream.report)])
+        # The first batch (the events read up to the commit) is ready: one write for both.
+        await ex.start(200, [*_SSE_HEADERS, *_hedge_headers(stream.report)], with_body=True)
         encode = ChunkEncoder(ex.record.request_id, model).encode
         send = ex.send
         async for batch in stream.batches():

@@ -14,12 +14,16 @@ from ._errors import ErrorAnswer
 from ._input import clip, duplicated
 from ._metrics import AccessRecord
 
-__all__ = ["Exchange", "Receive", "Scope", "Send", "request_id_from"]
+__all__ = ["HOLD_HEAD", "Exchange", "Receive", "Scope", "Send", "request_id_from"]
 
 Scope = Mapping[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Headers = Iterable[tuple[bytes, bytes]]
+
+#: The scope key of an HTTP/1.1 request's ``send_head(send, message)`` (``_server.py``): the
+#: response head is written together with the first body bytes sent after it.
+HOLD_HEAD = "trio_hedge.hold_head"
 
 
 def request_id_from(value: str | None) -> str:
@@ -36,11 +40,23 @@ def request_id_from(value: str | None) -> str:
 class Exchange:
     """The request's scope and channels, its access record, and what was sent so far."""
 
-    __slots__ = ("duplicate", "finished", "headers", "receive", "record", "send", "started")
+    __slots__ = (
+        "_send_head",
+        "duplicate",
+        "finished",
+        "headers",
+        "receive",
+        "record",
+        "send",
+        "started",
+    )
 
     def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.receive = receive
         self.send = send
+        self._send_head: Callable[[Send, dict[str, Any]], Awaitable[None]] | None = scope.get(
+            HOLD_HEAD
+        )
         raw = scope.get("headers") or []
         # Names are lower-case in ASGI; a repeated header keeps its last value here, and
         # `duplicate` names a header the gateway reads that came twice (the request is refused).
@@ -62,17 +78,21 @@ class Exchange:
         value = self.headers.get(name)
         return None if value is None else value.decode("latin-1")
 
-    async def start(self, status: int, headers: Headers = ()) -> None:
-        """Send the status line and headers (``x-request-id`` added)."""
+    async def start(self, status: int, headers: Headers = (), *, with_body: bool = False) -> None:
+        """Send the status line and headers (``x-request-id`` added); ``with_body``: in
+        one write with the body bytes the caller sends next, at once (where the server
+        can: one segment and one wake-up of the client, not two, before the first token)."""
         self.started = True
         self.record.status = status
-        await self.send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [(b"x-request-id", self.record.request_id.encode()), *headers],
-            }
-        )
+        message = {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"x-request-id", self.record.request_id.encode()), *headers],
+        }
+        if with_body and self._send_head is not None:
+            await self._send_head(self.send, message)
+        else:
+            await self.send(message)
 
     async def body(self, data: bytes, *, more: bool) -> None:
         """Send body bytes; ``more=False`` ends the response."""
@@ -82,7 +102,8 @@ class Exchange:
 
     async def respond(self, status: int, data: bytes, headers: Headers = ()) -> None:
         """A whole response."""
-        await self.start(status, [(b"content-length", str(len(data)).encode()), *headers])
+        length = (b"content-length", str(len(data)).encode())
+        await self.start(status, [length, *headers], with_body=True)
         await self.body(data, more=False)
 
     async def json(self, status: int, data: bytes, headers: Headers = ()) -> None:

@@ -1,7 +1,7 @@
 """The gateway's HTTP server: hypercorn's HTTP/1.1 and HTTP/2 protocol code on connections the
 gateway owns, so that no single connection can hurt any other.
 
-``hypercorn.trio.serve`` has three defects the gateway works around here (read and tested in
+``hypercorn.trio.serve`` has these defects the gateway works around here (read and tested in
 hypercorn 0.17.3 and 0.18.0, the version in constraints.txt: ``trio/run.py``,
 ``trio/tcp_server.py``, ``protocol/h2.py``, ``protocol/http_stream.py``; re-check the
 wrappers below when upgrading it, tests/test_gateway_server.py sends each input):
@@ -36,11 +36,6 @@ wrappers below when upgrading it, tests/test_gateway_server.py sends each input)
    And the connection's end leaves each stream's buffer open, so a request whose response
    was ending (waiting for its last bytes to be sent) waited on after its client had gone,
    holding its slot; `_H2` closes them.
-5. **An HTTP/2 connection that never ends a stream has no idle timeout.** The HTTP/1.1
-   protocol stops the keep-alive timer on reading the preface as a request, and HTTP/2
-   restarts it only when a stream ends: a client that sends the preface and then nothing
-   (or PINGs, or a header block it never ends) held its connection, and with it a
-   ``max_connections`` place, forever. `_Protocols` restarts the timer at the switch.
 3. **Nothing bounds the connections.** Each one holds a file descriptor until its
    ``keep_alive_timeout`` (5 s idle); at the process's ``RLIMIT_NOFILE`` the gateway cannot
    open a connection to a replica (``EMFILE``: the request answered 502 ``connection``, as
@@ -50,13 +45,32 @@ wrappers below when upgrading it, tests/test_gateway_server.py sends each input)
    when the shutdown trigger fires), so a request a client sent on one just then meets a
    closed connection. Here they stay open while requests are in flight (a request on one is
    answered 503, ``Connection: close``), and close when the last request in flight ends.
+5. **An HTTP/2 connection that never ends a stream has no idle timeout.** The HTTP/1.1
+   protocol stops the keep-alive timer on reading the preface as a request, and HTTP/2
+   restarts it only when a stream ends: a client that sends the preface and then nothing
+   (or PINGs, or a header block it never ends) held its connection, and with it a
+   ``max_connections`` place, forever. `_Protocols` restarts the timer at the switch.
+
+Also: an answer sent before the request's body was read (a 401, a 404) is followed by
+hypercorn closing the connection when the body has not come by then, without saying so;
+`_H11` adds ``Connection: close`` to it.
+
+Two costs on the token path are taken out here too (issue 20, ``benchmarks/gateway.py``):
+hypercorn's write of each chunk takes a ``trio.Lock`` and a shielded cancel scope (two passes
+through Trio's scheduler), and goes through ``app_send``, ``stream_send`` and h11's ``send``
+(event objects, checks, the state machine): `_Connection.protocol_send` writes at once when
+the socket takes the bytes, and `_Connection._chunked` frames a streamed body's chunk itself
+where h11 writes chunked. A response head waits for the first body bytes
+(`_Connection.send_head`): one write before the first token, not two.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
+import os
 import resource
 import sys
 import traceback
@@ -71,15 +85,21 @@ import h2.exceptions
 import h11
 import hypercorn.config
 import trio
+from h11._writers import ChunkedWriter
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol import ProtocolWrapper
+from hypercorn.protocol.events import Event as StreamEvent
+from hypercorn.protocol.events import Response
 from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.protocol.h11 import H2CProtocolRequiredError, H2ProtocolAssumedError, H11Protocol
+from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
+
+from ._http import HOLD_HEAD
 
 if sys.version_info < (3, 11):  # pragma: no cover - Python 3.10
     from exceptiongroup import BaseExceptionGroup
@@ -197,6 +217,15 @@ class _Socket(trio.abc.HalfCloseableStream):
             finally:
                 self.progress_at = None
 
+    def write_now(self, data: bytes) -> int:
+        """Write what the socket's buffer takes of ``data`` without waiting: the bytes
+        written (0 when the buffer is full or on an error, which the waiting path then meets
+        and reports)."""
+        try:
+            return os.write(self.socket.fileno(), data)
+        except OSError:  # BlockingIOError, or a closed or broken socket (-1: closed)
+            return 0
+
     async def wait_send_all_might_not_block(self) -> None:
         await self._stream.wait_send_all_might_not_block()
 
@@ -216,8 +245,9 @@ class _Refused(Exception):
 
 class _H11(H11Protocol):
     """hypercorn's HTTP/1.1, with the switch to h2c (``Upgrade`` or the HTTP/2 preface) only
-    when HTTP/2 is served, and an ``Upgrade: h2c`` whose ``HTTP2-Settings`` hypercorn could not
-    decode (``binascii.Error`` after its 101) answered over HTTP/1.1 instead."""
+    when HTTP/2 is served, an ``Upgrade: h2c`` whose ``HTTP2-Settings`` hypercorn could not
+    decode (``binascii.Error`` after its 101) answered over HTTP/1.1 instead, and
+    ``Connection: close`` on an answer sent before the request's body was read."""
 
     http2 = True
 
@@ -229,6 +259,23 @@ class _H11(H11Protocol):
         elif not self.http2 or not _h2c_settings_decode(event.headers):
             return  # an `Upgrade: h2c` is ignored: answered over HTTP/1.1 (RFC 9113 §3.1)
         await super()._check_protocol(event)
+
+    async def stream_send(self, event: StreamEvent) -> None:
+        # hypercorn closes the connection after a response sent before the request's body
+        # was read to its end (``_maybe_recycle``) without saying so: a client then sends its
+        # next request on it before the close arrives and loses that request (a 401 or 413
+        # answered before the body). Say so (RFC 9112 section 9.6).
+        if (
+            type(event) is Response
+            and event.status_code >= 200
+            and self.connection.their_state is h11.SEND_BODY
+            and not any(name == b"connection" for name, _ in event.headers)
+        ):
+            event = dataclasses.replace(event, headers=[*event.headers, _CLOSE])
+        await super().stream_send(event)
+
+
+_CLOSE = (b"connection", b"close")
 
 
 def _h2c_settings_decode(headers: Iterable[tuple[bytes, bytes]]) -> bool:
@@ -347,6 +394,8 @@ class _Connection(TCPServer):
         self.requests: dict[trio.CancelScope, None] = {}  # in start order
         #: The h2 requests whose send waits, and since when (Trio time).
         self.sending: dict[trio.CancelScope, float] = {}
+        self._hold_head = False
+        self._held = b""
 
     async def run(self) -> None:
         # TCPServer.run without TLS, with `_Protocols` for ProtocolWrapper.
@@ -369,6 +418,53 @@ class _Connection(TCPServer):
         finally:
             await self._close()
 
+    async def protocol_send(self, event: Event) -> None:
+        """hypercorn's write, without its ``trio.Lock`` and shielded scope when the socket
+        takes the bytes at once (a token's chunk almost always: two passes through Trio's
+        scheduler, ~10 µs a token, saved); else, or while another task's write waits, the
+        locked, shielded, watched write as before. A write no task waits on cannot be cut in
+        half by a cancel, nor interleave with another's, so neither is needed for it.
+
+        A response head sent by `send_head` waits for the next write (the first body
+        bytes): one segment and one wake-up of the client for both (TTFT)."""
+        if type(event) is RawData:
+            data = event.data
+            if self._hold_head:
+                self._hold_head = False
+                self._held = data
+                return
+            if self._held:
+                data, self._held = self._held + data, b""
+            lock = self.send_lock
+            if lock.locked():
+                await super().protocol_send(RawData(data=data))  # in turn, after that write
+                return
+            sent = self.socket_.write_now(data)
+            if sent == len(data):
+                return
+            lock.acquire_nowait()  # free: nothing awaited since `locked()`
+            try:
+                with trio.CancelScope(shield=True):  # the rest of a chunk begun
+                    await self.stream.send_all(data[sent:])
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await self.protocol.handle(Closed())
+            finally:
+                lock.release()
+            return
+        if self._held:  # the response ends before its body (Closed): the head first
+            held, self._held = self._held, b""
+            await super().protocol_send(RawData(data=held))
+        await super().protocol_send(event)
+
+    async def send_head(self, send: Any, message: Any) -> None:
+        """``await send(message)`` (a response start), its bytes held for the next write
+        (the body bytes the caller sends at once: `protocol_send`)."""
+        self._hold_head = True
+        try:
+            await send(message)
+        finally:
+            self._hold_head = False
+
     async def _request(
         self, scope: Any, receive: Any, send: Any, _sync: Any = None, _call_soon: Any = None
     ) -> None:
@@ -387,6 +483,9 @@ class _Connection(TCPServer):
             server.requests += 1
             if scope.get("http_version") == "2":
                 send = self._timed(send, request)
+            else:
+                scope[HOLD_HEAD] = self.send_head
+                send = self._chunked(send)
             try:
                 await server.app(scope, receive, send)
             finally:
@@ -401,6 +500,36 @@ class _Connection(TCPServer):
                 scope.get("client", ("?",))[0],
                 2 * ABORT_GRACE,
             )
+
+    def _chunked(self, send: Any) -> Any:
+        """``send`` (HTTP/1.1), writing a streamed response's body bytes as one HTTP/1.1
+        chunk each straight to the connection, past hypercorn's ``app_send`` and
+        ``stream_send`` and h11's ``send`` (~7 µs a token: their event objects, checks and
+        state machine, for a state that does not change in the body), when h11 is writing
+        this response chunked (``ChunkedWriter``: its bytes, ``%x CRLF data CRLF``); every
+        other message, and any other state or h11 version, takes hypercorn's path."""
+        protocols = self.protocol
+        write = self.protocol_send
+
+        async def chunked(message: Any) -> None:
+            body = message.get("body")
+            if type(body) is bytes and body and message.get("more_body"):
+                h11_protocol = protocols.protocol
+                stream = getattr(h11_protocol, "stream", None)
+                connection = getattr(h11_protocol, "connection", None)
+                if (
+                    message["type"] == "http.response.body"
+                    and type(stream) is HTTPStream
+                    and stream.state is ASGIHTTPState.RESPONSE
+                    and type(connection) is h11.Connection
+                    and connection.our_state is h11.SEND_BODY
+                    and type(getattr(connection, "_writer", None)) is ChunkedWriter
+                ):
+                    await write(RawData(data=b"%x\r\n%s\r\n" % (len(body), body)))
+                    return
+            await send(message)
+
+        return chunked
 
     def _timed(self, send: Any, request: trio.CancelScope) -> Any:
         """``send`` noting in `sending` since when it waits (an h2 stream's window)."""

@@ -24,12 +24,26 @@ statistics -- asks this module (through `Attribution`) instead of reading error 
   once for the kinds named in ``Attribution.replica`` (a trusted caller whose 404 always
   means a replica's wrong configuration).
 
+A context-length error is the request's too (nothing counts against the replica), but only
+for that replica's window: `outgrew` says the request may still fail over, to a replica that
+declares a larger window (``Replica.context_window``); it is fatal only when none does. The
+replica's window is learned from it, per (replica, model): a request at least as large goes
+elsewhere when another replica can take it. The size is the request's own evidence (its
+estimated prompt plus its ``max_tokens``), so a caller asking for a huge ``max_tokens`` teaches
+only that a request that large does not fit.
+
 Two more rules live here because they are about blame, not errors:
 
 * **slow** (`is_slow`): an attempt hedged for lack of a first token counts as slow only if
   another attempt of the same request won *and* it had gone without a first token for the
   delay the fleet would have hedged it at: a caller's own shorter ``hedge_after`` is the
   caller's choice, and a loss within it says nothing about the replica.
+* **a caller's cancel is a delay sample only past the fleet's delay** (`informs_delay`): an
+  attempt the caller (or the request's own failure) cut short, before the delay the fleet
+  would have hedged it at, shows nothing about the tail the delay is set at, and counted
+  toward ``min_samples`` and the window's cap (instant cancels made a class "learned" from
+  one caller's no-information samples and moved every caller's delay). Lost races and
+  ``first_token_timeout`` are the fleet's own cuts: always samples.
 * **a lost race only raises a latency estimate**: a cancelled attempt's run time is a lower
   bound on its TTFT ("at least this slow"), never evidence that the replica is fast
   (``ReplicaState.observe_lower_bound``).
@@ -46,7 +60,7 @@ import attrs
 from .._attempt_error import REPLICA_KINDS, RETRYABLE_KINDS
 from ..errors import AttemptError, ErrorKind
 
-__all__ = ["Attribution", "Fault", "is_slow"]
+__all__ = ["Attribution", "Fault", "informs_delay", "is_slow", "outgrew"]
 
 
 class Fault(enum.Enum):
@@ -177,9 +191,24 @@ class Attribution:
         return Fault.MISCONFIGURED if served_elsewhere else Fault.REQUEST
 
 
+def outgrew(error: AttemptError) -> bool:
+    """Whether ``error`` says the request outgrew its replica's context window: the
+    request's fault there, but another replica with a larger window may take it."""
+    return error.kind is ErrorKind.CONTEXT_LENGTH_EXCEEDED
+
+
 def is_slow(*, another_won: bool, waited: float, fleet_delay: float | None) -> bool:
     """Whether a hedged attempt that lost counts as slow: another attempt of its request won,
     and it had waited ``waited`` seconds without a first token, at least the ``fleet_delay``
     the fleet would have hedged it at (``None``: the fleet never hedges on time, so only the
     caller chose to)."""
     return another_won and fleet_delay is not None and waited >= fleet_delay
+
+
+def informs_delay(*, ended_by_fleet: bool, ran: float, fleet_delay: float | None) -> bool:
+    """Whether a cancelled attempt's run time (``ran`` seconds, no first token) is a censored
+    sample for the delay learner: always when the fleet ended it (it lost a race, or
+    ``first_token_timeout`` passed), else (the caller left, or the request failed elsewhere)
+    only once it had run the ``fleet_delay`` the fleet would have hedged it at: earlier, the
+    time was the caller's choice and says nothing about the tail the delay is set at."""
+    return ended_by_fleet or (fleet_delay is not None and ran >= fleet_delay)

@@ -23,7 +23,11 @@ import attrs
 
 from .._validate import number
 
-__all__ = ["BudgetState", "HedgeBudget"]
+__all__ = ["EARLY_RESERVE", "BudgetState", "HedgeBudget"]
+
+#: The share of a budget's capacity that backups sent before the fleet's own delay (a caller's
+#: shorter ``hedge_after``) may not use: kept for the backups the fleet decided.
+EARLY_RESERVE = 0.5
 
 
 @attrs.frozen
@@ -109,9 +113,19 @@ class BudgetState:
         c = self._config
         return c.ratio * self._requests + c.min_per_second * c.window - self._backups
 
-    def allows(self, now: float) -> bool:
-        """Whether one more backup fits now. Spends nothing (see ``spend``)."""
-        return self.allowance(now) >= 1.0 - 1e-9
+    def allows(self, now: float, *, early: bool = False) -> bool:
+        """Whether one more backup fits now. Spends nothing (see ``spend``).
+
+        ``early``: a backup sent before the fleet's own hedge delay, at a caller's own
+        shorter ``hedge_after`` (the gateway's ``X-Hedge-After``). Those may bring the budget
+        down to half its capacity, never below: the other half stays for the backups the
+        fleet itself decided, so one caller asking for double sends cannot spend the backups
+        every other caller's stuck request needs."""
+        allowance = self.allowance(now)
+        if early:
+            c = self._config
+            allowance -= EARLY_RESERVE * (c.ratio * self._requests + c.min_per_second * c.window)
+        return allowance >= 1.0 - 1e-9
 
     def spend(self, now: float) -> None:
         """Count one backup that really started."""

@@ -1,8 +1,10 @@
 """The configuration classes: [`HedgePolicy`][trio_hedge.HedgePolicy] (one request's fixed plan, for
 [`hedged_stream`][trio_hedge.hedged_stream]) and [`HedgerConfig`][trio_hedge.HedgerConfig] (how a
 [`Hedger`][trio_hedge.Hedger] hedges). Both are frozen attrs values validated at construction;
-the six fields they share (attempt limits, the first-token rule, the three timeouts) are
-declared once, in `_SharedFields`, so one default and one rule hold for both.
+the fields they share (attempt limits, the first-token rule, the three timeouts, the back-off,
+the pushback wait, the recoveries) are declared once, in `_SharedFields`, so one default and
+one rule hold for both (but for ``max_recoveries``' default: a Hedger recovers, a one-off
+request does not).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any, Literal
 import attrs
 
 from .._validate import (
+    integer,
     number,
     optional_instance_of,
     positive_int,
@@ -65,6 +68,10 @@ class _SharedFields:
         return attrs.field(default=1.0, validator=positive_seconds)
 
     @staticmethod
+    def max_recoveries(default: int) -> Any:
+        return attrs.field(default=default, validator=integer(0))
+
+    @staticmethod
     def backoff() -> Any:
         return attrs.field(factory=Backoff, validator=optional_instance_of(Backoff))
 
@@ -114,6 +121,14 @@ class HedgePolicy:
             Default ``None``.
         close_timeout: seconds a loser's close may take before it is abandoned (its socket is
             closed regardless). Default 1.0.
+        max_recoveries: recovery attempts after the commit: when the winner breaks (a cut, a
+            stall, a malformed event, an in-band error), the answer goes on on another replica
+            by continuation or by replay and verify, with no gap and no repeated text
+            (``docs/recovery.md``). Each is an attempt (``trigger="recovery"``) within
+            ``max_attempts``. Default 0 here: a one-off request has no throttle or ejection
+            to bound what recoveries re-send, so it ends with
+            [`StreamInterrupted`][trio_hedge.StreamInterrupted] unless you ask
+            (a [`Hedger`][trio_hedge.Hedger] recovers by default).
         backoff: a [`Backoff`][trio_hedge.policy.Backoff] for repeated attempts on one replica
             (only with ``attempts_per_replica > 1``): the ``n``-th repeat waits up to
             ``min(0.1 × 2^(n−1), 5)`` seconds after that replica's last failure (full jitter,
@@ -137,6 +152,7 @@ class HedgePolicy:
     first_token_timeout: float | None = _shared.first_token_timeout()
     stall_timeout: float | None = _shared.stall_timeout()
     close_timeout: float = _shared.close_timeout()
+    max_recoveries: int = _shared.max_recoveries(0)
     backoff: Backoff | None = _shared.backoff()  # noqa: RUF009 (an attrs field)
     max_pushback_wait: float | None = _shared.max_pushback_wait()
 
@@ -172,6 +188,14 @@ class HedgerConfig:
             [`StreamInterrupted`][trio_hedge.StreamInterrupted] (``kind="stall"``); it counts
             against the replica's health. Default ``None``.
         close_timeout: seconds a loser's close may take. Default 1.0.
+        max_recoveries: recovery attempts a request may make after its commit, when the
+            winner breaks (a cut, a stall, a malformed event, an in-band error): the answer
+            goes on on another replica, by continuation where the replica declares its
+            engine's contract (``Replica.continuation``), else by replay and verify, with no
+            gap and no repeated text; a recovery that fails ends the answer with the original
+            failure's [`StreamInterrupted`][trio_hedge.StreamInterrupted]. Each is an attempt
+            (``trigger="recovery"``) under a failover's rules: the throttle, ejection and
+            ``max_attempts``. ``0`` turns recovery off. Default 2 (``docs/recovery.md``).
         budget: a [`HedgeBudget`][trio_hedge.policy.HedgeBudget] (default 10% + 0.5/s over 60 s) or
             ``None`` for no budget.
         throttle: a [`RetryThrottle`][trio_hedge.policy.RetryThrottle] (default 10 tokens, ratio
@@ -193,6 +217,11 @@ class HedgerConfig:
             when) and a later attempt is not sent. ``None`` waits as long as the caller's cancel
             scope allows. Default 10: a rate-limit window usually ends within seconds, and a
             caller who waits longer should say so (a batch job: raise it).
+        fallback_wait: seconds a peer may keep an attempt waiting before a replica marked
+            as a fallback (``Replica.fallback``) takes it: a peer cooling for at most this
+            long is waited for, and a peer that answered a single 500 or pushback
+            (``Retry-After``) of at most this long is tried once more (after it) before the
+            request falls back. Default 1.0.
         pick: where an attempt goes among the eligible replicas (ties in the given order):
             ``"peak_ewma"`` (default), the lowest ``latency × (attempts + 1)``, as Finagle's
             ``P2CPeakEwma`` and Linkerd's balancer cost a replica: ``latency`` is a peak-EWMA
@@ -228,6 +257,7 @@ class HedgerConfig:
     first_token_timeout: float | None = _shared.first_token_timeout()
     stall_timeout: float | None = _shared.stall_timeout()
     close_timeout: float = _shared.close_timeout()
+    max_recoveries: int = _shared.max_recoveries(2)
     budget: HedgeBudget | None = attrs.field(
         factory=HedgeBudget, validator=optional_instance_of(HedgeBudget)
     )
@@ -242,6 +272,7 @@ class HedgerConfig:
     )
     backoff: Backoff | None = _shared.backoff()  # noqa: RUF009 (an attrs field)
     max_pushback_wait: float | None = _shared.max_pushback_wait()
+    fallback_wait: float = attrs.field(default=1.0, validator=number(0.0))
     pick: Literal["peak_ewma", "least_loaded", "in_order"] = attrs.field(
         default="peak_ewma",
         validator=attrs.validators.in_(("peak_ewma", "least_loaded", "in_order")),
@@ -259,4 +290,5 @@ class HedgerConfig:
             first_token_timeout=self.first_token_timeout,
             stall_timeout=self.stall_timeout,
             close_timeout=self.close_timeout,
+            max_recoveries=self.max_recoveries,
         )

@@ -6,7 +6,7 @@ budget and the retry throttle, each replica's health and load, and the counters 
 [`statistics`][trio_hedge.Hedger.statistics]. It also makes the decisions that need the whole fleet:
 where an attempt goes among eligible replicas (`FleetState.pick`), how much of a TTFT a
 prompt's size explains (`FleetState.prefill`), and whether a failing replica is ejected
-under the fleet-wide cap (`FleetState.health_failure`, `FleetState.eject_for_model`; whether
+under the cap (`FleetState.health_failure`, `FleetState.eject_for_model`; whether
 it failed by its own fault, ``_blame.py`` decides).
 
 Trio is single-threaded, so the shared state needs no locks; every structure is bounded
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 import trio
@@ -27,11 +27,13 @@ from .._hooks import Scopes, emit
 from .._source import Source
 from ..events import EventHook, HedgeEvent
 from ..sources._bindable import BindableReplica
+from ..sources.probes import LoadProbe
 from ._blame import Attribution
 from ._budget import BudgetState
 from ._config import HedgerConfig
 from ._delay import DelayModel, LearnedDelay
 from ._health import ModelState, ModelStates, ReplicaState
+from ._load import ProbeState
 from ._quantiles import empirical_quantile
 from ._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
 from ._throttle import ThrottleState
@@ -56,6 +58,7 @@ class FleetCounts:
     attempts: int = 0
     hedges_sent: int = 0
     failovers: int = 0
+    recoveries: int = 0
     backup_wins: int = 0
     #: Hedges not sent, by reason.
     budget: int = 0
@@ -69,6 +72,9 @@ class FleetCounts:
     prompt_sent: int = 0
     prompt_resent: int = 0
     wasted: int = 0
+    #: Load probes: hedges refused on the engines' evidence, backups sent at once on it.
+    saturated: int = 0
+    at_once: int = 0
 
     def refused(self, reason: str, *, failover: bool) -> None:
         """Count a hedge (or failover) not sent, for ``reason``: ``"budget"``, ``"throttle"``
@@ -86,6 +92,10 @@ class FleetCounts:
             self.no_replica += 1
 
 
+def _no_model(_tokens: int) -> None:
+    return None
+
+
 class FleetState:
     """What every request of one Hedger shares (see the module docs).
 
@@ -96,6 +106,8 @@ class FleetState:
             [`SDKReplica`][trio_hedge.sources.openai_sdk.SDKReplica] -- or any
             [`Source`][trio_hedge.sources.Source]), names unique (checked by the caller).
         on_event: the hooks events go to; the list is shared, not copied.
+        probes: the [`LoadProbe`][trio_hedge.sources.probes.LoadProbe] of each probed
+            replica, by its index in ``replicas``.
     """
 
     def __init__(
@@ -103,12 +115,21 @@ class FleetState:
         config: HedgerConfig,
         replicas: Sequence[BindableReplica | Source],
         on_event: list[EventHook],
+        probes: Mapping[int, LoadProbe] | None = None,
     ) -> None:
         self.config = config
         self.on_event = on_event
         self.replicas = [
-            ReplicaState(index=i, name=r.name, source=r) for i, r in enumerate(replicas)
+            ReplicaState(
+                index=i,
+                name=r.name,
+                source=r,
+                context_window=getattr(r, "context_window", None),
+                fallback=getattr(r, "fallback", False) is True,
+            )
+            for i, r in enumerate(replicas)
         ]
+        self.has_fallback = any(r.fallback for r in self.replicas)
         delay = config.hedge_after
         self.model = DelayModel(delay) if isinstance(delay, LearnedDelay) else None
         self.budget = BudgetState(config.budget) if config.budget is not None else None
@@ -120,6 +141,12 @@ class FleetState:
         self.counts = FleetCounts()
         self.attribution: Attribution = config.attribution
         self.models = ModelStates(MODEL_STATES)
+        probes = probes or {}
+        #: Each replica's engine evidence (``None``: not probed); ``probed``: any is.
+        self.probes: list[ProbeState | None] = [
+            ProbeState(probes[i]) if i in probes else None for i in range(len(self.replicas))
+        ]
+        self.probed = bool(probes)
         self._serial = 0
 
     def next_serial(self) -> int:
@@ -131,7 +158,15 @@ class FleetState:
     def model_state(self, replica: ReplicaState, model: str) -> ModelState | None:
         return self.models.get(replica.index, model)
 
-    def pick(self, eligible: list[ReplicaState], now: float) -> ReplicaState:
+    def pick(
+        self,
+        eligible: list[ReplicaState],
+        now: float,
+        prefill: Callable[[int], float | None] | None = None,
+    ) -> ReplicaState:
+        """Where an attempt goes among ``eligible``: the lowest peak-EWMA cost, or, for a
+        replica whose engine reading is fresh, its predicted TTFT (`predicted`); ``prefill``
+        is the request's prefill model (seconds for a number of tokens)."""
         pick = self.config.pick
         if pick == "in_order" or len(eligible) == 1:
             return eligible[0]
@@ -142,10 +177,44 @@ class FleetState:
         best_key = (math.inf, 0)
         for r in eligible:
             latency, n = r.load(now, decay)
-            key = (latency * (n + 1), n)  # ties: fewer attempts, then the given order
+            cost = latency * (n + 1)
+            if self.probed:
+                predicted = self.predicted(r, now, prefill, count=True)
+                if predicted is not None:
+                    cost = predicted
+            key = (cost, n)  # ties: fewer attempts, then the given order
             if key < best_key:
                 best, best_key = r, key
         return best
+
+    def predicted(
+        self,
+        replica: ReplicaState,
+        now: float,
+        prefill: Callable[[int], float | None] | None,
+        *,
+        count: bool = False,
+    ) -> float | None:
+        """The seconds a new request would wait on ``replica`` before its prefill starts,
+        from its engine's fresh reading (``inf``: saturated), raised to the age of this
+        Hedger's oldest attempt waiting there for a first token (it says the replica is at
+        least that slow now, whatever the engine reports); ``None`` without a fresh reading
+        (the caller then uses its own view). ``count``: count the decision in statistics."""
+        state = self.probes[replica.index]
+        if state is None:
+            return None
+        reading = state.fresh(now)
+        if reading is None:
+            if count:
+                state.used_own += 1
+            return None
+        if count:
+            state.used_probe += 1
+        wait = state.predicted_wait(reading, prefill or _no_model)
+        if replica.waiting:
+            oldest = next(iter(replica.waiting.values()))
+            wait = max(wait, now - oldest)
+        return wait
 
     def prefill(self, group: str, tokens: int | None, now: float) -> float:
         """The seconds of a TTFT that the group's prefill model puts down to the prompt's
@@ -162,22 +231,31 @@ class FleetState:
         if self.on_event:
             emit(self.on_event, event, scopes)
 
-    def health_failure(self, replica: ReplicaState, now: float) -> float | None:
-        """Count one failure in ``replica``'s run; eject it if it is due and the fleet-wide
-        cap (``max_ejection_percent``, never the last replica) has room. Returns when the
+    def health_failure(self, replica: ReplicaState, model: str, now: float) -> float | None:
+        """Count one failure in ``replica``'s run, seen by a request for ``model``; eject it
+        if it is due and the cap (``max_ejection_percent``, never the last replica) has room
+        among the replicas out for ``model``: ejected whole or for that model. An ejection
+        for another model does not fill it (one request for a model only some replicas serve
+        would otherwise keep a failing replica in for every caller). Returns when the
         ejection ends, or ``None`` (not ejected)."""
         config = self.config.outlier_detection
         if not replica.failure(now, config):
             return None
         assert config is not None
-        ejected = 0
-        for r in self.replicas:
-            ejected += r.ejected_until > now or r.model_ejected_until > now
-        if ejected >= self.ejection_limit:
+        if self._out_for(model, now) >= self.ejection_limit:
             self.counts.ejections_capped += 1
             return None
         replica.eject(now, config)
         return replica.ejected_until
+
+    def _out_for(self, model: str, now: float) -> int:
+        """How many replicas are out for ``model`` now: ejected whole or for it."""
+        out = 0
+        models = self.models
+        for r in self.replicas:
+            state = models.get(r.index, model)
+            out += r.ejected_until > now or (state is not None and state.ejected_until > now)
+        return out
 
     def eject_for_model(self, replica: ReplicaState, model: str, now: float) -> float | None:
         """Eject ``replica`` for ``model`` at once (an error that is its own fault for that
@@ -189,19 +267,29 @@ class FleetState:
         current = self.models.get(replica.index, model)
         if replica.ejected(now) or (current is not None and current.ejected_until > now):
             return None
-        ejected = 0
-        for r in self.replicas:
-            state = self.models.get(r.index, model)
-            ejected += r.ejected_until > now or (state is not None and state.ejected_until > now)
-        if ejected >= self.ejection_limit:
+        if self._out_for(model, now) >= self.ejection_limit:
             self.counts.ejections_capped += 1
             return None
         state = self.models.make(replica.index, model)
         state.ejections += 1
         replica.times_ejected += 1
         state.ejected_until = now + config.ejection_time(state.ejections)
-        replica.model_ejected_until = max(replica.model_ejected_until, state.ejected_until)
         return state.ejected_until
+
+    def _probe_statistics(self, r: ReplicaState, now: float) -> dict[str, object]:
+        state = self.probes[r.index]
+        if state is None:
+            return {}
+        fresh = state.fresh(now)
+        return {
+            "probe": state.status(now),
+            "probe_age": None if state.reading is None else now - state.read_at,
+            "probe_polls": state.polls,
+            "probe_failures": state.failures,
+            "predicted_wait": None if fresh is None else self.predicted(r, now, None),
+            "probe_decisions": state.used_probe,
+            "own_view_decisions": state.used_own,
+        }
 
     def _replica_statistics(self, r: ReplicaState, now: float) -> ReplicaStatistics:
         cooling_until = ejected_until = -math.inf
@@ -236,6 +324,7 @@ class FleetState:
             lost_races=r.lost_races,
             cooling_models=tuple(sorted(cooling_models)),
             ejected_models=tuple(sorted(ejected_models)),
+            **self._probe_statistics(r, now),  # type: ignore[arg-type]
         )
 
     def statistics(self) -> HedgerStatistics:
@@ -271,6 +360,7 @@ class FleetState:
             attempts=c.attempts,
             hedges_sent=c.hedges_sent,
             failovers=c.failovers,
+            recoveries=c.recoveries,
             backup_wins=c.backup_wins,
             hedges_refused=c.budget + c.throttle + c.no_replica,
             budget_refusals=c.budget,
@@ -292,4 +382,6 @@ class FleetState:
             delays=tuple(delays),
             replicas=replicas,
             prefill=() if self.model is None else tuple(self.model.fits(now)),
+            saturated_refusals=c.saturated,
+            hedges_at_once=c.at_once,
         )

@@ -57,7 +57,9 @@ class OutlierDetection:
             never ejected. Default ``100 / 3``: a third (1 of 2–5 replicas, 2 of 6–8).
             Envoy's default is 10%; a hedger has few replicas and needs one left to hedge
             to. A replica that reaches its threshold while the cap is full stays in, at
-            the threshold, and goes at its next failure once there is room.
+            the threshold, and goes at its next failure once there is room. The replicas
+            counted are those out for the model of the request that saw the failure
+            (ejected whole or for that model), not those out for another model only.
 
     What counts (``docs/guarantees.md``, "Who is blamed for what"; decided in one place,
     [`Attribution`][trio_hedge.policy.Attribution]): a transient error of the replica's
@@ -107,8 +109,6 @@ class ReplicaState:
     source: Any  # a Replica or a Source
     in_flight: int = 0
     ejected_until: float = float("-inf")
-    # The latest end of an ejection of it for some model (for the fleet-wide cap).
-    model_ejected_until: float = float("-inf")
     consecutive: int = 0
     ejections: int = 0  # since the last success: drives the growing back-off
     times_ejected: int = 0  # ever, for statistics
@@ -124,6 +124,10 @@ class ReplicaState:
     latency_at: float = float("-inf")
     waiting: dict[object, float] = attrs.Factory(dict)
     lingering: list[tuple[float, float]] = attrs.Factory(list)
+    # Its declared context window (tokens; ``Replica.context_window``), or None: unknown.
+    context_window: int | None = None
+    # Used only when no peer can take an attempt in time (``Replica.fallback``).
+    fallback: bool = False
 
     def latency_now(self, now: float, decay: float) -> float:
         """The peak-EWMA TTFT estimate now: the last value, decayed toward zero with time
@@ -186,7 +190,7 @@ class ReplicaState:
 
     def failure(self, now: float, config: OutlierDetection | None) -> bool:
         """Count one failure in its run; returns whether the replica is due for ejection
-        (the caller checks the fleet-wide cap, then calls `eject`). A replica held at the
+        (the caller checks the cap, then calls `eject`). A replica held at the
         threshold while the cap keeps it in goes at its next failure once there is room."""
         if config is None or self.ejected(now):
             return False
@@ -209,6 +213,9 @@ class ModelState:
     cooling_until: float = float("-inf")
     ejected_until: float = float("-inf")
     ejections: int = 0  # for this model, since its last success there
+    # The smallest request (estimated prompt tokens plus max_tokens) it answered a
+    # context-length error to: its window is smaller (learned, _blame.outgrew).
+    too_long_at: float = float("inf")
 
     def push_back(self, now: float, seconds: float) -> None:
         self.cooling_until = max(self.cooling_until, now + seconds)

@@ -26,12 +26,12 @@ import trio
 
 from .._hooks import Scopes
 from .._source import Source
-from ..errors import AttemptError, ReplicasCooling, StreamInterrupted
+from ..errors import AttemptError, ReplicasCooling
 from ..events import EventKind, HedgeEvent
 from ..report import AttemptOutcome, AttemptRecord, Report
 from ..sources._bindable import BindableReplica
 from ._backoff import backoff_delay, jitter_draw
-from ._blame import Fault, is_slow
+from ._blame import Fault, informs_delay, is_slow, outgrew
 from ._fleet import FleetState
 from ._health import ReplicaState
 
@@ -59,6 +59,7 @@ class RequestPlanner:
         hedgeable: bool,
         hedge_after: float | None = None,
         model: str | None = None,
+        context_tokens: int | None = None,
     ) -> None:
         self._fleet = fleet
         self._make_source = bind
@@ -92,6 +93,14 @@ class RequestPlanner:
         self._winner: ReplicaState | None = None
         self._started = 0
         self._finished = False
+        # The context window the request needs (estimated prompt plus max_tokens), and whether
+        # a replica answered it a context-length error (then only a declared larger window).
+        self._need = context_tokens
+        self._outgrown = False
+        self._retried: set[int] | None = None  # peers given one more try before a fallback
+        # Load probes: a refusal on the engines' evidence; attempts hedged at once on it.
+        self._saturated = False
+        self._at_once: set[int] | None = None
 
     # -- where -------------------------------------------------------------------------------
 
@@ -99,10 +108,69 @@ class RequestPlanner:
         if self._max_attempts is not None and self._started >= self._max_attempts:
             return []
         used, limit = self._used, self._per_replica
-        return [r for r in self._fleet.replicas if used[r.index] < limit]
+        out = [r for r in self._fleet.replicas if used[r.index] < limit]
+        if (self._need is None and not self._outgrown) or not out:
+            return out
+        fitting = [r for r in out if self._fits(r, self._need or 0)]
+        # Before any context-length error, an estimate never empties the plan (the servers
+        # decide); after one, only a replica that says it has room is tried (_blame.outgrew).
+        return fitting if fitting or self._outgrown else out
+
+    def _fits(self, replica: ReplicaState, need: int) -> bool:
+        """Whether ``replica``'s window, declared or learned for this model, takes ``need``
+        tokens (after a context-length error in this request: only a declared one)."""
+        window = replica.context_window
+        if window is None and self._outgrown:
+            return False
+        if window is not None and need > window:
+            return False
+        models = self._fleet.models
+        state = models.get(replica.index, self._model) if len(models) else None
+        return state is None or need < state.too_long_at
+
+    def fails_over(self, error: AttemptError) -> bool:
+        """Whether a request-fault ``error`` may still fail over: a context-length error,
+        while a replica that declares a larger window is left (the race asks)."""
+        return outgrew(error) and bool(self._candidates())
 
     def _choose(
-        self, candidates: list[ReplicaState], now: float, deadline: float, *, primary: bool
+        self,
+        candidates: list[ReplicaState],
+        now: float,
+        deadline: float,
+        *,
+        primary: bool,
+        hedge: bool = False,
+    ) -> tuple[ReplicaState | None, float, float]:
+        """As `_choose_among`, peers first: a replica marked as a fallback
+        (``Replica.fallback``) only when no peer can take the attempt within
+        ``fallback_wait`` seconds (a peer that will, after a short cooldown, is waited for)."""
+        fallbacks = [r for r in candidates if r.fallback]
+        if not fallbacks or len(fallbacks) == len(candidates):
+            return self._choose_among(candidates, now, deadline, primary=primary, hedge=hedge)
+        peers = [r for r in candidates if not r.fallback]
+        saturated = self._saturated
+        chosen, wait_until, beyond = self._choose_among(
+            peers, now, deadline, primary=primary, hedge=hedge
+        )
+        if chosen is not None or wait_until <= now + self._fleet.config.fallback_wait:
+            return chosen, wait_until, beyond
+        other, other_wait, other_beyond = self._choose_among(
+            fallbacks, now, deadline, primary=primary, hedge=hedge
+        )
+        if other is not None:
+            self._saturated = saturated  # the peers' saturation refused nothing
+            return other, now, now
+        return None, min(wait_until, other_wait), min(beyond, other_beyond)
+
+    def _choose_among(
+        self,
+        candidates: list[ReplicaState],
+        now: float,
+        deadline: float,
+        *,
+        primary: bool,
+        hedge: bool,
     ) -> tuple[ReplicaState | None, float, float]:
         """``(replica, wait_until, beyond)``: the replica for an attempt now, else ``None``,
         the earliest time one may take it within the wait bound (``deadline``), and the
@@ -145,7 +213,43 @@ class RequestPlanner:
             used = self._used
             fewest = min(used[r.index] for r in ready)
             ready = [r for r in ready if used[r.index] == fewest]
-        return self._fleet.pick(ready, now), now, now
+        if hedge and self._fleet.probed:
+            ready = self._faster(ready, now)
+            if not ready:
+                return None, math.inf, math.inf
+        return self._fleet.pick(ready, now, self._prefill(now)), now, now
+
+    def _prefill(self, now: float) -> Callable[[int], float | None] | None:
+        """This request's prefill model for the load probes' predictions (``None``: the
+        Hedger has none; each probe's ``prefill_rate`` then)."""
+        fleet = self._fleet
+        if fleet.model is None:
+            return None
+        group = self._group
+        return lambda tokens: fleet.prefill(group, tokens, now)
+
+    def _faster(self, ready: list[ReplicaState], now: float) -> list[ReplicaState]:
+        """Of ``ready``, the replicas a backup may go to on the engines' evidence: when every
+        attempt running has a fresh prediction, only those predicted sooner than the best of
+        them (none when all are saturated). A replica without a fresh reading stays in, and
+        nothing is filtered when a running attempt's replica has none: no evidence is never
+        a reason not to hedge (fail open)."""
+        fleet = self._fleet
+        prefill = self._prefill(now)
+        target = math.inf
+        for replica in self._running.values():
+            predicted = fleet.predicted(replica, now, prefill)
+            if predicted is None:
+                return ready
+            target = min(target, predicted)
+        kept = []
+        for r in ready:
+            predicted = fleet.predicted(r, now, prefill)
+            if predicted is None or predicted < target:
+                kept.append(r)
+        if not kept:
+            self._saturated = True  # counted when the refusal is
+        return kept
 
     def _bind(self, replica: ReplicaState) -> Source:
         source = self._bound.get(replica.index)
@@ -159,7 +263,9 @@ class RequestPlanner:
         fleet = self._fleet
         primary = number == 1
         throttle = fleet.throttle
-        if trigger == "failover" and throttle is not None and not throttle.allows:
+        # A recovery after the commit goes as a failover does (throttle, ejection, the plan).
+        retry = trigger == "failover" or trigger == "recovery"
+        if retry and throttle is not None and not throttle.allows:
             # gRFC A6: at or below half the tokens, no retries either (a primary always goes).
             if self._candidates():
                 self._refuse("throttle", trio.current_time(), failover=True)
@@ -171,17 +277,19 @@ class RequestPlanner:
         if self._began is None:
             self._began = start  # the race begins with its primary
         timeout = config.first_token_timeout
-        if timeout is not None:
+        if timeout is not None and trigger != "recovery":
             # Nor past the race's first_token_timeout: a replica cooling beyond it could not
             # give a first token in time, so it is not waited for (the caller's own scope
-            # just cancels the wait).
+            # just cancels the wait). A recovery's race, after the commit, has no such timeout.
             deadline = max(start, min(deadline, self._began + timeout))
         while True:
             candidates = self._candidates()
             if not candidates:
                 return None  # the plan is used up: not a refusal
             now = trio.current_time()
-            chosen, wait_until, beyond = self._choose(candidates, now, deadline, primary=primary)
+            chosen, wait_until, beyond = self._choose(
+                candidates, now, deadline, primary=primary, hedge=trigger == "hedge"
+            )
             if chosen is not None:
                 return self._bind(chosen)
             if wait_until == math.inf:
@@ -209,9 +317,36 @@ class RequestPlanner:
             self._fleet_delays = {}
         self._fleet_delays[number] = delay
         if self._hedge_after is not None:
-            return self._hedge_after  # the caller's own delay for this request, as given
+            delay = self._hedge_after  # the caller's own delay for this request, as given
         assert delay is not None  # hedgeable without a delay of its own
+        if delay > 0 and self._fleet.probed and self._slow_on_evidence(number, delay):
+            if self._at_once is None:
+                self._at_once = set()
+            self._at_once.add(number)
+            return 0.0
         return delay
+
+    def _slow_on_evidence(self, number: int, delay: float) -> bool:
+        """Whether the engine's fresh reading predicts attempt ``number`` waits longer than
+        ``delay`` for its prefill, and a replica a backup may go to is predicted sooner: then
+        the backup goes at once, instead of waiting for a timer the engine has answered. What
+        the fleet would have waited stays what blames a loser (`_blame.is_slow`): a replica
+        busy for other tenants is not slow for losing a race it was never given time for."""
+        replica = self._running.get(number)
+        if replica is None:
+            return False
+        now = trio.current_time()
+        fleet = self._fleet
+        predicted = fleet.predicted(replica, now, self._prefill(now))
+        if predicted is None or predicted <= delay:
+            return False
+        candidates = self._candidates()
+        if not candidates:
+            return False
+        saturated = self._saturated
+        chosen = self._choose(candidates, now, now, primary=False, hedge=True)[0]
+        self._saturated = saturated  # a check, not a refusal
+        return chosen is not None
 
     def _fleet_delay(self, number: int, now: float) -> float | None:
         """The delay the fleet would hedge attempt ``number`` at (learned or fixed; ``None``:
@@ -266,19 +401,37 @@ class RequestPlanner:
         if not candidates:
             return True  # nothing left to send: next_source ends the plan; not a refusal
         now = trio.current_time()
-        if self._choose(candidates, now, now, primary=False)[0] is None:
-            return self._refuse("no_replica", now)  # ejected, cooling or backing off
+        if self._choose(candidates, now, now, primary=False, hedge=True)[0] is None:
+            # Ejected, cooling or backing off; or (load probes) none predicted sooner.
+            return self._refuse("no_replica", now)
         if fleet.throttle is not None and not fleet.throttle.allows:
             return self._refuse("throttle", now)
-        if fleet.budget is not None and not fleet.budget.allows(now):
+        if fleet.budget is not None and not fleet.budget.allows(now, early=self._early(now)):
             return self._refuse("budget", now)
         return True
+
+    def _early(self, now: float) -> bool:
+        """Whether a hedge now would go before the fleet's own delay for the attempt it backs
+        up: the caller's own shorter ``hedge_after`` chose it (it then draws on only part of
+        the shared budget, `BudgetState.allows`)."""
+        if self._hedge_after is None or not self._fleet_delays:
+            return False
+        number = max(self._fleet_delays)
+        fleet_delay = self._fleet_delays[number]
+        if fleet_delay is None:
+            return True  # the fleet never hedges on time: only the caller asked for it
+        replica = self._running.get(number)
+        started = None if replica is None else replica.waiting.get((self, number))
+        return started is not None and now - started < fleet_delay
 
     def _refuse(self, reason: str, now: float, *, failover: bool = False) -> bool:
         """Count and announce a hedge (or failover) not sent, for ``reason``: ``budget``,
         ``throttle`` or ``no_replica``."""
         fleet = self._fleet
         fleet.counts.refused(reason, failover=failover)
+        if self._saturated:
+            self._saturated = False
+            fleet.counts.saturated += 1
         kind = EventKind.FAILOVER_REFUSED if failover else EventKind.HEDGE_REFUSED
         self._emit(kind, now, reason=reason)
         return False
@@ -306,33 +459,57 @@ class RequestPlanner:
             # (a hedged attempt that lost was blamed at the commit), a censored sample.
             kind = EventKind.ATTEMPT_CANCELLED
             self._end(record.number)
-            if self._winner is not None:
+            # A recovery is never hedged (it loses no race), and its time without new text
+            # includes reproducing the answer so far: no sample, not even a censored one.
+            recovery = record.trigger == "recovery"
+            lost = self._winner is not None and not recovery
+            if lost:
                 replica.lost_races += 1
+            probe = self._fleet.probes[replica.index] if self._fleet.probed else None
+            if probe is not None and record.ttft is None:
+                probe.cancelled(now)  # its prefill may run: no poll may keep it alive
             if (
-                record.ttft is None
+                not recovery
+                and record.ttft is None
                 and record.started_at is not None
                 and record.ended_at is not None
             ):
-                self._censored(replica, record, record.ended_at - record.started_at, now)
+                ran = record.ended_at - record.started_at
+                sample = informs_delay(
+                    ended_by_fleet=lost or outcome is AttemptOutcome.TIMEOUT,
+                    ran=ran,
+                    fleet_delay=self._asked_delay(record.number, now),
+                )
+                self._censored(replica, record, ran, now, sample=sample)
         else:  # pragma: no cover - the race reports no other outcome
             return
         self._emit(kind, now, replica.name, record=record)
 
+    def _asked_delay(self, number: int, now: float) -> float | None:
+        """The delay the fleet would hedge attempt ``number`` at, as asked when it started
+        (else now: a request that may not hedge asks none, nor a planner driven without
+        ``hedge_delay``)."""
+        asked = self._fleet_delays
+        if asked is not None and number in asked:
+            return asked[number]
+        return self._fleet_delay(number, now)
+
     def _censored(
-        self, replica: ReplicaState, record: AttemptRecord, ran: float, now: float
+        self, replica: ReplicaState, record: AttemptRecord, ran: float, now: float, *, sample: bool
     ) -> None:
         """An attempt cancelled after ``ran`` seconds without a first token: its TTFT is at
-        least that (right-censored) for the delay learner and for its replica's latency; and
-        its server may still be prefilling it (llama.cpp notices a disconnect only when the
-        prefill ends): it counts as in flight there until the prefill model's median for its
-        size has passed since it started."""
+        least that (right-censored) for the delay learner (if ``sample``: _blame.informs_delay)
+        and for its replica's latency; and its server may still be prefilling it (llama.cpp
+        notices a disconnect only when the prefill ends): it counts as in flight there until
+        the prefill model's median for its size has passed since it started."""
         fleet = self._fleet
         tokens = self._tokens
         model = fleet.model
         if model is not None:
-            model.observe(
-                self._group, self._class, now, ran, False, tokens, replica.name, record.number
-            )
+            if sample:
+                model.observe(
+                    self._group, self._class, now, ran, False, tokens, replica.name, record.number
+                )
             fit = model.fit(self._group, now)
             if fit is not None:
                 x = model.tokens_of(self._class) if tokens is None else tokens
@@ -354,6 +531,9 @@ class RequestPlanner:
         self._used[replica.index] += 1
         self._running[record.number] = replica
         replica.waiting[(self, record.number)] = now
+        probe = fleet.probes[replica.index] if fleet.probed else None
+        if probe is not None:
+            probe.started(now, self._tokens or 0)
         replica.in_flight += 1
         replica.attempts += 1
         counts.attempts += 1
@@ -364,6 +544,8 @@ class RequestPlanner:
                 fleet.budget.request(now)
         if record.trigger == "hedge":
             counts.hedges_sent += 1
+            if self._at_once is not None and record.number - 1 in self._at_once:
+                counts.at_once += 1
             if fleet.budget is not None:
                 fleet.budget.spend(now)  # spent now it really started, not when checked
             # The attempt before had no first token within the hedge delay. Whether that
@@ -375,14 +557,11 @@ class RequestPlanner:
                 if self._hedged_over is None:
                     self._hedged_over = []
                 number = record.number - 1
-                asked = self._fleet_delays
-                if asked is not None and number in asked:
-                    fleet_delay = asked[number]
-                else:  # a planner driven without hedge_delay (tests): the fleet's now
-                    fleet_delay = self._fleet_delay(number, now)
-                self._hedged_over.append((number, started, fleet_delay))
+                self._hedged_over.append((number, started, self._asked_delay(number, now)))
         elif record.trigger == "failover":
             counts.failovers += 1
+        elif record.trigger == "recovery":
+            counts.recoveries += 1
 
     def _won(self, replica: ReplicaState, record: AttemptRecord, now: float) -> None:
         fleet = self._fleet
@@ -395,6 +574,8 @@ class RequestPlanner:
                 fleet.throttle.refund(self._taken)
                 self._taken = 0
         replica.waiting.pop((self, record.number), None)
+        if record.trigger == "recovery":
+            return  # its time to new text is no TTFT (it may have reproduced a long prefix)
         if record.ttft is not None:  # None: an empty answer won, with no token to time
             model = fleet.model
             if model is not None:
@@ -425,7 +606,7 @@ class RequestPlanner:
                     waited=now - started,
                     fleet_delay=fleet_delay,
                 ):
-                    self._ejected(slow, fleet.health_failure(slow, now), "slow", now)
+                    self._ejected(slow, fleet.health_failure(slow, self._model, now), "slow", now)
 
     def _end(self, number: int) -> None:
         replica = self._running.pop(number, None)
@@ -436,6 +617,8 @@ class RequestPlanner:
     def _failed(self, replica: ReplicaState, error: AttemptError, now: float) -> None:
         fleet = self._fleet
         fault = fleet.attribution.fault(error)
+        if outgrew(error):
+            self._outgrew(replica)
         retry_after = error.retry_after
         # Pushback cools the replica for this model, unless the error is the request's (or
         # waits for the evidence: a quota error's pushback is as much the caller's as it).
@@ -443,7 +626,9 @@ class RequestPlanner:
             self._cool(replica, retry_after, error, now)
         if fault is Fault.REPLICA:
             replica.failures += 1
-            self._ejected(replica, fleet.health_failure(replica, now), error.kind.value, now)
+            self._ejected(
+                replica, fleet.health_failure(replica, self._model, now), error.kind.value, now
+            )
         elif fault is Fault.MISCONFIGURED:
             self._misconfigured(replica, error, now)
         elif fault is Fault.UNDECIDED:
@@ -467,6 +652,39 @@ class RequestPlanner:
             self._retry_at[index] = now + backoff_delay(repeat, backoff, draw)
         if (fault is Fault.REPLICA or fault is Fault.PUSHBACK) and fleet.throttle is not None:
             self._taken += fleet.throttle.failure()
+        if fault is Fault.REPLICA or fault is Fault.PUSHBACK:
+            self._retry_before_falling_back(replica, error)
+
+    def _retry_before_falling_back(self, replica: ReplicaState, error: AttemptError) -> None:
+        """A peer that answered a single 500, or pushback of at most ``fallback_wait``
+        seconds, is tried once more (after its ``Retry-After``) before a fallback, when only
+        fallbacks are left: LiteLLM's users expect the preferred model to be retried first.
+        The report says which happened: the next attempt's replica."""
+        if replica.fallback or not self._fleet.has_fallback:
+            return
+        index, used, limit = replica.index, self._used, self._per_replica
+        if used[index] < limit or (self._retried is not None and index in self._retried):
+            return
+        wait = self._fleet.config.fallback_wait
+        short = error.retry_after is not None and 0 < error.retry_after <= wait
+        if not (error.status_code == 500 or short):
+            return
+        if any(not r.fallback and used[r.index] < limit for r in self._fleet.replicas):
+            return  # another peer goes first
+        if self._retried is None:
+            self._retried = set()
+        self._retried.add(index)
+        used[index] -= 1
+
+    def _outgrew(self, replica: ReplicaState) -> None:
+        """``replica`` answered that the request does not fit its window: learn it (for this
+        model, from this request's own size), and need more than its window from now on."""
+        need = self._need
+        if need is not None:
+            state = self._fleet.models.make(replica.index, self._model)
+            state.too_long_at = min(state.too_long_at, need)
+        self._outgrown = True
+        self._need = max(need or 0, (replica.context_window or 0) + 1)
 
     def _cool(self, replica: ReplicaState, seconds: float, error: AttemptError, now: float) -> None:
         """Server pushback: no attempt for this model goes to ``replica`` for ``seconds``."""
@@ -515,15 +733,18 @@ class RequestPlanner:
                 served = winner is not None and winner is not replica
                 if settle(served_elsewhere=served) is Fault.MISCONFIGURED:
                     self._misconfigured(replica, failure, now)
-        error = report.error
-        if (
-            isinstance(error, StreamInterrupted)
-            and winner is not None
-            and fleet.attribution.after_commit(error.error) is Fault.REPLICA
-        ):
-            # The winner failed after commit (a stall, a cut): its replica's health suffers.
-            winner.failures += 1
-            self._ejected(winner, fleet.health_failure(winner, now), error.error.kind.value, now)
+        broke = [a for a in report.attempts if a.outcome is AttemptOutcome.WON and a.error]
+        if broke:
+            # A winner that failed after the commit (a stall, a cut), recovered elsewhere or
+            # not: its replica's health suffers.
+            by_name = {r.name: r for r in fleet.replicas}
+            for record in broke:
+                assert record.error is not None
+                at = by_name.get(record.replica)
+                if at is not None and fleet.attribution.after_commit(record.error) is Fault.REPLICA:
+                    at.failures += 1
+                    until = fleet.health_failure(at, self._model, now)
+                    self._ejected(at, until, record.error.kind.value, now)
         counts.wasted += report.wasted_tokens
         counts.prompt_resent += report.prompt_tokens_resent or 0
         self._emit(EventKind.REQUEST_FINISHED, now, report=report)

@@ -40,7 +40,20 @@ class DelayStatistics:
     learned: bool
 
 
-@attrs.frozen
+_PROBE_FIELDS = frozenset(
+    (
+        "probe",
+        "probe_age",
+        "probe_polls",
+        "probe_failures",
+        "predicted_wait",
+        "probe_decisions",
+        "own_view_decisions",
+    )
+)
+
+
+@attrs.frozen(repr=False)
 class ReplicaStatistics:
     """One replica's health.
 
@@ -72,6 +85,21 @@ class ReplicaStatistics:
         cooling_models: the models it is cooling for now (pushback is kept per model).
         ejected_models: the models it is ejected for now (an error that was its own fault
             for that model), not counting an ejection for every model (``state``).
+        probe: its [`LoadProbe`][trio_hedge.sources.probes.LoadProbe]'s state: ``"off"`` (no
+            probe, or the Hedger not entered with ``async with``), ``"waiting"`` (no poll
+            answered yet), ``"fresh"`` (its reading is evidence now), ``"stale"`` (older than
+            ``max_age``: the own view is used) or ``"failing"`` (its last poll failed: the
+            own view is used).
+        probe_age: seconds since its last reading (``None``: none yet).
+        probe_polls: polls made since the Hedger was entered.
+        probe_failures: of those, polls that gave no reading.
+        predicted_wait: with a fresh reading, the seconds the engine's queue makes a new
+            short request wait before its prefill starts (``inf``: KV cache saturated);
+            ``None`` otherwise.
+        probe_decisions: picks and hedge decisions it took part in with its engine's
+            reading.
+        own_view_decisions: the same, of a Hedger with probes, made from the Hedger's own
+            view (no fresh reading).
     """
 
     name: str
@@ -89,6 +117,22 @@ class ReplicaStatistics:
     lost_races: int = 0
     cooling_models: tuple[str, ...] = ()
     ejected_models: tuple[str, ...] = ()
+    probe: str = "off"
+    probe_age: float | None = None
+    probe_polls: int = 0
+    probe_failures: int = 0
+    predicted_wait: float | None = None
+    probe_decisions: int = 0
+    own_view_decisions: int = 0
+
+    def __repr__(self) -> str:
+        # The probe's fields only for a probed replica: a line per replica stays readable.
+        shown = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in attrs.fields(type(self))
+            if self.probe != "off" or f.name not in _PROBE_FIELDS
+        ]
+        return f"{type(self).__name__}({', '.join(shown)})"
 
 
 @attrs.frozen
@@ -103,13 +147,17 @@ class HedgerStatistics:
         attempts: attempts started (primaries and backups).
         hedges_sent: backups sent because the hedge delay passed (Finagle ``backups_sent``).
         failovers: attempts started because an earlier attempt failed.
+        recoveries: attempts started after a commit because the winner broke
+            (``trigger="recovery"``).
         backup_wins: requests won by a hedge (Finagle ``backups_won``).
         hedges_refused: hedges not sent, for any reason (sum of the three below).
         budget_refusals: refused by the [`HedgeBudget`][trio_hedge.policy.HedgeBudget]
             (Finagle ``budget_exhausted``).
         throttle_refusals: refused by the [`RetryThrottle`][trio_hedge.policy.RetryThrottle].
         no_replica_refusals: refused because no replica the request may still use could take
-            it at once (every one ejected, cooling after pushback, or in its back-off).
+            it at once (every one ejected, cooling after pushback, or in its back-off), or,
+            with load probes, because every one is predicted no faster than the attempts
+            running or is saturated (``saturated_refusals`` counts those).
         failovers_refused: failovers not sent after a failed attempt although the request's
             plan (``max_attempts``, ``attempts_per_replica``) allowed one (sum of the two
             below); the request then goes on with the attempts still running, or fails.
@@ -119,6 +167,12 @@ class HedgerStatistics:
         failover_no_replica_refusals: refused because every replica the request may still
             use is ejected, or cooling (or in its back-off) longer than
             ``max_pushback_wait``.
+        saturated_refusals: of ``no_replica_refusals``, hedges not sent because the
+            engines' readings predicted no replica faster than the attempt running, or
+            every replica saturated (load probes only).
+        hedges_at_once: backups sent at once (no hedge delay) because the engine's reading
+            predicted the attempt running would take longer than the delay, and another
+            replica sooner (load probes only).
         requests_refused: requests that sent nothing and raised
             [`ReplicasCooling`][trio_hedge.ReplicasCooling] (counted neither in ``requests`` nor in
             ``finished``).
@@ -146,6 +200,7 @@ class HedgerStatistics:
     attempts: int
     hedges_sent: int
     failovers: int
+    recoveries: int
     backup_wins: int
     hedges_refused: int
     budget_refusals: int
@@ -167,6 +222,8 @@ class HedgerStatistics:
     delays: tuple[DelayStatistics, ...]
     replicas: tuple[ReplicaStatistics, ...]
     prefill: tuple[PrefillFit, ...] = ()
+    saturated_refusals: int = 0
+    hedges_at_once: int = 0
 
     @property
     def ejected(self) -> tuple[str, ...]:

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 from ..errors import AttemptError, ErrorKind
 from ..events import Delta
-from .openai._errors import Redact, _in_band_error, _is_error, _no_redact, _truncate
+from .openai._errors import Redact, _in_band_error, _is_error, _no_redact, _Sent, _truncate
 from .openai._framing import FramedDecoder
 from .openai._json import _loads
 from .openai._sse import DEFAULT_MAX_EVENT_SIZE, RawEvent
@@ -47,6 +47,10 @@ class EventDecoder(FramedDecoder):
         max_event_size: bound on one SSE event (see
             [`SSEDecoder`][trio_hedge.sources.openai.SSEDecoder]).
         redact: masks secrets the server quoted back in an error event (default: none).
+        sent: the request's body, whose words an error event may quote back: they never
+            make the error the replica's (see
+            [`classify_http_error`][trio_hedge.sources.openai.classify_http_error]; default
+            empty).
 
     Attributes:
         done: the terminal event was seen; later bytes are ignored.
@@ -69,9 +73,13 @@ class EventDecoder(FramedDecoder):
     TERMINAL: ClassVar[str] = ""
 
     def __init__(
-        self, max_event_size: int = DEFAULT_MAX_EVENT_SIZE, *, redact: Redact = _no_redact
+        self,
+        max_event_size: int = DEFAULT_MAX_EVENT_SIZE,
+        *,
+        redact: Redact = _no_redact,
+        sent: bytes = b"",
     ) -> None:
-        super().__init__(max_event_size, redact=redact)
+        super().__init__(max_event_size, redact=redact, sent=sent)
         self._seen = 0  # data events other than keep-alives and [DONE]
 
     # -- what each API says -------------------------------------------------------------
@@ -124,7 +132,7 @@ class EventDecoder(FramedDecoder):
             obj = _loads(text)
         except ValueError:
             if sse_type == "error":
-                raise _in_band_error(text, redact=self._redact) from None
+                raise _in_band_error(text, redact=self._redact, sent=self._sent) from None
             if text[0] == ":":
                 return None  # an SSE comment a proxy re-wrapped as data
             raise AttemptError(
@@ -133,12 +141,12 @@ class EventDecoder(FramedDecoder):
             ) from None
         if type(obj) is not dict:
             if sse_type == "error" or _is_error(obj):
-                raise _in_band_error(obj, redact=self._redact)
+                raise _in_band_error(obj, redact=self._redact, sent=self._sent)
             return None
         kind = obj.get("type")
         if type(kind) is not str or not kind:
             if obj.get("error"):  # {"error": {...}} with no type: an error whatever the line
-                raise _in_band_error(obj, redact=self._redact)
+                raise _in_band_error(obj, redact=self._redact, sent=self._sent)
             kind = sse_type
         if kind in self.KEEPALIVE_TYPES:
             return None
@@ -152,6 +160,7 @@ def decode_whole(
     body: bytes,
     *,
     redact: Redact,
+    sent: bytes = b"",
     stream: Callable[[int], EventDecoder],
     answer: Callable[[dict[str, Any]], list[Delta] | None],
     what: str,
@@ -180,7 +189,7 @@ def decode_whole(
             ErrorKind.PROTOCOL, "JSON answer does not parse", status_code=status
         ) from None
     if _is_error(obj) and not (type(obj) is dict and obj.get("object") == "response"):
-        raise _in_band_error(obj, headers, status=status, redact=redact)
+        raise _in_band_error(obj, headers, status=status, redact=redact, sent=_Sent(sent))
     deltas = answer(obj) if type(obj) is dict else None
     if deltas is None:
         raise AttemptError(

@@ -62,6 +62,10 @@ class MessagesDecoder(EventDecoder):
     Args:
         max_event_size: bound on one SSE event (characters).
         redact: masks secrets the server quoted back in an error event.
+        sent: the request's body, whose words an error event may quote back: they never
+            make the error the replica's (see
+            [`classify_http_error`][trio_hedge.sources.openai.classify_http_error]; default
+            empty).
 
     Attributes:
         done: ``message_stop`` was seen.
@@ -77,9 +81,13 @@ class MessagesDecoder(EventDecoder):
     TERMINAL: ClassVar[str] = "message_stop"
 
     def __init__(
-        self, max_event_size: int = DEFAULT_MAX_EVENT_SIZE, *, redact: Redact = _no_redact
+        self,
+        max_event_size: int = DEFAULT_MAX_EVENT_SIZE,
+        *,
+        redact: Redact = _no_redact,
+        sent: bytes = b"",
     ) -> None:
-        super().__init__(max_event_size, redact=redact)
+        super().__init__(max_event_size, redact=redact, sent=sent)
         self._calls: dict[Any, int] = {}  # block index -> tool call index
         self._inputs: dict[Any, Any] = {}  # block index -> input given whole, no fragment yet
         self._stopped = False  # the last event was a message_delta with a stop reason
@@ -132,7 +140,7 @@ class MessagesDecoder(EventDecoder):
             self.done = True
             return Delta(raw=raw)
         if kind == "error":
-            raise _in_band_error(obj, redact=self._redact)
+            raise _in_band_error(obj, redact=self._redact, sent=self._sent)
         return Delta(raw=raw)  # an unknown event: relayed, never an error
 
     def _block_start(self, obj: dict[str, Any], raw: str) -> Delta:
@@ -225,7 +233,12 @@ def _message_answer(obj: dict[str, Any]) -> list[Delta] | None:
 
 
 def decode_message_body(
-    status: int, headers: Mapping[str, str], body: bytes, *, redact: Redact = _no_redact
+    status: int,
+    headers: Mapping[str, str],
+    body: bytes,
+    *,
+    redact: Redact = _no_redact,
+    sent: bytes = b"",
 ) -> list[Delta]:
     """Decode a whole ``application/json`` answer to a streaming Messages request: an error
     raises its classified [`AttemptError`][trio_hedge.AttemptError]; a Message (the server
@@ -235,7 +248,8 @@ def decode_message_body(
         headers,
         body,
         redact=redact,
-        stream=lambda size: MessagesDecoder(size, redact=redact),
+        sent=sent,
+        stream=lambda size: MessagesDecoder(size, redact=redact, sent=sent),
         answer=_message_answer,
         what="a message",
     )

@@ -86,6 +86,10 @@ class ResponsesDecoder(EventDecoder):
     Args:
         max_event_size: bound on one SSE event (characters).
         redact: masks secrets the server quoted back in an error event.
+        sent: the request's body, whose words an error event may quote back: they never
+            make the error the replica's (see
+            [`classify_http_error`][trio_hedge.sources.openai.classify_http_error]; default
+            empty).
 
     Attributes:
         done: a terminal event (``response.completed`` / ``incomplete``) was seen.
@@ -105,9 +109,13 @@ class ResponsesDecoder(EventDecoder):
     TERMINAL: ClassVar[str] = "response.completed"
 
     def __init__(
-        self, max_event_size: int = DEFAULT_MAX_EVENT_SIZE, *, redact: Redact = _no_redact
+        self,
+        max_event_size: int = DEFAULT_MAX_EVENT_SIZE,
+        *,
+        redact: Redact = _no_redact,
+        sent: bytes = b"",
     ) -> None:
-        super().__init__(max_event_size, redact=redact)
+        super().__init__(max_event_size, redact=redact, sent=sent)
         self._calls: dict[Any, int] = {}  # function_call item id -> tool call index
         self._args: set[Any] = set()  # function_call items whose arguments came
         self._text_items: set[Any] = set()  # items whose text came as deltas
@@ -163,9 +171,10 @@ class ResponsesDecoder(EventDecoder):
             raise _in_band_error(
                 {"error": error} if type(error) is dict else "the response failed",
                 redact=self._redact,
+                sent=self._sent,
             )
         if kind == "error":
-            raise _in_band_error(obj, redact=self._redact)
+            raise _in_band_error(obj, redact=self._redact, sent=self._sent)
         return Delta(raw=raw)  # an unknown event: relayed, never an error
 
     def _call(self, item: Any) -> int:
@@ -271,7 +280,12 @@ def _response_answer(obj: dict[str, Any]) -> list[Delta] | None:
 
 
 def decode_response_body(
-    status: int, headers: Mapping[str, str], body: bytes, *, redact: Redact = _no_redact
+    status: int,
+    headers: Mapping[str, str],
+    body: bytes,
+    *,
+    redact: Redact = _no_redact,
+    sent: bytes = b"",
 ) -> list[Delta]:
     """Decode a whole ``application/json`` answer to a streaming Responses request: an error
     (or a failed response) raises its classified [`AttemptError`][trio_hedge.AttemptError]; a
@@ -281,7 +295,8 @@ def decode_response_body(
         headers,
         body,
         redact=redact,
-        stream=lambda size: ResponsesDecoder(size, redact=redact),
+        sent=sent,
+        stream=lambda size: ResponsesDecoder(size, redact=redact, sent=sent),
         answer=_response_answer,
         what="a response",
     )

@@ -49,7 +49,13 @@ from .._source import AttemptInfo
 from .._validate import check_headers
 from ..errors import AttemptError, ErrorKind
 from ..events import Delta
-from .openai._errors import _in_band_error, classify_http_error, tls_failure
+from .openai._errors import (
+    _in_band_error,
+    _Sent,
+    classify_http_error,
+    sent_body,
+    tls_failure,
+)
 from .openai._http import (
     ERROR_BODY_LIMIT,
     HeaderNames,
@@ -194,7 +200,11 @@ class _Classifier:
             error = exc
         elif isinstance(exc, openai.APIStatusError):
             error = classify_http_error(
-                exc.status_code, exc.response.headers, _body(exc), redact=self.redact
+                exc.status_code,
+                exc.response.headers,
+                _body(exc),
+                redact=self.redact,
+                sent=sent_body(exc.response),
             )
         elif isinstance(exc, (openai.APITimeoutError, *self.errors.timeout)):
             error = AttemptError(ErrorKind.TIMEOUT, self.redact(f"{type(exc).__name__}: {exc}"))
@@ -211,7 +221,8 @@ class _Classifier:
         elif isinstance(exc, openai.APIError):
             # Any other API error the SDK raises with an error object as body.
             body = exc.body if exc.body is not None else exc.message
-            error = _in_band_error({"error": body}, redact=self.redact)
+            sent = _Sent(sent_body(exc.request))  # the words the request itself sent
+            error = _in_band_error({"error": body}, redact=self.redact, sent=sent)
         else:
             message = self.redact(f"{type(exc).__name__}: {exc}")
             error = AttemptError(ErrorKind.UNKNOWN, message, retryable=False)

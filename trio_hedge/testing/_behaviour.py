@@ -38,6 +38,7 @@ __all__ = [
 #: The SSE comment sent while stalled (comments never carry data: clients must ignore them).
 KEEPALIVE = b": keep-alive\n\n"
 
+
 #: Header names whose values never appear in a repr (credentials).
 _SECRET_HEADERS = frozenset(
     {"authorization", "proxy-authorization", "api-key", "x-api-key", "cookie", "set-cookie"}
@@ -116,6 +117,12 @@ class Behaviour:
             in-band error event ``data: {"error": {...}}`` with ``error_message`` and the
             error ``type``/``code`` that ``inband_error_status`` implies, and end the body, as
             servers do when generation fails after the 200 was sent. ``None``: never.
+        cut_after_fragments: send that many tool-call fragments (of ``tool_calls``, in the
+            route's events), then close the connection as ``cut_after`` does. ``None``: never.
+        malformed_after: send that many tokens, then (when the next token was due) a data
+            event that is not JSON (chat: ``data: {"choices": [``; the Messages and Responses
+            APIs: a named event with cut-off data), then stall, as a proxy that mangles a
+            stream does. ``None``: never.
         inband_error_status: the status whose OpenAI error shape the in-band error takes
             (e.g. 429 for a rate limit, 500 for a server error). Default 500.
         send_done: end a complete stream with ``data: [DONE]``.
@@ -128,6 +135,19 @@ class Behaviour:
             content as OpenAI tool-call fragments: the id and name first, then the arguments
             in two pieces, one chunk each, ``token_delay`` apart. Set
             ``finish_reason="tool_calls"`` to say so at the end. Default none.
+        continuation: which engine's continuation contract the replica mimics when the
+            request's last message is the assistant's (a recovery by continuation):
+            ``"vllm"``: with ``continue_final_message: true`` it answers only what follows
+            that message's text in its own answer (the tokens after as many characters, the
+            first one cut if the text ends inside it); ``"llama.cpp"`` or ``None`` (default):
+            it answers its whole answer, repeating the prefix, as llama.cpp's server does.
+        context_window: answer 400 ``context_length_exceeded`` (vLLM's wording; on
+            ``/v1/messages`` Anthropic's ``prompt is too long``) to a request whose prompt
+            (the words of its messages) plus ``max_tokens`` (or ``max_completion_tokens``,
+            ``max_output_tokens``) exceeds this many tokens. ``None`` (default): any size fits.
+        rejects_prefill: answer 400 (``invalid_request_error``, Anthropic's message, in the
+            route's error shape) to a request whose last message is the assistant's, as hosted
+            APIs that refuse assistant prefill do. Default ``False``.
 
     With ``reasoning`` or ``tool_calls``, the first output chunk of any kind comes after
     ``ttft`` and every later one ``token_delay`` after the previous.
@@ -144,12 +164,20 @@ class Behaviour:
     keepalive_interval: float | None = attrs.field(default=None)
     cut_after: int | None = attrs.field(default=None, validator=_non_negative_count)
     inband_error_after: int | None = attrs.field(default=None, validator=_non_negative_count)
+    malformed_after: int | None = attrs.field(default=None, validator=_non_negative_count)
+    cut_after_fragments: int | None = attrs.field(default=None, validator=_non_negative_count)
     inband_error_status: int = 500
     send_done: bool = True
     finish_reason: str = "stop"
     usage: bool = True
     reasoning: int | tuple[str, ...] = attrs.field(default=0, converter=_tokens)
     tool_calls: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_tool_calls)
+    continuation: str | None = attrs.field(
+        default=None,
+        validator=attrs.validators.optional(attrs.validators.in_(("vllm", "llama.cpp"))),
+    )
+    rejects_prefill: bool = False
+    context_window: int | None = attrs.field(default=None, validator=_non_negative_count)
 
     @tokens.validator
     def _check_tokens(self, _attribute: attrs.Attribute[Any], value: object) -> None:
@@ -396,6 +424,17 @@ def _json_answer(status: int, payload: object, extra: Sequence[tuple[str, str]] 
     return [Head(status, headers), Chunk(body)]
 
 
+def _max_tokens(body: Any) -> int:
+    """The answer's token limit the request asks for (any API's field), else 0."""
+    if not isinstance(body, dict):
+        return 0
+    for field in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        limit = body.get(field)
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+            return limit
+    return 0
+
+
 def _error_payload(status: int, message: str) -> dict[str, Any]:
     return openai_error(status, message)
 
@@ -470,6 +509,38 @@ def render_response(
     return _render(chosen, record, wire)
 
 
+#: What a hosted API that refuses assistant prefill answers (Anthropic's wording).
+PREFILL_REJECTED = (
+    "This model does not support assistant message prefill. "
+    "The conversation must end with a user message."
+)
+
+
+def _prefill(body: dict[str, Any]) -> str | None:
+    """The text of the request's last message when it is the assistant's, else ``None``."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
+        return None
+    last = messages[-1]
+    if last.get("role") != "assistant":
+        return None
+    content = last.get("content")
+    return content if isinstance(content, str) else ""
+
+
+def _after(texts: tuple[str, ...], chars: int) -> tuple[str, ...]:
+    """The tokens that follow the first ``chars`` characters of their text."""
+    out: list[str] = []
+    at = 0
+    for text in texts:
+        if at + len(text) <= chars:
+            at += len(text)
+            continue
+        out.append(text[max(chars - at, 0) :])
+        at += len(text)
+    return tuple(out)
+
+
 _WIRES: dict[str, type[Wire]] = {
     "/v1/chat/completions": ChatWire,
     "/v1/messages": MessagesWire,
@@ -478,6 +549,18 @@ _WIRES: dict[str, type[Wire]] = {
 
 
 def _render(b: Behaviour, record: RequestRecord, wire: Wire) -> list[Step]:
+    prefill = _prefill(record.json)
+    size = _prompt_tokens(record.json) + _max_tokens(record.json)
+    if b.context_window is not None and size > b.context_window:
+        return _json_answer(400, wire.context_error(b.context_window, size))
+    if prefill is not None and b.rejects_prefill:
+        b = attrs.evolve(b, status=400, error_message=PREFILL_REJECTED)
+    elif (
+        prefill is not None
+        and b.continuation == "vllm"
+        and record.json.get("continue_final_message")
+    ):
+        b = attrs.evolve(b, tokens=_after(b.token_texts, len(prefill)))
     if b.is_error:
         extra = () if b.retry_after is None else (("retry-after", _seconds_header(b.retry_after)),)
         steps: list[Step] = [Wait(b.error_delay)] if b.error_delay else []
@@ -512,6 +595,8 @@ def _render(b: Behaviour, record: RequestRecord, wire: Wire) -> list[Step]:
             return [*steps, Cut()]
         if b.inband_error_after == i:
             return [*steps, Chunk(wire.inband_error(b.inband_error_status, b.error_message))]
+        if b.malformed_after == i:
+            return [*steps, Chunk(wire.malformed()), Stall(None)]
         steps.append(Chunk(wire.content(text), tokens=1))
     if b.stall_after is not None:  # stall_after >= number of tokens: stall before finishing
         return [*steps, Stall(b.keepalive_interval)]
@@ -519,6 +604,8 @@ def _render(b: Behaviour, record: RequestRecord, wire: Wire) -> list[Step]:
         gap = b.ttft if i == 0 and not texts and not thinking else b.token_delay
         if gap:
             steps.append(Wait(gap))
+        if b.cut_after_fragments == i:
+            return [*steps, Cut()]
         steps.append(Chunk(fragment))
     if not texts and not thinking and not b.tool_calls and b.ttft:
         steps.append(Wait(b.ttft))

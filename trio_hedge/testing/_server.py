@@ -32,6 +32,7 @@ from ._behaviour import (
     Wait,
     render_response,
 )
+from ._engine import EnginePage
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup  # type: ignore[import-not-found,unused-ignore]
@@ -252,10 +253,12 @@ class FakeReplica:
 
     It serves ``POST /v1/chat/completions``, ``POST /v1/messages`` (Anthropic) and
     ``POST /v1/responses`` (OpenAI Responses), each as its API streams (or one JSON answer
-    when the body has ``"stream": false``), ``DELETE /v1/responses/{id}``, ``GET /health``
-    and ``GET /v1/models``. While it waits (``ttft``,
-    between tokens, stalled) it also watches the socket, so a client disconnect is recorded in
-    ``RequestRecord.disconnected_at`` within milliseconds and the answer stops.
+    when the body has ``"stream": false``), ``DELETE /v1/responses/{id}``, ``GET /health``,
+    ``GET /v1/models``, and the engine pages in its ``pages`` dict (a load probe's
+    ``/metrics``, ``/slots``: an [`EnginePage`][trio_hedge.testing.EnginePage] per path,
+    settable at any time). While it waits (``ttft``, between tokens, stalled) it also watches
+    the socket, so a client disconnect is recorded in ``RequestRecord.disconnected_at`` within
+    milliseconds and the answer stops.
 
     An exception raised in the ``async with`` body comes out as itself, not wrapped in an
     ``ExceptionGroup``; the server's own crashes come out as an ``ExceptionGroup``.
@@ -296,6 +299,9 @@ class FakeReplica:
         self._port: int | None = None
         self._nursery_manager: contextlib.AbstractAsyncContextManager[trio.Nursery] | None = None
         self._nursery: trio.Nursery | None = None
+        #: Extra ``GET`` pages by path (an engine's ``/metrics`` or ``/slots``): set or change
+        #: them at any time.
+        self.pages: dict[str, EnginePage] = {}
 
     def __repr__(self) -> str:
         where = f"port={self._port}" if self._port is not None else "not started"
@@ -421,6 +427,9 @@ class FakeReplica:
         return data
 
     def _render(self, record: RequestRecord) -> list[Step]:
+        page = self.pages.get(record.path.split("?", 1)[0])
+        if page is not None and record.method == "GET":
+            return page.steps()
         return render_response(record, self.behaviour, model=self.model, created=int(time.time()))
 
     async def _serve_h11(self, stream: trio.SocketStream, initial: bytes) -> None:

@@ -9,7 +9,7 @@ import http
 import json
 from typing import Any
 
-__all__ = ["ChatWire", "MessagesWire", "ResponsesWire", "Wire", "sse_event"]
+__all__ = ["MALFORMED", "ChatWire", "MessagesWire", "ResponsesWire", "Wire", "sse_event"]
 
 
 def dumps(obj: object) -> bytes:
@@ -34,9 +34,10 @@ def _phrase(status: int) -> str:
         return f"HTTP {status}"
 
 
-def openai_error(status: int, message: str) -> dict[str, Any]:
-    """The OpenAI error object a status implies (chat completions and Responses)."""
-    kind, code = {
+def openai_error(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+    """The OpenAI error object a status implies (chat completions and Responses); ``code``
+    replaces the status's own."""
+    kind, default_code = {
         401: ("invalid_request_error", "invalid_api_key"),
         403: ("permission_error", None),
         404: ("invalid_request_error", "not_found"),
@@ -48,9 +49,13 @@ def openai_error(status: int, message: str) -> dict[str, Any]:
             "message": message or f"{_phrase(status)} (fake replica)",
             "type": kind,
             "param": None,
-            "code": code,
+            "code": code if code is not None else default_code,
         }
     }
+
+
+#: The data event a malformed stream sends (`Behaviour.malformed_after`): not JSON.
+MALFORMED = b'data: {"choices": [\n\n'
 
 
 class Wire:
@@ -61,6 +66,19 @@ class Wire:
 
     def error_body(self, status: int, message: str) -> dict[str, Any]:
         return openai_error(status, message)
+
+    def context_error(self, window: int, size: int) -> dict[str, Any]:
+        """The 400 body for a request of ``size`` tokens over a ``window``-token context
+        (vLLM's wording, OpenAI's ``context_length_exceeded`` code)."""
+        message = (
+            f"This model's maximum context length is {window} tokens. However, you "
+            f"requested {size} tokens. Please reduce the length of the messages or completion."
+        )
+        return openai_error(400, message, code="context_length_exceeded")
+
+    def malformed(self) -> bytes:
+        """An event whose data is not JSON, as a proxy that mangles a stream sends."""
+        return MALFORMED
 
     def start(self) -> list[bytes]:
         """The events sent with the headers (before the first token: never one)."""
@@ -226,6 +244,12 @@ class MessagesWire(Wire):
             "error": {"type": kind, "message": message or f"{_phrase(status)} (fake replica)"},
         }
 
+    def context_error(self, window: int, size: int) -> dict[str, Any]:
+        return self.error_body(400, f"prompt is too long: {size} tokens > {window} maximum")
+
+    def malformed(self) -> bytes:
+        return b'event: content_block_delta\ndata: {"type": "content_block_delta", \n\n'
+
     def _switch(self, kind: str, block: dict[str, Any]) -> list[bytes]:
         out = self._close()
         self._block += 1
@@ -347,6 +371,9 @@ class ResponsesWire(Wire):
         self._items: list[dict[str, Any]] = []  # the output so far, as the final response has it
         self._open: str | None = None
         self._seq = 0
+
+    def malformed(self) -> bytes:
+        return b'event: response.output_text.delta\ndata: {"type": "response.output\n\n'
 
     def _event(self, payload: dict[str, Any]) -> bytes:
         payload["sequence_number"] = self._seq

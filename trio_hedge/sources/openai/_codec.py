@@ -36,7 +36,15 @@ from typing import Any
 
 from ...errors import AttemptError, ErrorKind
 from ...events import Delta, ToolCallDelta
-from ._errors import Redact, _in_band_error, _is_error, _no_redact, _truncate, classify_http_error
+from ._errors import (
+    Redact,
+    _in_band_error,
+    _is_error,
+    _no_redact,
+    _Sent,
+    _truncate,
+    classify_http_error,
+)
 from ._framing import FramedDecoder
 from ._json import _index, _inexact, _json_loads, _loads
 from ._sse import DEFAULT_MAX_EVENT_SIZE, RawEvent
@@ -176,7 +184,12 @@ _SSE_START = (b"data:", b"data\n", b"data\r", b":", b"event:", b"id:", b"retry:"
 
 
 def decode_json_body(
-    status: int, headers: Mapping[str, str], body: bytes, *, redact: Redact = _no_redact
+    status: int,
+    headers: Mapping[str, str],
+    body: bytes,
+    *,
+    redact: Redact = _no_redact,
+    sent: bytes = b"",
 ) -> list[Delta]:
     """Decode a whole ``application/json`` answer to a streaming request.
 
@@ -184,6 +197,9 @@ def decode_json_body(
     ``chat.completion`` (the server ignored ``stream: true``) becomes one Delta with its content,
     reasoning, tool calls, finish reason and usage. Tolerated: a body that is really an event stream
     (decoded as one), and ``data: [DONE]`` appended after the JSON.
+
+    ``sent``: the request's body, whose words an error message may quote back (see
+    [`classify_http_error`][trio_hedge.sources.openai.classify_http_error]).
 
     Raises:
         AttemptError: the classified error, ``PROTOCOL`` for a body that is not JSON or not a
@@ -211,8 +227,8 @@ def decode_json_body(
             ) from None
     if _is_error(obj):
         if status >= 400:  # a caller passing an error status: the status decides
-            raise classify_http_error(status, headers, body, redact=redact)
-        raise _in_band_error(obj, headers, status=status, redact=redact)
+            raise classify_http_error(status, headers, body, redact=redact, sent=sent)
+        raise _in_band_error(obj, headers, status=status, redact=redact, sent=_Sent(sent))
     if type(obj) is not dict or "choices" not in obj:
         raise AttemptError(
             ErrorKind.PROTOCOL,
@@ -235,6 +251,10 @@ class ChunkDecoder(FramedDecoder):
         max_event_size: bound on one SSE event (see
             [`SSEDecoder`][trio_hedge.sources.openai.SSEDecoder]).
         redact: masks secrets the server quoted back in an error event (default: none).
+        sent: the request's body, whose words an error event may quote back: they never
+            make the error the replica's (see
+            [`classify_http_error`][trio_hedge.sources.openai.classify_http_error]; default
+            empty).
 
     Attributes:
         done: ``[DONE]`` was seen; later bytes are ignored.
@@ -315,7 +335,7 @@ class ChunkDecoder(FramedDecoder):
                 raise _Partial from None  # the last event was cut off mid-way
             self.data_events += 1
             if kind == "error":
-                raise _in_band_error(text, redact=self._redact) from None
+                raise _in_band_error(text, redact=self._redact, sent=self._sent) from None
             if text[0] == ":":
                 return None  # an SSE comment a proxy re-wrapped as data
             raise AttemptError(
@@ -325,10 +345,10 @@ class ChunkDecoder(FramedDecoder):
         self.data_events += 1
         if type(obj) is not dict:
             if kind == "error" or _is_error(obj):
-                raise _in_band_error(obj, redact=self._redact)
+                raise _in_band_error(obj, redact=self._redact, sent=self._sent)
             return None
         if kind == "error" or obj.get("error") or obj.get("object") == "error":
-            raise _in_band_error(obj, redact=self._redact)
+            raise _in_band_error(obj, redact=self._redact, sent=self._sent)
         choices = obj.get("choices")
         if type(choices) is list and len(choices) == 1 and obj.get("usage") is None:
             # Fast path for the per-token shape {"choices":[{"delta":{"content":"…"}}]}.
@@ -340,7 +360,7 @@ class ChunkDecoder(FramedDecoder):
                     if type(content) is str and content and "x_groq" not in obj:
                         return Delta(content, raw=text)
         elif obj.get("type") == "error":
-            raise _in_band_error(obj, redact=self._redact)
+            raise _in_band_error(obj, redact=self._redact, sent=self._sent)
         delta = _delta_from(obj, "delta", text)
         if delta is not None:
             if delta.usage is not None and _inexact(delta.usage):

@@ -188,16 +188,74 @@ def _error_fields(obj: Any) -> tuple[str, list[str], int | None]:
     return message, labels, status
 
 
+class _Sent:
+    """The text a request sent (its JSON's keys and strings, lower-cased, decoded lazily: only
+    an error whose message matched a rule below asks), to tell a server's own words from
+    the caller's quoted back. A server that echoes the input in a 400 (pydantic's
+    ``Input tag '…' found``, ``input_value='…'``; an unknown model's name) would otherwise let
+    a caller's text ("no healthy deployments", "forbidden", "api key") turn its own bad
+    request into evidence against the replica, for every caller (``docs/guarantees.md``)."""
+
+    __slots__ = ("_text", "body")
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self._text: str | None = None
+
+    def said(self, phrase: str) -> bool:
+        """Whether ``phrase`` (a rule's match in an error message) is in what was sent."""
+        if not self.body:
+            return False
+        if self._text is None:
+            try:
+                parts: list[str] = []
+                _strings(_loads(self.body), parts)
+                self._text = "\n".join(parts).lower()
+            except (ValueError, RecursionError):  # not JSON (or nested past the parser)
+                self._text = self.body.decode("utf-8", "replace").lower()
+        return phrase.lower() in self._text
+
+
+def _strings(obj: Any, out: list[str]) -> None:
+    """Every key and string of a JSON value, into ``out``."""
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, dict):
+            out.extend(k for k in item if isinstance(k, str))
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+_NOTHING_SENT = _Sent(b"")
+
+
+def _server_says(pattern: re.Pattern[str], text: str, sent: _Sent) -> bool:
+    """Whether ``text`` matches ``pattern`` in words the request did not send itself."""
+    found = pattern.search(text)
+    return found is not None and not sent.said(found.group(0))
+
+
 def _kind_for(
-    status: int | None, message: str, labels: list[str], *, in_band: bool
+    status: int | None,
+    message: str,
+    labels: list[str],
+    *,
+    in_band: bool,
+    sent: _Sent = _NOTHING_SENT,
 ) -> tuple[ErrorKind, bool | None]:
-    """(kind, retryable override) for an error with this status, message and labels."""
+    """(kind, retryable override) for an error with this status, message and labels; a rule
+    that would make a client error (4xx) the replica's by its message alone reads only words
+    the request did not send (``sent``)."""
     text = " ".join([message, *labels])
     norm = _NON_ALNUM.sub("", " ".join(labels).lower())
     if status != 429 and (_CONTEXT.search(text) or "contextlength" in norm):
         return ErrorKind.CONTEXT_LENGTH_EXCEEDED, None
     if status is not None:
-        if 400 <= status < 500 and status != 408 and _NO_CAPACITY.search(text):
+        if 400 <= status < 500 and status != 408 and _server_says(_NO_CAPACITY, text, sent):
             return ErrorKind.OVERLOADED, None
         if status == 403 and _REQUEST_FAULT.search(text):
             return ErrorKind.INVALID_REQUEST, None  # flagged content: any replica refuses it
@@ -227,7 +285,9 @@ def _kind_for(
             # Failed Dependency: TGI's "Request failed during generation" (a shard failed).
             return ErrorKind.SERVER_ERROR, None
         if status >= 400:
-            if _AUTH.search(text) or any(k in norm for k in ("auth", "apikey", "permission")):
+            if _server_says(_AUTH, text, sent) or any(
+                k in norm for k in ("auth", "apikey", "permission")
+            ):
                 return ErrorKind.AUTH, None  # e.g. Gemini's 400 "API key not valid"
             if status == 404 or any(code in norm for code in _NOT_HERE):
                 # An unknown model or a wrong path: this replica's fault. An explicit
@@ -269,9 +329,10 @@ def _in_band_error(
     *,
     status: int | None = None,
     redact: Redact = _no_redact,
+    sent: _Sent = _NOTHING_SENT,
 ) -> AttemptError:
     message, labels, code = _error_fields(payload)
-    kind, retryable = _kind_for(code, message, labels, in_band=True)
+    kind, retryable = _kind_for(code, message, labels, in_band=True, sent=sent)
     retry_after = parse_retry_after(headers) if headers else None
     return AttemptError(
         kind,
@@ -301,6 +362,7 @@ def classify_http_error(
     *,
     now: float | None = None,
     redact: Redact = _no_redact,
+    sent: bytes = b"",
 ) -> AttemptError:
     """Turn a non-2xx HTTP answer into an [`AttemptError`][trio_hedge.AttemptError].
 
@@ -314,6 +376,11 @@ def classify_http_error(
             [`parse_retry_after`][trio_hedge.sources.openai.parse_retry_after]).
         redact: masks secrets the server quoted back; applied to the whole message before
             it is cut to 300 characters.
+        sent: the request's body (JSON), if known. A client error (4xx) is made the
+            replica's by its message alone ("no healthy deployments": ``OVERLOADED``; "API
+            key not valid" on a 400: ``AUTH``) only when those words are not the request's
+            own, quoted back (a server echoing a caller's bad value would let any caller
+            blame a replica for everyone). Default empty: every message is the server's.
 
     Kinds: 429 -> ``RATE_LIMIT`` (or ``QUOTA_EXCEEDED`` when the message is about
     quota/billing/credit), 402 and 403 with such a message -> ``QUOTA_EXCEEDED``,
@@ -340,7 +407,7 @@ def classify_http_error(
         labels = [m.group(1) for m in _JSON_LABEL.finditer(text)]
     else:
         message, labels = ("" if text.startswith("<") else text), []  # skip HTML pages
-    kind, retryable = _kind_for(status, message, labels, in_band=False)
+    kind, retryable = _kind_for(status, message, labels, in_band=False, sent=_Sent(sent))
     if not message:
         try:
             message = f"HTTP {status} {http.HTTPStatus(status).phrase}"
@@ -353,6 +420,16 @@ def classify_http_error(
         retry_after=parse_retry_after(headers, now=now),
         status_code=status,
     )
+
+
+def sent_body(message: httpx.Response | httpx.Request | None) -> bytes:
+    """The body of a request (or of the one a response answers; ``b""`` if unknown or
+    streamed): what the error rules read as the caller's own words."""
+    try:
+        request = message.request if isinstance(message, httpx.Response) else message
+        return b"" if request is None else request.content
+    except (RuntimeError, httpx.RequestNotRead):
+        return b""
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:

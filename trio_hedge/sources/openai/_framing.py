@@ -10,7 +10,7 @@ from typing import Any
 
 from ...errors import AttemptError, ErrorKind
 from ...events import Delta
-from ._errors import Redact, _no_redact
+from ._errors import Redact, _no_redact, _Sent
 from ._sse import DEFAULT_MAX_EVENT_SIZE, RawEvent, SSEDecoder
 
 __all__ = ["FramedDecoder"]
@@ -26,6 +26,7 @@ class FramedDecoder:
         "_json",
         "_mode",
         "_redact",
+        "_sent",
         "_sse",
         "data_events",
         "done",
@@ -35,10 +36,17 @@ class FramedDecoder:
     )
 
     def __init__(
-        self, max_event_size: int = DEFAULT_MAX_EVENT_SIZE, *, redact: Redact = _no_redact
+        self,
+        max_event_size: int = DEFAULT_MAX_EVENT_SIZE,
+        *,
+        redact: Redact = _no_redact,
+        sent: bytes = b"",
     ) -> None:
         self._sse = SSEDecoder(max_event_size)
         self._redact = redact
+        # The request's body: its words, quoted back in an error event, never make the
+        # error the replica's (``_errors._Sent``).
+        self._sent = _Sent(sent)
         self._mode = 0  # 0: undecided (only whitespace so far), 1: SSE, 2: whole JSON body
         self._json = bytearray()
         self.done = False

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 from urllib.parse import urlsplit
 
 import attrs
@@ -26,16 +26,19 @@ from ..._validate import (
     check_header_name,
     check_headers,
     check_json_body,
+    positive_int_or_none,
 )
 from ...errors import AttemptError, ErrorKind
 from ...events import Delta
 from ...transport import http2_connections
 from .._aclose import aclose_nested
+from ..probes import LoadProbe, as_probe
 from ._codec import ChunkDecoder, decode_json_body
 from ._errors import (
     classify_http_error,
     request_line,
     send_error,
+    sent_body,
     transport_error,
     with_context,
     without_frames,
@@ -150,6 +153,25 @@ def _check_path(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> N
         raise ValueError(f"{attribute.name} must be a URL path starting with '/', not {value!r}")
 
 
+#: What each declared engine does with an assistant-last request (``Source.continues``) and
+#: the fields that ask for it: vLLM continues the final message when told to (and answers only
+#: what follows); llama.cpp's server continues an assistant-last message by itself, and its
+#: answer repeats the prefix.
+_CONTINUATIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "vllm": ("appends", {"continue_final_message": True, "add_generation_prompt": False}),
+    "llama.cpp": ("repeats", {}),
+}
+
+
+def _as_probe(value: object) -> LoadProbe | None:
+    return as_probe(value, "probe")
+
+
+def _check_priority(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise TypeError(f"{attribute.name} must be an int or None")
+
+
 def _redacted_headers(headers: Mapping[str, str]) -> str:
     return "{" + ", ".join(f"{k!r}: '***'" for k in headers) + "}"
 
@@ -168,6 +190,40 @@ class Replica:
             ``model`` for the backup). Default none.
         headers: extra request headers (values hidden in reprs, as they may be secrets).
         path: the path under ``base_url``. Default ``"/chat/completions"``.
+        context_window: the model's context window in tokens (prompt and answer), or
+            ``None`` (default: unknown). A [`Hedger`][trio_hedge.Hedger] skips a replica whose
+            window is smaller than a request (its estimated prompt tokens plus
+            ``max_tokens``) when another replica can take it, and after a context-length
+            error fails over to a replica that declares a larger window (a larger model as
+            backup) instead of failing the request; an undeclared window is learned from the
+            context-length errors it answers (``docs/recovery.md``).
+        fallback: ``True`` for a lesser replica (another, smaller or costlier model) that a
+            [`Hedger`][trio_hedge.Hedger] sends an attempt to only when no peer (a replica
+            not marked) can take it within ``HedgerConfig.fallback_wait``; a peer's single
+            500 or short ``Retry-After`` is retried once before falling back. Default
+            ``False`` (a peer: raced as usual).
+        continuation: how this replica's engine continues an answer begun elsewhere, for a
+            recovery after the commit (``docs/recovery.md``): ``"vllm"`` (the text so far
+            as a final assistant message with ``continue_final_message: true,
+            add_generation_prompt: false``; it answers only what follows), ``"llama.cpp"``
+            (the same message, which its server continues by default; its answer repeats the
+            prefix, which is verified and stripped), or ``None`` (default: never asked to;
+            hosted APIs that reject assistant prefill, such as newer Claude models, answer
+            400). Without one, a recovery on this replica replays the request and verifies
+            it. Declare it; it is never guessed. Chat completions only (the engines'
+            contracts are their chat endpoints'): another API's replica raises
+            ``ValueError``. A backup's ``backup_priority`` goes in a continuation's body too.
+        probe: read the engine's own load
+            ([`LoadProbe`][trio_hedge.sources.probes.LoadProbe], or an engine name:
+            ``"vllm"``, ``"llama.cpp"``, ``"sglang"``, ``"tgi"``) so a
+            [`Hedger`][trio_hedge.Hedger] sees the queue other tenants put on it. Default
+            ``None`` (the Hedger's own view only).
+        backup_priority: sent as the body's ``"priority"`` on every attempt after the
+            primary (a hedge or failover), so an engine with priority scheduling serves the
+            tenants' requests first (vLLM with ``--scheduling-policy priority``: lower values
+            first, default 0, so give e.g. 1; SGLang with priority scheduling: check which
+            way its ``--schedule-low-priority-values-first`` orders). On vLLM it orders only
+            *waiting* requests: nothing preempts a running prefill. Default ``None``.
 
     Raises:
         TypeError, ValueError: a bad URL, name or path, a URL with embedded credentials, an
@@ -198,6 +254,23 @@ class Replica:
         kw_only=True,
     )
     path: str = attrs.field(default="/chat/completions", validator=_check_path, kw_only=True)
+    context_window: int | None = attrs.field(
+        default=None, validator=positive_int_or_none, kw_only=True
+    )
+    fallback: bool = attrs.field(
+        default=False, validator=attrs.validators.instance_of(bool), kw_only=True
+    )
+    continuation: Literal["vllm", "llama.cpp"] | None = attrs.field(
+        default=None,
+        validator=attrs.validators.optional(attrs.validators.in_(tuple(_CONTINUATIONS))),
+        kw_only=True,
+    )
+    probe: LoadProbe | None = attrs.field(
+        default=None,
+        converter=_as_probe,
+        kw_only=True,
+    )
+    backup_priority: int | None = attrs.field(default=None, validator=_check_priority, kw_only=True)
     # Masks the key and header values wherever a server might quote them back.
     _redact: Redactor = attrs.field(
         init=False,
@@ -215,6 +288,10 @@ class Replica:
                 f"give the key as api_key or as an {key_header} header, not both "
                 "(both would be sent)"
             )
+        if self.continuation is not None and self.api != "chat":
+            # The engines' continuation contracts are their chat-completions endpoints'; a
+            # recovery on another API's replica replays and verifies.
+            raise ValueError(f"continuation is for chat-completions replicas, not {self.api!r}")
         protect_in_logs(self._redact)
 
     #: The API this kind of replica speaks (one request body fits one API, so the front doors
@@ -300,13 +377,20 @@ class HTTPSource:
         self._replica = replica
         self._client = client
         self._header_names = header_names
-        body = {**request, **replica.overrides, "stream": True}
+        body = self._body = {**request, **replica.overrides, "stream": True}
         try:
             # Strict JSON: json.dumps would write NaN/Infinity, which servers refuse or misread.
             self._content = json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
         except (TypeError, ValueError):
             check_json_body(body, "request")  # raises, naming the path
             raise
+        declared = _CONTINUATIONS.get(replica.continuation or "")
+        #: How this source continues an answer (`Source.continues`), as its replica declares.
+        self.continues = None if declared is None else declared[0]
+        # A backup's body: the engine may serve it after the tenants' requests (made on the
+        # first backup: most requests have none).
+        self._priority = replica.backup_priority
+        self._backup_content: bytes | None = None
         self._url = replica.base_url + replica.path
         # Names lower-cased: HTTP names are case-insensitive, and httpx would send "Accept"
         # and "accept" (or two authorizations) as two headers.
@@ -347,12 +431,35 @@ class HTTPSource:
     ) -> list[Delta]:
         return self._whole_decoder(status, headers, body, redact=redact)
 
+    def _content_for(self, info: AttemptInfo) -> bytes:
+        """The body attempt ``info`` sends: the request's; after the primary with the
+        replica's ``backup_priority``; for a recovery by continuation, the text so far as a
+        final assistant message with the engine's fields (and the priority: both apply)."""
+        priority = None if info.number == 1 else self._priority
+        if info.continue_from is not None and self.continues is not None:
+            return self._continuation(info.continue_from, priority)
+        if priority is None:
+            return self._content
+        if self._backup_content is None:
+            body = {**self._body, "priority": priority}
+            self._backup_content = json.dumps(body, ensure_ascii=False).encode()
+        return self._backup_content
+
+    def _continuation(self, text: str, priority: int | None) -> bytes:
+        """The body that asks this replica's engine to continue ``text`` (a recovery)."""
+        assert self._replica.continuation is not None  # the race asks only sources that say
+        fields = _CONTINUATIONS[self._replica.continuation][1]
+        messages = [*self._body.get("messages", ()), {"role": "assistant", "content": text}]
+        body = {**self._body, "messages": messages, **fields}
+        if priority is not None:
+            body["priority"] = priority
+        return json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
+
     async def open(self, info: AttemptInfo) -> HTTPAttempt:
         headers = attempt_headers(self._headers, self._header_names, info)
-        request = self._client.build_request(
-            "POST", self._url, content=self._content, headers=headers
-        )
-        request.stream = _Body(self._content)
+        content = self._content_for(info)
+        request = self._client.build_request("POST", self._url, content=content, headers=headers)
+        request.stream = _Body(content)
         try:
             response = await self._client.send(request, stream=True)
         except BaseException as exc:
@@ -473,12 +580,13 @@ async def attempt_for(
     here (one set of rules); ``errors`` are the classes of the library ``response`` comes
     from, ``kind`` what makes the attempt (default ``HTTPAttempt``)."""
     status = response.status_code
+    sent = sent_body(response)  # the caller's words, which an error may quote back
     if not 200 <= status < 300:
         try:
             body = await _read_bounded(response, ERROR_BODY_LIMIT)
         except errors.any:
             body = b""
-        error = classify_http_error(status, response.headers, body, redact=redact)
+        error = classify_http_error(status, response.headers, body, redact=redact, sent=sent)
         if status == 400 and b"plain HTTP request was sent to HTTPS port" in body:
             # nginx's 400 page for http:// on a TLS port: the replica's URL is wrong, not
             # the request (it would be fatal as a plain 400).
@@ -519,9 +627,12 @@ async def attempt_for(
             raise AttemptError(
                 ErrorKind.PROTOCOL, f"JSON answer larger than {JSON_BODY_LIMIT} bytes"
             )
-        whole = whole_decoder(status, response.headers, body, redact=redact)
-        return (kind or HTTPAttempt)(response, whole, redact, errors, stream_decoder(redact=redact))
-    return (kind or HTTPAttempt)(response, None, redact, errors, stream_decoder(redact=redact))
+        whole = whole_decoder(status, response.headers, body, redact=redact, sent=sent)
+        decoder = stream_decoder(redact=redact, sent=sent)
+        return (kind or HTTPAttempt)(response, whole, redact, errors, decoder)
+    return (kind or HTTPAttempt)(
+        response, None, redact, errors, stream_decoder(redact=redact, sent=sent)
+    )
 
 
 class HTTPAttempt:

@@ -1,0 +1,141 @@
+"""What a replica's engine said about its load, how far it is trusted, and when it may be
+asked again (internal).
+
+One `ProbeState` per probed replica of a Hedger: its latest
+[`LoadReading`][trio_hedge.sources.probes.LoadReading] and when it arrived, the polls and
+failures (for statistics), the attempts this Hedger started there since (the engine could not
+count them yet), and ``quiet_until``, before which no poll may start.
+
+* **Fail open**: a reading is evidence only while it is younger than ``max_age`` and the last
+  poll succeeded (a failed poll drops it). Otherwise the Hedger decides from its own view,
+  exactly as without probes.
+* **Cancellation is not defeated**: llama-server notices a request cancelled during prefill
+  only after 1 s in which no result for any request reached it, so a poll in that second keeps
+  the cancelled prefill running to its end. After this Hedger cancels an attempt with no first
+  token there, no poll starts for ``LoadProbe.quiet`` seconds (`ProbeState.cancelled`,
+  `ProbeState.next_poll`); the Hedger's own view (the cancelled attempt counts as lingering)
+  covers that gap.
+* **Predicted TTFT** (`ProbeState.predicted_wait`): the prompt tokens the engine still has to
+  prefill ahead of a new request, in seconds at the replica's prefill rate, plus each waiting
+  request the engine gives no token count for, plus the prompts this Hedger sent there since
+  the reading (smg's least-load scores queued tokens ÷ throughput the same way); a KV cache at
+  ``kv_limit`` is saturated (infinite).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+
+from ..sources.probes import LoadProbe, LoadReading
+
+__all__ = ["ProbeState"]
+
+#: Attempts remembered as started since the last reading (a memory bound).
+_SINCE = 1024
+
+
+class ProbeState:
+    """One probed replica's engine evidence (internal)."""
+
+    __slots__ = (
+        "consecutive_failures",
+        "failures",
+        "last_error",
+        "polls",
+        "probe",
+        "quiet_until",
+        "read_at",
+        "reading",
+        "since",
+        "used_own",
+        "used_probe",
+    )
+
+    def __init__(self, probe: LoadProbe) -> None:
+        self.probe = probe
+        self.reading: LoadReading | None = None
+        self.read_at = -math.inf
+        self.polls = 0
+        self.failures = 0
+        self.consecutive_failures = 0
+        self.last_error = ""  # the kind of the last failure (a class name), never a value
+        self.quiet_until = -math.inf
+        #: (started, prompt tokens) of attempts started here after the reading was taken.
+        self.since: deque[tuple[float, int]] = deque(maxlen=_SINCE)
+        #: Decisions this replica took part in, with its reading or with the own view.
+        self.used_probe = 0
+        self.used_own = 0
+
+    # -- the poller ---------------------------------------------------------------------------
+
+    def next_poll(self, last_start: float) -> float:
+        """When the next poll may start: ``interval`` after the last one started, and not
+        inside the quiet window after a cancel."""
+        return max(last_start + self.probe.interval, self.quiet_until)
+
+    def observed(self, reading: LoadReading, taken_at: float, now: float) -> None:
+        """A poll that started at ``taken_at`` read ``reading`` (arriving ``now``)."""
+        self.polls += 1
+        self.consecutive_failures = 0
+        self.reading = reading
+        self.read_at = now
+        since = self.since
+        while since and since[0][0] <= taken_at:  # the engine counted these
+            since.popleft()
+
+    def failed(self, error: BaseException) -> None:
+        """A poll failed: the reading is no evidence any more (fail open)."""
+        self.polls += 1
+        self.failures += 1
+        self.consecutive_failures += 1
+        self.last_error = type(error).__name__
+        self.reading = None
+
+    # -- the Hedger's own traffic -------------------------------------------------------------
+
+    def started(self, now: float, tokens: int) -> None:
+        self.since.append((now, tokens))
+
+    def cancelled(self, now: float) -> None:
+        """This Hedger cancelled an attempt here before its first token: its prefill may still
+        run, and a poll now could keep it running (llama-server)."""
+        quiet = self.probe.quiet
+        if quiet > 0:
+            self.quiet_until = max(self.quiet_until, now + quiet)
+
+    # -- the evidence -------------------------------------------------------------------------
+
+    def fresh(self, now: float) -> LoadReading | None:
+        """The reading, if it is evidence now (younger than ``max_age``); else ``None``."""
+        if self.reading is None or now - self.read_at > self.probe.max_age:
+            return None
+        return self.reading
+
+    def status(self, now: float) -> str:
+        """``"fresh"``, ``"stale"``, ``"failing"`` or ``"waiting"`` (no poll answered yet)."""
+        if self.fresh(now) is not None:
+            return "fresh"
+        if self.consecutive_failures:
+            return "failing"
+        return "stale" if self.reading is not None else "waiting"
+
+    def saturated(self, reading: LoadReading) -> bool:
+        return reading.kv_usage is not None and reading.kv_usage >= self.probe.kv_limit
+
+    def predicted_wait(
+        self, reading: LoadReading, prefill_seconds: Callable[[int], float | None]
+    ) -> float:
+        """Seconds a new request waits before its prefill starts, from ``reading``:
+        ``prefill_seconds(tokens)`` is the Hedger's prefill model (``None`` or 0 without one:
+        ``prefill_rate`` then). Infinite when the KV cache is saturated."""
+        if self.saturated(reading):
+            return math.inf
+        probe = self.probe
+        tokens = (reading.queued_tokens or 0) + sum(t for _, t in self.since)
+        seconds = reading.waiting * probe.queued_request_seconds
+        if tokens:
+            model = prefill_seconds(tokens)
+            seconds += model if model else tokens / probe.prefill_rate
+        return seconds
