@@ -53,7 +53,8 @@ class Process:
         return self.lines
 
 
-async def _start(nursery: trio.Nursery, *args: str) -> Process:
+async def _start(nursery: trio.Nursery, *args: str, **options: Any) -> Process:
+    """``python -m trio_hedge *args`` (``options`` for ``trio.run_process``)."""
     command = [sys.executable, "-m", "trio_hedge", *args]
     run = functools.partial(
         trio.run_process,
@@ -62,6 +63,7 @@ async def _start(nursery: trio.Nursery, *args: str) -> Process:
         stderr=-2,  # STDOUT: one stream, in order
         check=False,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        **options,
     )
     process = await nursery.start(run)
     return Process(process)

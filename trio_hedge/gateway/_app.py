@@ -81,7 +81,18 @@ def _ambiguous(ex: Exchange) -> ErrorAnswer | None:
     if ex.duplicate is not None:
         name = ex.duplicate.decode("latin-1")
         return ErrorAnswer(400, f"{name} must be sent once", code="duplicate_header", param=name)
+    bearer = _bearer(headers.get(b"authorization", b""))
+    key = headers.get(b"x-api-key", b"").strip()
+    if bearer and key and not hmac.compare_digest(bearer, key):
+        # The gateway reads the bearer token; a proxy or replica may read x-api-key.
+        message = "Authorization and x-api-key name two different keys: send one"
+        return ErrorAnswer(400, message, code="ambiguous_credentials", param="x-api-key")
     return None
+
+
+def _bearer(value: bytes) -> bytes:
+    """The token of an ``Authorization: Bearer`` value (``b""`` for another scheme)."""
+    return value[7:].strip() if value[:7].lower() == b"bearer " else b""
 
 
 class GatewayApp:
@@ -129,8 +140,12 @@ class GatewayApp:
         if kind == "lifespan":
             await _lifespan(receive, send)
             return
+        if kind == "websocket":  # no websockets: refused 403 (a return would be a 500)
+            await receive()
+            await send({"type": "websocket.close", "code": 1008})
+            return
         if kind != "http":
-            return  # no websockets
+            return
         ex = Exchange(scope, receive, send)
         ex.record.started = time.time()
         path = ex.record.path
@@ -207,8 +222,7 @@ class GatewayApp:
 
     def _caller(self, ex: Exchange) -> GatewayKey | None:
         """The gateway key the request sends, or ``None``."""
-        value = ex.headers.get(b"authorization", b"")
-        token = value[7:].strip() if value[:7].lower() == b"bearer " else b""
+        token = _bearer(ex.headers.get(b"authorization", b""))
         if not token:  # Anthropic clients send their key as x-api-key
             token = ex.headers.get(b"x-api-key", b"").strip()
         found = None
@@ -258,14 +272,26 @@ class GatewayApp:
         deadline_at = math.inf if timeout is None else trio.current_time() + timeout
         try:
             try:
-                body = b""
-                with trio.move_on_at(deadline_at):  # a client trickling its body holds a slot
+                body = None
+                # A client trickling its body holds a slot: it has body_timeout for it.
+                body_by = min(deadline_at, trio.current_time() + (limits.body_timeout or math.inf))
+                with trio.move_on_at(body_by):
                     body = await read_body(ex.receive, limits.max_body_bytes, declared)
-                if trio.current_time() >= deadline_at:
-                    message = f"the request body took longer than request_timeout={timeout} s"
-                    await ex.error(ErrorAnswer(408, message, code="request_timeout"))
+                if body is None:
+                    name, limit = (
+                        ("request_timeout", timeout)
+                        if body_by == deadline_at
+                        else ("body_timeout", limits.body_timeout)
+                    )
+                    message = f"the request body took longer than {name}={limit} s"
+                    # Closed: the rest of the body may still come, and is not a request.
+                    await ex.error(
+                        ErrorAnswer(408, message, code="request_timeout"),
+                        [(b"connection", b"close")],
+                    )
                     return
                 request, group, options, streaming = forwarder.prepare(ex, body)
+                del body  # parsed: its bytes are not held for the whole request
             except BodyTooLarge:
                 refused.labels("body_size").inc()
                 message = f"the request body is larger than max_body_bytes={limits.max_body_bytes}"

@@ -237,7 +237,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     from ._config import ConfigError, load_config, with_flags
     from ._serve import serve
-    from ._server import ListenError
+    from ._server import ListenError, raise_fd_limit
 
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()), format="%(message)s", stream=sys.stderr
@@ -277,6 +277,7 @@ def _serve(args: argparse.Namespace) -> int:
         _, gen1, gen2 = gc.get_threshold()
         gc.set_threshold(args.gc_threshold, gen1, gen2)
     try:
+        raise_fd_limit()  # room for max_concurrent streams and their replicas' connections
         trio.run(lambda: serve(config, handle_signals=True))
     except ListenError as exc:
         return _cannot_listen(exc.filename, exc)

@@ -126,6 +126,15 @@ class Limits:
             upstream attempts closed, their slots freed); over HTTP/2, also how long a
             stream's shut flow-control window may hold a request. ``None``: no limit.
             Default 30.
+        body_timeout: seconds a request's body may take to arrive, from its headers;
+            beyond it 408 and the connection closed (a client trickling its body would
+            hold a concurrency slot for nothing). ``None``: only ``request_timeout``
+            bounds it. Default 30.
+        max_connections: client connections open at once; one more is closed as soon as
+            it is accepted. ``None``: half the process's file-descriptor limit (the soft
+            ``RLIMIT_NOFILE`` when ``serve`` starts; ``trio-hedge serve`` raises it to the
+            hard limit first), so that idle connections cannot take the descriptors the
+            gateway needs to reach its replicas. Default ``None``.
     """
 
     max_concurrent: int = attrs.field(default=1000, validator=_positive_int)
@@ -139,6 +148,8 @@ class Limits:
     key_rate: float | None = attrs.field(default=None, validator=_positive_rate_or_none)
     key_burst: int | None = attrs.field(default=None, validator=_positive_int_or_none)
     write_timeout: float | None = attrs.field(default=30.0, validator=_positive_seconds_or_none)
+    body_timeout: float | None = attrs.field(default=30.0, validator=_positive_seconds_or_none)
+    max_connections: int | None = attrs.field(default=None, validator=_positive_int_or_none)
 
     def __attrs_post_init__(self) -> None:
         if self.hedge_after_min > self.hedge_after_max:

@@ -24,7 +24,7 @@ from ._app import GatewayApp
 from ._config import GatewayConfig
 from ._limits import Limiter
 from ._metrics import GatewayMetrics
-from ._server import Server, open_listeners
+from ._server import Server, default_max_connections, open_listeners
 
 __all__ = ["serve"]
 
@@ -87,6 +87,7 @@ async def serve(
                 write_timeout=limits.write_timeout,
                 request_timeout=limits.request_timeout,
                 http2=config.http2,
+                max_connections=limits.max_connections or default_max_connections(),
             )
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(server.watch)

@@ -1,7 +1,7 @@
 """The gateway's HTTP server: hypercorn's HTTP/1.1 and HTTP/2 protocol code on connections the
 gateway owns, so that no single connection can hurt any other.
 
-``hypercorn.trio.serve`` has three defects the gateway works around here (read and tested in
+``hypercorn.trio.serve`` has these defects the gateway works around here (read and tested in
 hypercorn 0.17.3 and 0.18.0, the version in constraints.txt: ``trio/run.py``,
 ``trio/tcp_server.py``, ``protocol/h2.py``, ``protocol/http_stream.py``; re-check the
 wrappers below when upgrading it, tests/test_gateway_server.py sends each input):
@@ -12,7 +12,9 @@ wrappers below when upgrading it, tests/test_gateway_server.py sends each input)
    unauthenticated h2c request: a ``:method`` or ``:path`` that is not ASCII
    (``UnicodeDecodeError``, ``h2.py`` ``_create_stream`` and ``http_stream.py`` ``handle``),
    and DATA on a stream whose response is complete (``KeyError`` in ``h2.py``
-   ``_handle_events``: a 404 or 413 answered before the body is enough); and three more
+   ``_handle_events``: a 404 or 413 answered before the body is enough); PRIORITY frames
+   naming 1001 streams (``priority.TooManyStreamsError``, ``_priority_updated``: that
+   connection only, its requests cut; ignored here); and three more
    found by trying malformed inputs: a ``CONNECT`` without ``:path`` (``UnboundLocalError``),
    an ``Upgrade: h2c`` whose ``HTTP2-Settings`` is not base64 or holds a bad value
    (``binascii.Error``, ``InvalidSettingsValueError``, after hypercorn's 101). Here the
@@ -31,10 +33,23 @@ wrappers below when upgrading it, tests/test_gateway_server.py sends each input)
    Also over HTTP/2: with a window that stays shut, ``H2Protocol._send_data`` pops 0 bytes,
    which wakes the app's send (under the low-water mark), so the stream's buffer took the
    whole answer; `_H2` waits for the window instead (memory: 32 KiB a stream).
-3. **Shutdown closes idle keep-alive connections at once** (the ``terminated`` event is set
+   And the connection's end leaves each stream's buffer open, so a request whose response
+   was ending (waiting for its last bytes to be sent) waited on after its client had gone,
+   holding its slot; `_H2` closes them.
+3. **Nothing bounds the connections.** Each one holds a file descriptor until its
+   ``keep_alive_timeout`` (5 s idle); at the process's ``RLIMIT_NOFILE`` the gateway cannot
+   open a connection to a replica (``EMFILE``: the request answered 502 ``connection``, as
+   if the replica had failed). Here connections beyond ``max_connections`` are closed as
+   soon as they are accepted, leaving descriptors for the replicas.
+4. **Shutdown closes idle keep-alive connections at once** (the ``terminated`` event is set
    when the shutdown trigger fires), so a request a client sent on one just then meets a
    closed connection. Here they stay open while requests are in flight (a request on one is
    answered 503, ``Connection: close``), and close when the last request in flight ends.
+5. **An HTTP/2 connection that never ends a stream has no idle timeout.** The HTTP/1.1
+   protocol stops the keep-alive timer on reading the preface as a request, and HTTP/2
+   restarts it only when a stream ends: a client that sends the preface and then nothing
+   (or PINGs, or a header block it never ends) held its connection, and with it a
+   ``max_connections`` place, forever. `_Protocols` restarts the timer at the switch.
 
 Also: an answer sent before the request's body was read (a 401, a 404) is followed by
 hypercorn closing the connection when the body has not come by then, without saying so;
@@ -56,6 +71,7 @@ import dataclasses
 import logging
 import math
 import os
+import resource
 import sys
 import traceback
 from collections.abc import Awaitable, Callable, Iterable
@@ -70,7 +86,7 @@ import h11
 import hypercorn.config
 import trio
 from h11._writers import ChunkedWriter
-from hypercorn.events import Closed, Event, RawData
+from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol import ProtocolWrapper
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.events import Response
@@ -88,7 +104,15 @@ from ._http import HOLD_HEAD
 if sys.version_info < (3, 11):  # pragma: no cover - Python 3.10
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["ABORT_GRACE", "CLOSE_GRACE", "ListenError", "Server", "open_listeners"]
+__all__ = [
+    "ABORT_GRACE",
+    "CLOSE_GRACE",
+    "ListenError",
+    "Server",
+    "default_max_connections",
+    "open_listeners",
+    "raise_fd_limit",
+]
 
 logger = logging.getLogger("trio_hedge.gateway")
 
@@ -125,6 +149,22 @@ async def open_listeners(host: str, port: int, backlog: int) -> list[trio.Socket
     except OSError as exc:
         where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         raise ListenError(exc.errno, exc.strerror or str(exc), where) from None
+
+
+def raise_fd_limit() -> None:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit (a service manager's
+    soft limit is often 1024: less than ``max_concurrent`` streams need)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):  # not allowed: keep the soft limit
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def default_max_connections() -> int:
+    """Half the process's soft ``RLIMIT_NOFILE`` (the other half for the replicas'
+    connections, the listeners and the logs)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return max(1, (1 << 20 if soft == resource.RLIM_INFINITY else soft) // 2)
 
 
 def _where(exc: BaseException) -> str:
@@ -277,6 +317,23 @@ class _H2(H2Protocol):
                 return
         await super()._send_data(stream_id)
 
+    async def handle(self, event: Event) -> None:
+        await super().handle(event)
+        if isinstance(event, Closed):
+            # hypercorn's send task stops at Closed, but the streams' buffers stay open: a
+            # request waiting for its last bytes to be sent (a response's end) waited until
+            # write_timeout, holding its slot after its client had gone. Wake it.
+            for buffer in list(self.stream_buffers.values()):
+                await buffer.close()
+
+    async def _priority_updated(self, event: h2.events.PriorityUpdated) -> None:
+        # Ignored (RFC 9113 deprecates this priority scheme, section 5.3.2: a server may
+        # ignore it). hypercorn puts each PRIORITY frame's stream, and the stream it depends
+        # on, in its priority tree for good; at 1001 the tree raises TooManyStreamsError
+        # and the connection failed: 1001 PRIORITY frames of 14 bytes ended every request
+        # on it.
+        return
+
     async def _handle_events(self, events: list[h2.events.Event]) -> None:
         for event in events:
             if isinstance(event, h2.events.RequestReceived) and not _servable(event.headers):
@@ -309,6 +366,11 @@ class _Protocols(ProtocolWrapper):
         except H2ProtocolAssumedError as error:  # the HTTP/2 preface
             self.protocol = _H2(*self._args)
             await self.protocol.initiate()
+            # hypercorn's HTTP/1.1 stopped the keep-alive timer on taking the preface for a
+            # request, and its HTTP/2 restarts it only when a stream ends: a connection
+            # that never finishes a stream (nothing after the preface, PINGs, a header
+            # block never ended) stayed open forever. No stream yet: the timer runs.
+            await self.send(Updated(idle=True))
             if error.data != b"":
                 return await self.protocol.handle(RawData(data=error.data))
         except H2CProtocolRequiredError as error:  # Upgrade: h2c
@@ -499,6 +561,8 @@ class Server:
         request_timeout: the app's own request deadline (seconds; ``None``: none): a request
             still running `ABORT_GRACE` seconds later is cancelled.
         http2: serve h2c (prior knowledge and ``Upgrade``) besides HTTP/1.1.
+        max_connections: connections open at once; one more is closed as soon as it is
+            accepted.
     """
 
     def __init__(
@@ -508,8 +572,11 @@ class Server:
         write_timeout: float | None,
         request_timeout: float | None,
         http2: bool,
+        max_connections: int,
     ) -> None:
         self.app = app
+        self.max_connections = max_connections
+        self._full = False  # connections are being refused (logged once per episode)
         self.write_timeout = write_timeout
         self.request_limit = math.inf if request_timeout is None else request_timeout + ABORT_GRACE
         self.http2 = http2
@@ -530,6 +597,17 @@ class Server:
     async def handle(self, stream: trio.SocketStream) -> None:
         """Serve one connection (a ``trio.serve_listeners`` handler). Whatever it raises
         ends it alone."""
+        if len(self.connections) >= self.max_connections:
+            if not self._full:
+                self._full = True
+                logger.warning(
+                    "%d connections open (max_connections): closing new ones at once",
+                    len(self.connections),
+                )
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)
+            return
+        self._full = False
         connection = _Connection(self, stream)
         self.connections.add(connection)
         try:
