@@ -27,9 +27,10 @@ What the events mean:
   ``response.incomplete`` (a well-formed end that did not finish: finish reason
   ``incomplete_details.reason``, e.g. ``max_output_tokens``, ``content_filter``; so is a
   ``response.completed`` whose response has ``status: "incomplete"``, as vLLM sends a
-  response cut by ``max_output_tokens``), ``response.failed`` (raises the classified ``response.error``: ``rate_limit_exceeded``,
-  ``server_error``, ``context_length_exceeded``…) and ``error`` (raises its fields, nested
-  under ``error`` or flat). A stream that ends before one is ``STREAM_TRUNCATED``
+  response cut by ``max_output_tokens``), ``response.failed`` (raises the classified
+  ``response.error``: ``rate_limit_exceeded``, ``server_error``,
+  ``context_length_exceeded``…) and ``error`` (raises its fields, nested under ``error`` or
+  flat). A stream that ends before one is ``STREAM_TRUNCATED``
   (``EMPTY_STREAM`` when nothing came).
 
 Stateful requests, which create server-side state per attempt, are not blindly duplicated
