@@ -308,7 +308,8 @@ def started(kind: str, console: Console) -> Iterator[Engine]:
 def _words(body: Any) -> int:
     if not isinstance(body, dict):
         return 0
-    text = body.get("input") if isinstance(body.get("input"), str) else ""
+    given = body.get("input")
+    text = given if isinstance(given, str) else ""
     for message in body.get("messages") or ():
         if isinstance(message, dict) and isinstance(message.get("content"), str):
             text += " " + message["content"]
@@ -414,10 +415,11 @@ async def run_api(
         # Fresh words per API and strategy: engines reuse the KV cache of a repeated prefix.
         prompts = texts(schedule, p.seed * 1000 + 10 * number + k)
         send: Send
+        hedger = None
         if name == HEDGER:
             config = th.HedgerConfig(first_token_timeout=120.0)
-            send = hedger_send(th.Hedger(replicas, config, client=client), p, model, prompts,
-                               api.make_body)  # fmt: skip
+            hedger = th.Hedger(replicas, config, client=client)
+            send = hedger_send(hedger, p, model, prompts, api.make_body)
         else:
             delay = None if name == NONE else 0.0
             send = fixed(replicas, client, p, model, delay, prompts, api.make_body)
@@ -434,10 +436,13 @@ async def run_api(
         cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
         row = measure(api.name, name, outcomes, p, warm_from, before, after, cpu)
         rows.append(row)
+        for o in outcomes:  # a loser not cancelled, or an error: show its attempts
+            if o.error is not None or o.cancelled != o.attempts - 1:
+                console.print(f"    #{o.item.index} {o.error or ''} attempts: {o.trace}")
         console.print(
             f"  {api.name} / {name}: {time.monotonic() - began:.0f} s, P99 {row.ttft[1]:.3f} s"
             f", extra {row.extra:.1f}%, losers cancelled {row.losers[0]} of {row.losers[1]}, "
-            f"wasted tokens {_opt(row.wasted)}, load {row.load:.2f}"
+            f"wasted tokens {_opt(row.wasted)}, load {row.load:.2f}" + _delays(hedger)
         )
     return rows
 
@@ -446,6 +451,17 @@ async def _tenant(
     api: Api, p: Params, model: str, client: httpx.AsyncClient, url: str, item: Any, text: str
 ) -> Outcome:
     return await tenant(client, url, p, model, item, text, api.make_body, api.path, api.has_text)
+
+
+def _delays(hedger: th.Hedger | None) -> str:
+    """The hedge delays the Hedger ended with, per prompt-size class."""
+    if hedger is None:
+        return ""
+    delays = ", ".join(
+        f"class {d.size_class}: {d.delay:.3f} s{'' if d.learned else ' (model)'}"
+        for d in hedger.statistics().delays
+    )
+    return f"; delays {delays}"
 
 
 def _opt(value: float | None) -> str:
@@ -459,22 +475,16 @@ def print_table(console: Console, rows: Sequence[AgentRow], p: Params, engine: s
         f"{'another tenant' if p.tenants == 'others' else 'this client'})"
     )
     table.add_column("API")
-    table.add_column("strategy")
-    table.add_column("TTFT P50 / P99 / max (s)", justify="right")
-    table.add_column("warm P50 / P99 / max (s)", justify="right")
-    table.add_column("extra req", justify="right")
-    table.add_column("hedged | busy", justify="right")
-    table.add_column("hedged | idle", justify="right")
-    table.add_column("long hedged", justify="right")
-    table.add_column("losers cancelled", justify="right")
-    table.add_column("wasted tokens", justify="right")
-    table.add_column("losers run to end", justify="right")
-    table.add_column("CPU (s)", justify="right")
-    table.add_column("load", justify="right")
+    table.add_column("strategy", no_wrap=True)
+    for column in ("TTFT P50 / P99 / max (s)", "warm P50 / P99 / max (s)"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for column in ("extra", "hedged | busy", "hedged | idle", "long hedged", "losers cancelled",
+                   "wasted tokens", "losers run to end", "server CPU (s)", "load"):  # fmt: skip
+        table.add_column(column, justify="right")
     for r in rows:
         table.add_row(
             r.api,
-            r.name + (f" ({r.errors} errors)" if r.errors else ""),
+            r.name.removesuffix(" (defaults)") + (f" ({r.errors} errors)" if r.errors else ""),
             " / ".join(f"{v:.3f}" for v in r.ttft),
             " / ".join(f"{v:.3f}" for v in r.warm),
             f"{r.extra:.1f}%",
@@ -547,7 +557,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--warm-from",
         type=int,
-        default=10,
+        default=20,  # the learned delay's min_samples: the Hedger is warm from there
         metavar="N",
         help="the warm part: short requests from the N-th of the schedule on",
     )

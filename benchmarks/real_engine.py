@@ -313,7 +313,8 @@ async def _outcome(item: Item, stream: th.HedgedStream, sent_at: float) -> Outco
     report = stream.report
     trace = " ".join(
         f"{a.replica}/{a.trigger}@{a.started_at or 0:.3f}:"
-        + (f"{a.ttft:.3f}" if a.ttft is not None else a.outcome.value)
+        + (f"{a.ttft:.3f} " if a.ttft is not None else "")
+        + a.outcome.value
         for a in report.attempts
     )
     return Outcome(
