@@ -357,7 +357,7 @@ class AgentRow:
     hedged_busy: tuple[int, int]
     hedged_idle: tuple[int, int]
     long_hedged: tuple[int, int]
-    losers: tuple[int, int]  # (cancelled by the library, all losers)
+    losers: tuple[int, int, int]  # (cancelled by the library, failed on their own, all)
     wasted: float | None  # engine tokens generated beyond the ones the callers read
     finished_extra: float | None  # requests the engine ran to their end beyond the callers'
     server_cpu: float | None
@@ -395,7 +395,11 @@ def measure(
         hedged_busy=row.hedged_busy,
         hedged_idle=row.hedged_idle,
         long_hedged=row.long_hedged,
-        losers=(sum(o.cancelled for o in outcomes), sum(o.attempts - 1 for o in outcomes)),
+        losers=(
+            sum(o.cancelled for o in outcomes),
+            sum(o.failed for o in outcomes if o.error is None),
+            sum(o.attempts - 1 for o in outcomes),
+        ),
         wasted=wasted,
         finished_extra=finished,
         server_cpu=cpu,
@@ -437,11 +441,11 @@ async def run_api(
         row = measure(api.name, name, outcomes, p, warm_from, before, after, cpu)
         rows.append(row)
         for o in outcomes:  # a loser not cancelled, or an error: show its attempts
-            if o.error is not None or o.cancelled != o.attempts - 1:
+            if o.error is not None or o.cancelled + o.failed != o.attempts - 1 or o.failed:
                 console.print(f"    #{o.item.index} {o.error or ''} attempts: {o.trace}")
         console.print(
             f"  {api.name} / {name}: {time.monotonic() - began:.0f} s, P99 {row.ttft[1]:.3f} s"
-            f", extra {row.extra:.1f}%, losers cancelled {row.losers[0]} of {row.losers[1]}, "
+            f", extra {row.extra:.1f}%, losers cancelled {_losers(row.losers)}, "
             f"wasted tokens {_opt(row.wasted)}, load {row.load:.2f}" + _delays(hedger)
         )
     return rows
@@ -462,6 +466,11 @@ def _delays(hedger: th.Hedger | None) -> str:
         for d in hedger.statistics().delays
     )
     return f"; delays {delays}"
+
+
+def _losers(losers: tuple[int, int, int]) -> str:
+    cancelled, failed, total = losers
+    return f"{cancelled} of {total}" + (f" ({failed} failed)" if failed else "")
 
 
 def _opt(value: float | None) -> str:
@@ -491,7 +500,7 @@ def print_table(console: Console, rows: Sequence[AgentRow], p: Params, engine: s
             f"{r.hedged_busy[0]} of {r.hedged_busy[1]}",
             f"{r.hedged_idle[0]} of {r.hedged_idle[1]}",
             f"{r.long_hedged[0]} of {r.long_hedged[1]}",
-            f"{r.losers[0]} of {r.losers[1]}",
+            _losers(r.losers),
             _opt(r.wasted),
             _opt(r.finished_extra),
             "-" if r.server_cpu is None else f"{r.server_cpu:.1f}",
@@ -506,11 +515,18 @@ def check(console: Console, rows: Sequence[AgentRow], p: Params) -> bool:
     most ``max_tokens - 1`` each)."""
     ok = True
     for r in rows:
-        checks = [(f"{r.losers[0]} of {r.losers[1]} losers cancelled", r.losers[0] == r.losers[1])]
+        cancelled, failed, total = r.losers
+        checks = [
+            (
+                f"{_losers(r.losers)} losers cancelled (a loser that failed on its own before "
+                "the commit has nothing to cancel)",
+                cancelled + failed == total,
+            )
+        ]
         if r.finished_extra is not None:
             checks.append((f"{r.finished_extra:g} losers run to the end", r.finished_extra <= 0))
         if r.wasted is not None:
-            bound = r.losers[1] * (p.max_tokens - 1)
+            bound = total * (p.max_tokens - 1)
             checks.append((f"{r.wasted:g} wasted tokens <= {bound}", r.wasted <= bound))
         for text, good in checks:
             ok &= good

@@ -163,6 +163,7 @@ class Outcome:
     error: str | None = None
     trace: str = ""  # the attempts: replica, trigger, start, TTFT or outcome
     cancelled: int = 0  # losers the library cancelled
+    failed: int = 0  # attempts that failed on their own before the commit
 
 
 # -- the servers --------------------------------------------------------------------------------
@@ -328,6 +329,7 @@ async def _outcome(item: Item, stream: th.HedgedStream, sent_at: float) -> Outco
         ended_at=trio.current_time(),
         error=error,
         cancelled=sum(a.outcome is th.AttemptOutcome.CANCELLED for a in report.attempts),
+        failed=sum(a.outcome is th.AttemptOutcome.FAILED for a in report.attempts),
     )
 
 
