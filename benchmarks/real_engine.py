@@ -64,6 +64,7 @@ from rich.console import Console
 from rich.table import Table
 
 import trio_hedge as th
+from trio_hedge.report import AttemptOutcome
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import percentile
@@ -328,8 +329,8 @@ async def _outcome(item: Item, stream: th.HedgedStream, sent_at: float) -> Outco
         sent_at=sent_at,
         ended_at=trio.current_time(),
         error=error,
-        cancelled=sum(a.outcome is th.AttemptOutcome.CANCELLED for a in report.attempts),
-        failed=sum(a.outcome is th.AttemptOutcome.FAILED for a in report.attempts),
+        cancelled=sum(a.outcome is AttemptOutcome.CANCELLED for a in report.attempts),
+        failed=sum(a.outcome is AttemptOutcome.FAILED for a in report.attempts),
     )
 
 
