@@ -64,6 +64,7 @@ from rich.console import Console
 from rich.table import Table
 
 import trio_hedge as th
+from trio_hedge.report import AttemptOutcome
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import percentile
@@ -162,6 +163,8 @@ class Outcome:
     ended_at: float
     error: str | None = None
     trace: str = ""  # the attempts: replica, trigger, start, TTFT or outcome
+    cancelled: int = 0  # losers the library cancelled
+    failed: int = 0  # attempts that failed on their own before the commit
 
 
 # -- the servers --------------------------------------------------------------------------------
@@ -270,9 +273,14 @@ async def _read(stream: th.HedgedStream, sent_at: float) -> float | None:
 Send = Callable[[Item, float], Awaitable[Outcome]]
 
 
+#: Builds one request body: ``(params, model, prompt text) -> JSON body`` (chat completions
+#: by default; ``benchmarks/agent_engines.py`` passes the Messages and Responses bodies).
+MakeBody = Callable[[Params, str, str], dict[str, Any]]
+
+
 def fixed(
     replicas: Sequence[th.Replica], client: httpx.AsyncClient, p: Params, model: str,
-    hedge_after: float | None, prompts: dict[int, str],
+    hedge_after: float | None, prompts: dict[int, str], make_body: MakeBody = body,
 ) -> Send:  # fmt: skip
     """``hedged_stream`` with a fixed delay (``None``: never), the item's random primary
     first and the other replica as backup."""
@@ -280,15 +288,18 @@ def fixed(
 
     async def send(item: Item, sent_at: float) -> Outcome:
         order = [replicas[item.replica], replicas[1 - item.replica]]
-        stream = th.hedged_stream(body(p, model, prompts[item.index]), order, policy, client=client)
+        request = make_body(p, model, prompts[item.index])
+        stream = th.hedged_stream(request, order, policy, client=client)
         return await _outcome(item, stream, sent_at)
 
     return send
 
 
-def hedger_send(hedger: th.Hedger, p: Params, model: str, prompts: dict[int, str]) -> Send:
+def hedger_send(
+    hedger: th.Hedger, p: Params, model: str, prompts: dict[int, str], make_body: MakeBody = body
+) -> Send:
     async def send(item: Item, sent_at: float) -> Outcome:
-        stream = hedger.stream(body(p, model, prompts[item.index]))  # prompt size estimated
+        stream = hedger.stream(make_body(p, model, prompts[item.index]))  # prompt size estimated
         return await _outcome(item, stream, sent_at)
 
     return send
@@ -304,7 +315,8 @@ async def _outcome(item: Item, stream: th.HedgedStream, sent_at: float) -> Outco
     report = stream.report
     trace = " ".join(
         f"{a.replica}/{a.trigger}@{a.started_at or 0:.3f}:"
-        + (f"{a.ttft:.3f}" if a.ttft is not None else a.outcome.value)
+        + (f"{a.ttft:.3f} " if a.ttft is not None else "")
+        + a.outcome.value
         for a in report.attempts
     )
     return Outcome(
@@ -317,35 +329,53 @@ async def _outcome(item: Item, stream: th.HedgedStream, sent_at: float) -> Outco
         sent_at=sent_at,
         ended_at=trio.current_time(),
         error=error,
+        cancelled=sum(a.outcome is AttemptOutcome.CANCELLED for a in report.attempts),
+        failed=sum(a.outcome is AttemptOutcome.FAILED for a in report.attempts),
     )
 
 
+def chat_text(event: dict[str, Any]) -> bool:
+    """Whether one chat-completions SSE event carries answer text."""
+    choices = event.get("choices") or [{}]
+    return bool(choices[0].get("delta", {}).get("content"))
+
+
 async def tenant(
-    client: httpx.AsyncClient, url: str, p: Params, model: str, item: Item, text: str
-) -> Outcome:
-    """Another client's request, straight to one replica, read to its end."""
+    client: httpx.AsyncClient, url: str, p: Params, model: str, item: Item, text: str,
+    make_body: MakeBody = body, path: str = "/chat/completions",
+    has_text: Callable[[dict[str, Any]], bool] = chat_text,
+) -> Outcome:  # fmt: skip
+    """Another client's request, straight to one replica (``url + path``), read to its end;
+    its TTFT is the first event ``has_text`` says carries text."""
     sent_at = trio.current_time()
     ttft = None
-    payload = body(p, model, text) | {"stream": True}
-    async with client.stream("POST", url + "/chat/completions", json=payload) as response:
+    payload = make_body(p, model, text) | {"stream": True}
+    async with client.stream("POST", url + path, json=payload) as response:
+        response.raise_for_status()
         async for line in response.aiter_lines():
-            if ttft is None and line.startswith("data: {"):
-                (choice,) = json.loads(line[6:])["choices"]
-                if choice["delta"].get("content"):
-                    ttft = trio.current_time() - sent_at
+            if ttft is None and line.startswith("data: {") and has_text(json.loads(line[6:])):
+                ttft = trio.current_time() - sent_at
     return Outcome(item, ttft, 1, False, f"r{item.replica}", sent_at, trio.current_time())
+
+
+Tenant = Callable[[httpx.AsyncClient, str, Item, str], Awaitable[Outcome]]
 
 
 async def run_schedule(
     schedule: Sequence[Item], send: Send, client: httpx.AsyncClient, urls: Sequence[str],
-    p: Params, model: str, prompts: dict[int, str],
+    p: Params, model: str, prompts: dict[int, str], send_tenant: Tenant | None = None,
 ) -> list[Outcome]:  # fmt: skip
+    """Run the schedule: the library's items through ``send``, the other tenants' through
+    ``send_tenant(client, url, item, text)`` (default: a chat-completions ``tenant``)."""
     outcomes: list[Outcome] = []
 
     async def one(item: Item, sent_at: float) -> None:
         if item.tenant:
-            text = prompts[item.index]
-            outcomes.append(await tenant(client, urls[item.replica], p, model, item, text))
+            text, url = prompts[item.index], urls[item.replica]
+            if send_tenant is None:
+                outcomes.append(await tenant(client, url, p, model, item, text))
+            else:
+                outcomes.append(await send_tenant(client, url, item, text))
         else:
             outcomes.append(await send(item, sent_at))
 

@@ -25,6 +25,8 @@ from trio_hedge.sources.openai import merge_tool_calls
 from trio_hedge.sources.openai_responses import ResponsesReplica
 from trio_hedge.testing import Behaviour, MockReplicas, fake_replicas
 
+from . import misbehaving as mb
+
 MESSAGES = {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]}
 RESPONSES = {"model": "m", "input": "hi"}
 API = {
@@ -262,6 +264,55 @@ async def test_a_responses_incomplete_end_is_complete_with_its_reason(
             deltas = [d async for d in stream.events()]
     assert [d.finish_reason for d in deltas if d.finish_reason] == ["max_output_tokens"]
     assert stream.report.completed
+
+
+#: vLLM 0.32's answer to a Responses request cut by max_output_tokens (trimmed to the fields
+#: that matter): the terminal event is response.completed, the response's status incomplete.
+VLLM_CUT = [
+    {"type": "response.created", "response": {"id": "resp_v", "status": "in_progress"}},
+    {"type": "response.in_progress", "response": {"id": "resp_v", "status": "in_progress"}},
+    {
+        "type": "response.output_item.added",
+        "item": {"id": "msg_v", "content": [], "role": "assistant", "type": "message"},
+    },
+    {"type": "response.output_text.delta", "item_id": "msg_v", "delta": "air"},
+    {"type": "response.output_text.delta", "item_id": "msg_v", "delta": "menwork"},
+    {"type": "response.output_text.done", "item_id": "msg_v", "text": "airmenwork"},
+    {
+        "type": "response.completed",
+        "response": {
+            "id": "resp_v",
+            "object": "response",
+            "status": "incomplete",
+            "incomplete_details": {"reason": "max_output_tokens"},
+            "usage": {"input_tokens": 15, "output_tokens": 4},
+        },
+    },
+]
+
+
+async def test_a_completed_event_of_an_incomplete_response_says_why() -> None:
+    """vLLM ends a cut response with response.completed and status "incomplete": the finish
+    reason is the response's own (max_output_tokens), as for response.incomplete and for the
+    same answer sent whole; the response that finished is still "completed"."""
+    finished = {**VLLM_CUT[-1]["response"], "status": "completed", "incomplete_details": None}
+    bodies = [VLLM_CUT, [*VLLM_CUT[:-1], {"type": "response.completed", "response": finished}]]
+
+    async def script(conn: mb.ServerConn) -> None:
+        await conn.send(mb.SSE_HEAD)
+        await conn.send_chunks([_typed(event) for event in bodies[len(server.connections) - 1]])
+        await conn.send(mb.END_OF_BODY)
+
+    async with mb.RawServer(script, name="vllm") as server, th.transport.make_client() as client:
+        reasons = []
+        for _ in bodies:
+            replicas = [ResponsesReplica(server.url, name="vllm")]
+            async with th.hedged_stream(RESPONSES, replicas, client=client) as stream:
+                deltas = [d async for d in stream.events()]
+            assert "".join(d.content for d in deltas) == "airmenwork"
+            assert stream.report.completed
+            reasons.append([d.finish_reason for d in deltas if d.finish_reason])
+    assert reasons == [["max_output_tokens"], ["completed"]]
 
 
 # -- stateful Responses requests ---------------------------------------------------------------

@@ -25,10 +25,12 @@ What the events mean:
   dropped.
 * Terminal events: ``response.completed`` (finish reason ``"completed"``, usage),
   ``response.incomplete`` (a well-formed end that did not finish: finish reason
-  ``incomplete_details.reason``, e.g. ``max_output_tokens``, ``content_filter``),
-  ``response.failed`` (raises the classified ``response.error``: ``rate_limit_exceeded``,
-  ``server_error``, ``context_length_exceeded``…) and ``error`` (raises its fields, nested
-  under ``error`` or flat). A stream that ends before one is ``STREAM_TRUNCATED``
+  ``incomplete_details.reason``, e.g. ``max_output_tokens``, ``content_filter``; so is a
+  ``response.completed`` whose response has ``status: "incomplete"``, as vLLM sends a
+  response cut by ``max_output_tokens``), ``response.failed`` (raises the classified
+  ``response.error``: ``rate_limit_exceeded``, ``server_error``,
+  ``context_length_exceeded``…) and ``error`` (raises its fields, nested under ``error`` or
+  flat). A stream that ends before one is ``STREAM_TRUNCATED``
   (``EMPTY_STREAM`` when nothing came).
 
 Stateful requests, which create server-side state per attempt, are not blindly duplicated
@@ -95,7 +97,8 @@ class ResponsesDecoder(EventDecoder):
         done: a terminal event (``response.completed`` / ``incomplete``) was seen.
         data_events: data events seen (keep-alives and errors count).
         error: the [`AttemptError`][trio_hedge.AttemptError] raised or to be raised next.
-        finish_reason: ``"completed"``, the ``response.incomplete`` reason, or ``None``.
+        finish_reason: ``"completed"``, the ``incomplete_details`` reason of an incomplete
+            response, or ``None``.
         usage: the terminal response's usage, or ``None``.
         response_id: the response's id (from ``response.created``), or ``None``.
         sent_text: whether any answer text was decoded.
@@ -215,7 +218,9 @@ class ResponsesDecoder(EventDecoder):
         usage = response.get("usage")
         if type(usage) is dict:
             self.usage = usage
-        if kind == "response.completed":
+        # vLLM ends a response cut by max_output_tokens with response.completed whose status
+        # is "incomplete" (OpenAI sends response.incomplete): the status says which it is.
+        if kind == "response.completed" and response.get("status") != "incomplete":
             self.finish_reason = "completed"
         else:
             details = response.get("incomplete_details")
