@@ -192,3 +192,6 @@ async def test_a_failed_requests_traceback_is_short_and_keeps_the_chain() -> Non
         assert error.__cause__.__traceback__ is None  # without the HTTP stack's frames
         assert error.__traceback__ is not None  # the attempt's own frames stay
     assert "httpx.ConnectError: " in printed
+    # Each attempt's error is named by its public home, not the private module defining it.
+    assert "trio_hedge.errors.AttemptError: connection" in printed
+    assert "trio_hedge._" not in printed.replace("trio_hedge/_", "")  # paths of frames aside

@@ -19,6 +19,11 @@ if sys.version_info < (3, 11):  # pragma: no cover
 
 from ._attempt_error import AttemptError, ErrorKind
 
+# Tracebacks name an exception by its class's module: this one is raised and caught through
+# its public home, so an uncaught one reads ``trio_hedge.errors.AttemptError``, not the private
+# module it is defined in.
+AttemptError.__module__ = __name__
+
 if TYPE_CHECKING:
     from .report import Report
 
