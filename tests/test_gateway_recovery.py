@@ -1,0 +1,167 @@
+"""The gateway keeps one completion per request across a recovery after the commit: over real
+loopback sockets, the official openai SDK (and httpx for the raw bytes) as client, a winner
+cut after 3 of 6 tokens and a backup that reproduces the text (docs/gateway.md, Streaming).
+
+The replicas answer with their own ``id`` (``chatcmpl-<replica>-<n>``), ``model`` and
+``created``, so a chunk relayed without rewriting would show the backup's.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+import httpx
+import openai
+import pytest
+import trio
+
+import trio_hedge as th
+from trio_hedge.gateway import GatewayConfig, Group, Limits
+from trio_hedge.gateway._config import DEFAULT_HEDGER
+from trio_hedge.testing import Behaviour, FakeReplica
+from trio_hedge.testing._behaviour import RequestRecord, Step, render_response
+
+from .gateway_support import CHAT, Gateway
+
+FULL = "tok0 tok1 tok2 tok3 tok4 tok5 "
+CUT = Behaviour(tokens=6, token_delay=0.001, cut_after=3, usage=True)
+BACKUP = Behaviour(tokens=6, token_delay=0.001, usage=True)
+#: The backup samples differently after two tokens: a replay diverges.
+OTHER = Behaviour(tokens=["tok0 ", "tok1 ", "TOKX ", "tok3 "], token_delay=0.001, usage=True)
+#: The gateway's default (it recovers), failover only: the cut winner's backup is the recovery.
+HEDGER = attrs.evolve(DEFAULT_HEDGER, hedge_after=30.0, pick="in_order", budget=None)
+
+
+class Dated(FakeReplica):
+    """A fake replica whose chunks carry its own ``model`` and ``created``."""
+
+    def __init__(self, behaviour: Behaviour, *, name: str, answers_as: str, created: int) -> None:
+        super().__init__(behaviour, name=name)
+        self.answers_as = answers_as
+        self.created = created
+
+    def _render(self, record: RequestRecord) -> list[Step]:
+        if isinstance(record.json, dict):
+            record.json = {**record.json, "model": self.answers_as}
+        return render_response(record, self.behaviour, model=self.model, created=self.created)
+
+
+def config(a: FakeReplica, b: FakeReplica, *, continuation: str | None = None) -> GatewayConfig:
+    made = [
+        th.Replica(a.url, name=a.name),
+        th.Replica(b.url, name=b.name, continuation=continuation),
+    ]
+    group = Group("default", [r.name for r in made], hedger=HEDGER)
+    return GatewayConfig(made, [group], port=0, limits=Limits(drain_timeout=1.0))
+
+
+async def _sdk(gw: Gateway, *, stream: bool) -> Any:
+    def call() -> Any:
+        client = openai.OpenAI(base_url=gw.url, api_key="sk-test", max_retries=0)
+        if not stream:
+            return client.chat.completions.create(**CHAT)
+        made = client.chat.completions.create(
+            **CHAT, stream=True, stream_options={"include_usage": True}
+        )
+        return list(made)
+
+    with trio.fail_after(20):
+        return await trio.to_thread.run_sync(call)
+
+
+async def _raw(gw: Gateway) -> str:
+    async with httpx.AsyncClient() as http:
+        with trio.fail_after(20):
+            body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+            answer = await http.post(f"{gw.url}/chat/completions", json=body)
+    assert answer.status_code == 200
+    return answer.text
+
+
+def _replicas(backup: Behaviour) -> tuple[Dated, Dated]:
+    return (
+        Dated(CUT, name="cut", answers_as="model-a", created=1_000),
+        Dated(backup, name="backup", answers_as="model-b", created=2_000),
+    )
+
+
+@pytest.mark.parametrize(
+    ("continuation", "prompt_sent"),
+    [
+        (None, 2),  # a replay: the original request ("hello there": 2 prompt words) again
+        ("vllm", 5),  # a continuation: the prompt carried the 3 delivered tokens as well
+    ],
+)
+async def test_a_stream_recovered_is_one_completion(
+    continuation: str | None, prompt_sent: int
+) -> None:
+    a, b = _replicas(attrs.evolve(BACKUP, continuation=continuation))
+    async with a, b, Gateway(config(a, b, continuation=continuation)) as gw:
+        chunks = await _sdk(gw, stream=True)
+        raw = await _raw(gw)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == FULL
+    # One completion: the first upstream's id, model and created on every chunk.
+    assert {(c.id, c.model, c.created) for c in chunks} == {("chatcmpl-cut-0", "model-a", 1_000)}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    # Usage counts what the client got: 3 tokens from the cut winner, 3 from the recovery;
+    # the prompt is the original's (2 words), whatever the recovery's request carried.
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (2, 6, 8)
+    # The raw stream: one role chunk (the new upstream's opening is dropped), [DONE] last.
+    events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    parsed = [json.loads(e) for e in events[:-1]]
+    roles = [p for p in parsed if p["choices"] and "role" in p["choices"][0]["delta"]]
+    assert len(roles) == 1
+    assert {p["id"] for p in parsed} == {"chatcmpl-cut-1"}
+    assert b.requests[1].json is not None
+    sent = b.requests[1].json["messages"]
+    assert len(sent) == (2 if continuation else 1)  # the prefix went as an assistant message
+    assert prompt_sent == sum(len(m["content"].split()) for m in sent)
+
+
+@pytest.mark.parametrize("continuation", [None, "vllm"])
+async def test_a_whole_answer_recovered_is_complete(continuation: str | None) -> None:
+    # (A vLLM continuation's own usage says 5 prompt and 3 completion tokens.)
+    a, b = _replicas(attrs.evolve(BACKUP, continuation=continuation))
+    async with a, b, Gateway(config(a, b, continuation=continuation)) as gw:
+        whole = await _sdk(gw, stream=False)
+    assert whole.choices[0].message.content == FULL
+    assert whole.choices[0].finish_reason == "stop"
+    assert (whole.id, whole.model, whole.created) == ("chatcmpl-cut-0", "model-a", 1_000)
+    assert whole.usage is not None
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (2, 6)
+    assert whole.usage.total_tokens == 8
+
+
+async def test_a_recovery_that_diverges_ends_in_band_with_the_partial_text() -> None:
+    a, b = _replicas(OTHER)
+    async with a, b, Gateway(config(a, b)) as gw:
+        raw = await _raw(gw)
+
+        def sdk() -> tuple[str, BaseException | None]:
+            client = openai.OpenAI(base_url=gw.url, api_key="sk-test", max_retries=0)
+            got = []
+            try:
+                for chunk in client.chat.completions.create(**CHAT, stream=True):
+                    got.append(chunk.choices[0].delta.content or "" if chunk.choices else "")
+            except openai.APIError as exc:
+                return "".join(got), exc
+            return "".join(got), None
+
+        with trio.fail_after(20):
+            text, error = await trio.to_thread.run_sync(sdk)
+    assert text == "tok0 tok1 tok2 " and isinstance(error, openai.APIError)
+    events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e]
+    assert "[DONE]" not in events
+    parsed = [json.loads(e) for e in events]
+    assert "error" in parsed[-1]
+    relayed = "".join(
+        p["choices"][0]["delta"].get("content") or "" for p in parsed if p.get("choices")
+    )
+    assert relayed == "tok0 tok1 tok2 "
+    assert {p["id"] for p in parsed[:-1]} == {"chatcmpl-cut-0"}
