@@ -165,3 +165,22 @@ async def test_a_recovery_that_diverges_ends_in_band_with_the_partial_text() -> 
     )
     assert relayed == "tok0 tok1 tok2 "
     assert {p["id"] for p in parsed[:-1]} == {"chatcmpl-cut-0"}
+
+
+async def test_a_messages_stream_recovered_keeps_its_message_id() -> None:
+    # The Messages API names its message once, in message_start: a replay's own opening is
+    # held back with the prefix it reproduces, so the client's message stays the first one.
+    # Its usage (output_tokens) is the replay's own count: the whole answer regenerated.
+    a, b = _replicas(BACKUP)
+    body = {**CHAT, "max_tokens": 50, "stream": True}
+    async with a, b, Gateway(config(a, b)) as gw, httpx.AsyncClient() as http:
+        with trio.fail_after(20):
+            answer = await http.post(f"{gw.url}/messages", json=body)
+    events = [e.split("\ndata: ", 1) for e in answer.text.split("\n\n") if e]
+    parsed = [(name.removeprefix("event: "), json.loads(data)) for name, data in events]
+    assert [n for n, _ in parsed].count("message_start") == 1
+    assert parsed[0][1]["message"]["id"] == "msg-cut-0"
+    text = "".join(d["delta"].get("text", "") for n, d in parsed if n == "content_block_delta")
+    assert text == FULL
+    assert parsed[-2][1]["usage"]["output_tokens"] == 6
+    assert parsed[-1][0] == "message_stop"
