@@ -184,3 +184,35 @@ async def test_a_messages_stream_recovered_keeps_its_message_id() -> None:
     assert text == FULL
     assert parsed[-2][1]["usage"]["output_tokens"] == 6
     assert parsed[-1][0] == "message_stop"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_messages_answer_recovered_inside_an_event_is_whole(stream: bool) -> None:
+    # The replay chunks its text differently: the prefix ends inside an event, whose rest
+    # the gateway has no event text for (streamed: made; whole: added to its block).
+    split = Behaviour(tokens=["tok0 tok", "1 tok2 tok3 ", "tok4 ", "tok5 "], token_delay=0.001)
+    a, b = _replicas(split)
+    body = {**CHAT, "max_tokens": 50, "stream": stream}
+    async with a, b, Gateway(config(a, b)) as gw, httpx.AsyncClient() as http:
+        with trio.fail_after(20):
+            answer = await http.post(f"{gw.url}/messages", json=body)
+    if stream:
+        events = [e.split("\ndata: ", 1) for e in answer.text.split("\n\n") if e]
+        deltas = [json.loads(d) for n, d in events if n == "event: content_block_delta"]
+        text = "".join(d["delta"].get("text", "") for d in deltas)
+    else:
+        whole = answer.json()
+        assert whole["id"] == "msg-cut-0"
+        text = "".join(block["text"] for block in whole["content"])
+    assert text == FULL
+
+
+async def test_a_chat_stream_recovered_inside_a_chunk_is_one_completion() -> None:
+    # The rest of the chunk where the reproduced prefix ends has no JSON text of its own:
+    # made by the gateway, with the first upstream's head like the others.
+    split = Behaviour(tokens=["tok0 tok", "1 tok2 tok3 ", "tok4 ", "tok5 "], token_delay=0.001)
+    a, b = _replicas(split)
+    async with a, b, Gateway(config(a, b)) as gw:
+        chunks = await _sdk(gw, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == FULL
+    assert {(c.id, c.model, c.created) for c in chunks} == {("chatcmpl-cut-0", "model-a", 1_000)}

@@ -170,6 +170,7 @@ class MessageCompletion(Completion):
     def add(self, delta: Delta) -> None:
         self.deltas.append(delta)
         if delta.raw is None:
+            self._split(delta)
             return
         event = json.loads(delta.raw)
         kind, index = event.get("type"), event.get("index")
@@ -188,6 +189,20 @@ class MessageCompletion(Completion):
                 self.message[key] = value
             if isinstance(event.get("usage"), dict):
                 self.message["usage"] = {**self.message.get("usage", {}), **event["usage"]}
+
+    def _split(self, delta: Delta) -> None:
+        """A delta with no event of its own: what follows the prefix a recovery reproduced,
+        where it ended inside an event. Its text goes on the open block it continues."""
+        for kind, key, text in (
+            ("text", "text", delta.content),
+            ("thinking", "thinking", delta.reasoning),
+        ):
+            if not text:
+                continue
+            open_blocks = [b for b in self._blocks.values() if b.get("type") == kind]
+            if open_blocks:
+                block = open_blocks[-1]
+                block[key] = block.get(key, "") + text
 
     def _apply(self, block: dict[str, Any], index: int, delta: dict[str, Any]) -> None:
         kind = delta.get("type")
