@@ -198,6 +198,10 @@ async def test_a_messages_answer_recovered_inside_an_event_is_whole(stream: bool
             answer = await http.post(f"{gw.url}/messages", json=body)
     if stream:
         events = [e.split("\ndata: ", 1) for e in answer.text.split("\n\n") if e]
+        names = [n.removeprefix("event: ") for n, _ in events]
+        # One block, one end: the split event's rest made no block or message of its own.
+        assert names.count("content_block_start") == names.count("message_stop") == 1
+        assert names[-1] == "message_stop"
         deltas = [json.loads(d) for n, d in events if n == "event: content_block_delta"]
         text = "".join(d["delta"].get("text", "") for d in deltas)
     else:
@@ -216,3 +220,32 @@ async def test_a_chat_stream_recovered_inside_a_chunk_is_one_completion() -> Non
         chunks = await _sdk(gw, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == FULL
     assert {(c.id, c.model, c.created) for c in chunks} == {("chatcmpl-cut-0", "model-a", 1_000)}
+
+
+SPLIT = Behaviour(tokens=["tok0 tok", "1 tok2 tok3 ", "tok4 ", "tok5 "], token_delay=0.001)
+
+
+@pytest.mark.parametrize("backup", [BACKUP, SPLIT], ids=["whole events", "split inside"])
+async def test_a_responses_stream_recovered_is_one_response(backup: Behaviour) -> None:
+    # The official SDK as client: one response id and one item id throughout, the final
+    # response complete, and no terminal event before the end (a split event once made one).
+    a, b = _replicas(backup)
+    async with a, b, Gateway(config(a, b)) as gw:
+
+        def call() -> tuple[list[Any], Any]:
+            client = openai.OpenAI(base_url=gw.url, api_key="sk-test", max_retries=0)
+            events = list(client.responses.create(model="m", input="hello there", stream=True))
+            whole = client.responses.create(model="m", input="hello there")
+            return events, whole
+
+        with trio.fail_after(20):
+            events, whole = await trio.to_thread.run_sync(call)
+    kinds = [e.type for e in events]
+    assert kinds.count("response.completed") == 1 and kinds[-1] == "response.completed"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == FULL
+    assert {e.item_id for e in events if hasattr(e, "item_id")} == {"item_resp-cut-0_0"}
+    assert {e.response.id for e in events if hasattr(e, "response")} == {"resp-cut-0"}
+    final = events[-1].response
+    assert final.output_text == FULL and final.output[0].id == "item_resp-cut-0_0"
+    assert whole.id == "resp-cut-1" and whole.output_text == FULL

@@ -481,7 +481,7 @@ class ChatForwarder:
         async for batch in batches:
             if stream.recovered:  # another replica goes on: one completion (``_recovered``)
                 rewriter = ChunkRewriter(head_of(first), encoder.chunk, stream)
-                await relay_recovered(ex, batch, batches, rewriter)
+                await relay_recovered(ex, batch, batches, rewriter.encode)
                 break
             data = encode(batch[0]) if len(batch) == 1 else b"".join(map(encode, batch))
             await send({"type": "http.response.body", "body": data, "more_body": True})

@@ -1,4 +1,5 @@
-"""One completion across a recovery: the chat chunks after a recovery, rewritten.
+"""One completion across a recovery: the chat chunks after a recovery, rewritten (the other
+APIs' events: ``_agent.py``'s ``_continued``, relayed by `relay_recovered` too).
 
 After the commit the relay writes the winner's events byte for byte (``_forward.py``). When
 the winner breaks and a recovery takes over (``HedgedStream.recovered``, docs/recovery.md),
@@ -116,11 +117,10 @@ async def relay_recovered(
     ex: Exchange,
     batch: Sequence[Delta],
     batches: AsyncIterator[Sequence[Delta]],
-    rewriter: ChunkRewriter,
+    encode: Callable[[Delta], bytes],
 ) -> None:
-    """Write ``batch`` and every batch after it rewritten (``rewriter``), one write per
-    batch that has something to say."""
-    encode = rewriter.encode
+    """Write ``batch`` and every batch after it rewritten (``encode``: a `ChunkRewriter`'s,
+    or another API's), one write per batch that has something to say."""
     data = b"".join(map(encode, batch))
     if data:
         await ex.body(data, more=True)
