@@ -52,7 +52,7 @@ from ._forward import (
 )
 from ._http import Exchange
 from ._metrics import GatewayMetrics
-from ._recovered import relay_recovered
+from ._recovered import event_of, relay_recovered
 
 __all__ = ["agent_forwarder", "agent_hedgers"]
 
@@ -113,17 +113,6 @@ def typed_event(raw: str, name: str | None = None) -> bytes:
     if "\n" in raw:  # multi-line data: every line needs its own field name
         raw = raw.replace("\n", "\ndata: ")
     return f"event: {name or _event_name(raw)}\ndata: {raw}\n\n".encode()
-
-
-def _event(delta: Delta | None) -> dict[str, Any]:
-    """A relayed delta's event as a JSON object (``{}`` for none or no event text)."""
-    if delta is None or delta.raw is None:
-        return {}
-    try:
-        event = json.loads(delta.raw)
-    except ValueError:
-        return {}
-    return event if isinstance(event, dict) else {}
 
 
 def _dumps(obj: object) -> str:
@@ -263,7 +252,7 @@ class ResponseCompletion(Completion):
     def add(self, delta: Delta) -> None:
         self.deltas.append(delta)
         if self.opening is None:
-            response = _event(delta).get("response")
+            response = event_of(delta).get("response")
             self.opening = response if isinstance(response, dict) else {}
         if delta.finish_reason is not None and delta.raw is not None:
             event = json.loads(delta.raw)
@@ -359,7 +348,9 @@ class AgentForwarder(ChatForwarder):
         opening = last = None  # the first and the latest events relayed (before any recovery)
         async for batch in batches:
             if stream.recovered:  # another replica goes on: one answer (``_continued``)
-                go_on = functools.partial(self._continued, head=_event(opening), tail=_event(last))
+                go_on = functools.partial(
+                    self._continued, head=event_of(opening), tail=event_of(last)
+                )
                 await relay_recovered(ex, batch, batches, go_on)
                 break
             out = []
@@ -461,7 +452,7 @@ class ResponsesForwarder(AgentForwarder):
                 "delta": delta.content,
             }
             return typed_event(_dumps(event))
-        event = _event(delta)
+        event = event_of(delta)
         if not event:
             return typed_event(delta.raw)
         if item_id is not None and event.get("output_index") == index:

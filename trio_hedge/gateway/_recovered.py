@@ -22,24 +22,29 @@ from .. import HedgedStream, Report
 from ..events import Delta
 from ._http import Exchange
 
-__all__ = ["ChunkRewriter", "head_of", "recount", "recovered_usage", "relay_recovered"]
+__all__ = ["ChunkRewriter", "event_of", "head_of", "recount", "recovered_usage", "relay_recovered"]
 
 #: The fields that make chunks one completion (the first upstream's, kept after a recovery).
 HEAD_KEYS = ("id", "created", "model", "system_fingerprint")
+
+
+def event_of(delta: Delta | None) -> dict[str, Any]:
+    """A relayed delta's event (its ``raw`` JSON text) as an object; ``{}`` for none, no
+    text of its own, or text that is no JSON object."""
+    if delta is None or delta.raw is None:
+        return {}
+    try:
+        event = json.loads(delta.raw)
+    except ValueError:
+        return {}
+    return event if isinstance(event, dict) else {}
 
 
 def head_of(first: Delta | None) -> dict[str, Any]:
     """The ``id``, ``created``, ``model`` and ``system_fingerprint`` of the upstream's first
     chunk (``first.raw``); empty when it had no JSON text of its own (the gateway's own
     encoder made it: its head is what a re-encoded chunk carries anyway)."""
-    if first is None or first.raw is None:
-        return {}
-    try:
-        chunk = json.loads(first.raw)
-    except ValueError:
-        return {}
-    if not isinstance(chunk, dict):
-        return {}
+    chunk = event_of(first)
     return {k: chunk[k] for k in HEAD_KEYS if chunk.get(k) is not None}
 
 
