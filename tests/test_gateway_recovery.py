@@ -59,13 +59,13 @@ def config(a: FakeReplica, b: FakeReplica, *, continuation: str | None = None) -
 
 async def _sdk(gw: Gateway, *, stream: bool) -> Any:
     def call() -> Any:
-        client = openai.OpenAI(base_url=gw.url, api_key="sk-test", max_retries=0)
-        if not stream:
-            return client.chat.completions.create(**CHAT)
-        made = client.chat.completions.create(
-            **CHAT, stream=True, stream_options={"include_usage": True}
-        )
-        return list(made)
+        with openai.OpenAI(base_url=gw.url, api_key="sk-test", max_retries=0) as client:
+            if not stream:
+                return client.chat.completions.create(**CHAT)
+            made = client.chat.completions.create(
+                **CHAT, stream=True, stream_options={"include_usage": True}
+            )
+            return list(made)
 
     with trio.fail_after(20):
         return await trio.to_thread.run_sync(call)
@@ -144,13 +144,13 @@ async def test_a_recovery_that_diverges_ends_in_band_with_the_partial_text() -> 
         raw = await _raw(gw)
 
         def sdk() -> tuple[str, BaseException | None]:
-            client = openai.OpenAI(base_url=gw.url, api_key="sk-test", max_retries=0)
             got = []
-            try:
-                for chunk in client.chat.completions.create(**CHAT, stream=True):
-                    got.append(chunk.choices[0].delta.content or "" if chunk.choices else "")
-            except openai.APIError as exc:
-                return "".join(got), exc
+            with openai.OpenAI(base_url=gw.url, api_key="sk-test", max_retries=0) as client:
+                try:
+                    for chunk in client.chat.completions.create(**CHAT, stream=True):
+                        got.append(chunk.choices[0].delta.content or "" if chunk.choices else "")
+                except openai.APIError as exc:
+                    return "".join(got), exc
             return "".join(got), None
 
         with trio.fail_after(20):
@@ -233,9 +233,10 @@ async def test_a_responses_stream_recovered_is_one_response(backup: Behaviour) -
     async with a, b, Gateway(config(a, b)) as gw:
 
         def call() -> tuple[list[Any], Any]:
-            client = openai.OpenAI(base_url=gw.url, api_key="sk-test", max_retries=0)
-            events = list(client.responses.create(model="m", input="hello there", stream=True))
-            whole = client.responses.create(model="m", input="hello there")
+            with openai.OpenAI(base_url=gw.url, api_key="sk-test", max_retries=0) as client:
+                made = client.responses.create(model="m", input="hello there", stream=True)
+                events = list(made)
+                whole = client.responses.create(model="m", input="hello there")
             return events, whole
 
         with trio.fail_after(20):
