@@ -13,9 +13,10 @@ import trio_hedge as th
 from trio_hedge.gateway import GatewayConfig, Group, Limits, serve
 from trio_hedge.testing import FakeReplica
 
-#: No learning, budget, throttle, ejection or recovery (the gateway's default): a fixed, short
-#: hedge delay, the replicas in the order given (the default latency-aware pick would learn to
-#: avoid a slow primary).
+#: No learning, budget, throttle, ejection or recovery: a fixed, short hedge delay, the
+#: replicas in the order given (the default latency-aware pick would learn to avoid a slow
+#: primary). No recovery (the gateway's default makes 2): these tests are about how a stream
+#: the winner breaks ends, and which attempts went upstream.
 HEDGER = th.HedgerConfig(
     hedge_after=0.05,
     first_token=th.events.FirstToken.ANY_OUTPUT,

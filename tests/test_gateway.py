@@ -200,23 +200,25 @@ async def test_an_upstream_failure_after_commit_ends_the_stream_in_band() -> Non
     assert "[DONE]" not in raw.text
 
 
-async def test_the_gateway_does_not_recover_after_commit_by_default() -> None:
-    # A recovery would finish this answer on the backup (its text begins with the same two
-    # tokens), but the client would see the chunk id change mid-stream and usage count only
-    # the backup's tokens: until the gateway hides both, its default is max_recoveries = 0.
+async def test_the_gateway_recovers_after_commit_by_default() -> None:
+    # The winner is cut after two tokens; the backup replays the answer, reproduces them and
+    # goes on: the client gets the backup's whole text as one completion, and [DONE]
+    # (tests/test_gateway_recovery.py: the ids, usage and a divergence).
     cut = Behaviour(tokens=5, token_delay=0.001, cut_after=2)
     hedger = attrs.evolve(DEFAULT_HEDGER, hedge_after=30.0, pick="in_order", budget=None)
     async with fake_replicas(cut, FAST, names=["cut", "backup"]) as (a, b):
         async with Gateway(config_for([a, b], hedger=hedger)) as gw, httpx.AsyncClient() as http:
             with trio.fail_after(10):
                 raw = await http.post(f"{gw.url}/chat/completions", json={**CHAT, "stream": True})
-    events = [json.loads(e.removeprefix("data: ")) for e in raw.text.split("\n\n") if e]
+    events = [e.removeprefix("data: ") for e in raw.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
     text = "".join(
-        e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices")
+        e["choices"][0]["delta"].get("content") or "" for e in chunks if e.get("choices")
     )
-    assert text == "tok0 tok1 " and "error" in events[-1]
-    assert "[DONE]" not in raw.text
-    assert len(b.requests) == 0  # no recovery attempt went upstream
+    assert text == TEXT
+    assert {e["id"] for e in chunks} == {"chatcmpl-cut-0"}
+    assert len(b.requests) == 1  # the recovery
 
 
 # -- the wire ----------------------------------------------------------------------------------

@@ -115,9 +115,9 @@ def test_defaults_one_group_and_the_gateway_first_token_rule() -> None:
     assert group.hedger == DEFAULT_HEDGER
     assert group.hedger.first_token is th.events.FirstToken.ANY_OUTPUT
     assert isinstance(group.hedger.hedge_after, th.LearnedDelay)
-    # No recovery after the commit unless the operator asks (the library's Hedger makes 2):
-    # the gateway relays each upstream's own ids and usage, which a recovery would mix.
-    assert group.hedger.max_recoveries == 0 and th.HedgerConfig().max_recoveries == 2
+    # Recovery after the commit as the library's Hedger (2): the gateway keeps one
+    # completion across a recovery (tests/test_gateway_recovery.py).
+    assert group.hedger.max_recoveries == th.HedgerConfig().max_recoveries == 2
     assert (config.host, config.port, config.keys, config.forward_client_key) == (
         "127.0.0.1",
         8080,
@@ -200,9 +200,9 @@ def test_named_keys_and_their_limits() -> None:
     assert [k.name for k in plain.keys] == ["key0", "key1"]
 
 
-def test_the_operator_turns_recovery_on() -> None:
-    document = {"replicas": [{"base_url": "http://a/v1"}], "hedger": {"max_recoveries": 2}}
-    assert parse_config(document, environ={}).groups[0].hedger.max_recoveries == 2
+def test_the_operator_turns_recovery_off() -> None:
+    document = {"replicas": [{"base_url": "http://a/v1"}], "hedger": {"max_recoveries": 0}}
+    assert parse_config(document, environ={}).groups[0].hedger.max_recoveries == 0
 
 
 def test_false_stands_for_none() -> None:

@@ -702,3 +702,26 @@ async def test_a_cancel_during_a_recovery_is_no_delay_sample(
     assert stream.report.attempts[1].outcome is O.CANCELLED
     assert [s["replica"] for s in samples] == ["a"]  # a's TTFT, nothing of b's 10 s
     assert b.lost_races == 0
+
+
+@pytest.mark.parametrize("read", ["events", "batches"])
+async def test_events_and_batches_keep_a_recoverys_order(read: str) -> None:
+    # A recovery's first deltas are queued when it takes over: batches() gives them before
+    # anything read after (it once gave the recovery's next read first; the gateway's relay
+    # reads batches()). events() reads the same queue.
+    cut = Behaviour(tokens=6, token_delay=0.001, cut_after=3)
+    async with _fleet([cut, Behaviour(tokens=6, token_delay=0.001)]) as servers:
+        replicas = [th.Replica(s.url, name=s.name) for s in servers]
+        async with (
+            httpx.AsyncClient() as client,
+            th.Hedger(replicas, CONFIG, client=client) as hedger,
+        ):
+            got: list[str] = []
+            with trio.fail_after(10):
+                async with hedger.stream(REQUEST) as stream:
+                    if read == "events":
+                        got.extend([d.content async for d in stream.events()])
+                    else:
+                        got.extend([d.content async for b in stream.batches() for d in b])
+            assert stream.recovered == 1 and stream.report.recoveries == 1
+    assert "".join(got) == prefix(6)

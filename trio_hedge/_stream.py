@@ -115,6 +115,7 @@ class HedgedStream:
         # the text; kept only when a recovery may need them).
         self._recoveries_left = policy.max_recoveries
         self._others: list[Delta] | None = [] if self._recoveries_left else None
+        self._recovered = 0
 
     @property
     def request_id(self) -> str:
@@ -131,6 +132,13 @@ class HedgedStream:
     def report(self) -> Report:
         """A frozen snapshot of what happened so far (see [`Report`][trio_hedge.Report])."""
         return self._recorder.snapshot()
+
+    @property
+    def recovered(self) -> int:
+        """How many recoveries took over the answer after the commit so far (0 when none
+        did): a relay may read it per batch to know the deltas now come from another replica
+        (the gateway then rewrites them as one completion)."""
+        return self._recovered
 
     @property
     def text(self) -> str:
@@ -317,6 +325,7 @@ class HedgedStream:
         self._recoveries_left -= len(rec.attempts) - before
         if committed is None:
             self._fail(error)
+        self._recovered += 1
         self._install(committed)
         return ()
 
@@ -407,11 +416,14 @@ class HedgedStream:
         asyncio bridge's pump and ``batches()`` read this way: one await per batch, however
         many deltas it carries)."""
         pending = self._pending
-        if pending:
-            taken = list(pending)
-            pending.clear()
-            return taken
-        while not self._ended:
+        while True:
+            # (After a recovery took over, its first deltas, already taken, are pending.)
+            if pending:
+                taken = list(pending)
+                pending.clear()
+                return taken
+            if self._ended:
+                break
             batch = await self._receive()
             if batch is None:
                 self._ended = True

@@ -15,6 +15,8 @@ chat completions:
 * errors are in the API's shape: Anthropic's ``{"type": "error", "error": {"type", "message"}}``
   (``overloaded`` as 529, as Anthropic answers it, so the SDK raises ``OverloadedError``),
   in-band as ``event: error``; Responses' OpenAI error object, in-band as ``event: error``;
+* after a recovery (docs/gateway.md, Streaming) each API goes on with the answer the client
+  has (``_continued``): the Responses API's events get the client's response and item ids;
 * a non-streamed request is answered with the API's whole JSON: a Message assembled from the
   winner's events, or the Responses API's final response object;
 * the client's ``anthropic-version`` and ``anthropic-beta`` headers go upstream, and with
@@ -24,6 +26,7 @@ chat completions:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -49,6 +52,7 @@ from ._forward import (
 )
 from ._http import Exchange
 from ._metrics import GatewayMetrics
+from ._recovered import event_of, relay_recovered
 
 __all__ = ["agent_forwarder", "agent_hedgers"]
 
@@ -170,6 +174,7 @@ class MessageCompletion(Completion):
     def add(self, delta: Delta) -> None:
         self.deltas.append(delta)
         if delta.raw is None:
+            self._split(delta)
             return
         event = json.loads(delta.raw)
         kind, index = event.get("type"), event.get("index")
@@ -188,6 +193,20 @@ class MessageCompletion(Completion):
                 self.message[key] = value
             if isinstance(event.get("usage"), dict):
                 self.message["usage"] = {**self.message.get("usage", {}), **event["usage"]}
+
+    def _split(self, delta: Delta) -> None:
+        """A delta with no event of its own: what follows the prefix a recovery reproduced,
+        where it ended inside an event. Its text goes on the open block it continues."""
+        for kind, key, text in (
+            ("text", "text", delta.content),
+            ("thinking", "thinking", delta.reasoning),
+        ):
+            if not text:
+                continue
+            open_blocks = [b for b in self._blocks.values() if b.get("type") == kind]
+            if open_blocks:
+                block = open_blocks[-1]
+                block[key] = block.get(key, "") + text
 
     def _apply(self, block: dict[str, Any], index: int, delta: dict[str, Any]) -> None:
         kind = delta.get("type")
@@ -226,9 +245,15 @@ class ResponseCompletion(Completion):
     def __init__(self) -> None:
         super().__init__()
         self.response: dict[str, Any] | None = None
+        # The first response's id and created_at (response.created): after a recovery the
+        # final response is the recovery's, and the answer stays the first one.
+        self.opening: dict[str, Any] | None = None
 
     def add(self, delta: Delta) -> None:
         self.deltas.append(delta)
+        if self.opening is None:
+            response = event_of(delta).get("response")
+            self.opening = response if isinstance(response, dict) else {}
         if delta.finish_reason is not None and delta.raw is not None:
             event = json.loads(delta.raw)
             if isinstance(event.get("response"), dict):
@@ -236,7 +261,10 @@ class ResponseCompletion(Completion):
 
     def body(self, request_id: str, model: str | None) -> bytes:
         if self.response is not None:
-            return _dumps(self.response).encode()
+            first: dict[str, Any] = self.opening or {}
+            kept: dict[str, Any] = {k: first[k] for k in ("id", "created_at") if k in first}
+            answer = {**self.response, **kept}
+            return _dumps(answer).encode()
         text = "".join(d.content for d in self.deltas)
         content = [{"type": "output_text", "text": text, "annotations": []}]
         return _dumps(
@@ -316,14 +344,28 @@ class AgentForwarder(ChatForwarder):
         await ex.start(200, [*_SSE_HEADERS, *_hedge_headers(stream.report)], with_body=True)
         send = ex.send
         first = True
-        async for batch in stream.batches():
+        batches = stream.batches()
+        opening = last = None  # the first and the latest events relayed (before any recovery)
+        async for batch in batches:
+            if stream.recovered:  # another replica goes on: one answer (``_continued``)
+                go_on = functools.partial(
+                    self._continued, head=event_of(opening), tail=event_of(last)
+                )
+                await relay_recovered(ex, batch, batches, go_on)
+                break
             out = []
             for delta in batch:
                 raw = delta.raw
                 out.append(typed_event(raw) if raw is not None else self._synthesize(delta, first))
                 first = False
             await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+            opening, last = opening or batch[0], batch[-1]
         await ex.body(b"", more=False)
+
+    def _continued(self, delta: Delta, head: dict[str, Any], tail: dict[str, Any]) -> bytes:
+        """A recovery's delta as this API's event(s), going on with the answer the client
+        has (``head``, ``tail``: its first and latest events; ``{}`` when unknown)."""
+        raise NotImplementedError
 
 
 class MessagesForwarder(AgentForwarder):
@@ -336,6 +378,28 @@ class MessagesForwarder(AgentForwarder):
         if answer.status == 503 and answer.code == "overloaded":
             answer = attrs.evolve(answer, status=529)  # Anthropic's overloaded status
         return super()._style(answer)
+
+    def _continued(self, delta: Delta, head: dict[str, Any], tail: dict[str, Any]) -> bytes:
+        # The Messages API names the message once (message_start: a replay's is held back
+        # with the prefix), so a recovery's events go as they are; the rest of the event the
+        # reproduced prefix ended inside goes on the block the client has open.
+        if delta.raw is not None:
+            return typed_event(delta.raw)
+        index = tail.get("index", 0)
+        deltas: list[dict[str, Any]] = []
+        if delta.reasoning:
+            deltas.append({"type": "thinking_delta", "thinking": delta.reasoning})
+        if delta.content:
+            deltas.append({"type": "text_delta", "text": delta.content})
+        deltas.extend(
+            {"type": "input_json_delta", "partial_json": f.arguments}
+            for f in delta.tool_calls
+            if f.arguments
+        )
+        return b"".join(
+            typed_event(_dumps({"type": "content_block_delta", "index": index, "delta": d}))
+            for d in deltas
+        )
 
     def _synthesize(self, delta: Delta, first: bool) -> bytes:
         message = {"id": "msg", "type": "message", "role": "assistant", "content": []}
@@ -372,6 +436,46 @@ class ResponsesForwarder(AgentForwarder):
     api = "responses"
     _answer = ResponsesAnswer
     _completion_class = ResponseCompletion
+
+    def _continued(self, delta: Delta, head: dict[str, Any], tail: dict[str, Any]) -> bytes:
+        # A recovery's response and the item the client has open carry the recovery's own ids:
+        # the client's (its response.created, its latest event) instead.
+        item_id, index = tail.get("item_id"), tail.get("output_index", 0)
+        if delta.raw is None:  # the rest of the event the reproduced prefix ended inside
+            if not delta.content:
+                return b""
+            event: dict[str, Any] = {
+                "type": "response.output_text.delta",
+                "item_id": item_id or "msg",
+                "output_index": index,
+                "content_index": tail.get("content_index", 0),
+                "delta": delta.content,
+            }
+            return typed_event(_dumps(event))
+        event = event_of(delta)
+        if not event:
+            return typed_event(delta.raw)
+        if item_id is not None and event.get("output_index") == index:
+            if "item_id" in event:
+                event["item_id"] = item_id
+            if isinstance(event.get("item"), dict):
+                event["item"] = {**event["item"], "id": item_id}
+        first = head.get("response")
+        response = event.get("response")
+        if isinstance(first, dict) and isinstance(response, dict):
+            response = {**response, **{k: first[k] for k in ("id", "created_at") if k in first}}
+            output = response.get("output")
+            if (
+                item_id is not None
+                and isinstance(output, list)
+                and index < len(output)
+                and isinstance(output[index], dict)
+            ):
+                output = [*output]
+                output[index] = {**output[index], "id": item_id}
+                response["output"] = output
+            event["response"] = response
+        return typed_event(_dumps(event))
 
     def _synthesize(self, delta: Delta, first: bool) -> bytes:
         response = {"id": "resp", "object": "response", "status": "completed", "usage": delta.usage}

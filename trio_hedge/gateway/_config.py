@@ -42,11 +42,9 @@ __all__ = [
 
 #: A gateway relays every event, so the first one a client would see commits the race:
 #: content, reasoning or a tool-call fragment (the library's default counts content only).
-#: No recovery after the commit by default (``[hedger] max_recoveries`` turns it on): the
-#: gateway relays each upstream's events as they are, so after a recovery the chunk id
-#: changes mid-stream and usage counts only the new upstream's tokens (issue 17's gateway
-#: part is not built yet; docs/recovery.md).
-DEFAULT_HEDGER = HedgerConfig(first_token=FirstToken.ANY_OUTPUT, max_recoveries=0)
+#: Recovery after the commit as the library's (``max_recoveries=2``): the chunks after a
+#: recovery are rewritten as one completion (``_recovered.py``; docs/gateway.md, Streaming).
+DEFAULT_HEDGER = HedgerConfig(first_token=FirstToken.ANY_OUTPUT)
 #: Whose fault errors are when clients' own keys are forwarded (``forward_client_key``): a key,
 #: quota or rate-limit error is the key's; so is a "not found", which a provider answers for a
 #: model the key may not use (OpenAI: "does not exist or you do not have access to it") -- a

@@ -31,6 +31,7 @@ from ._errors import ErrorAnswer, answer_for
 from ._http import Exchange, Receive
 from ._input import MAX_MODEL_CHARS, BadJSON, load_json
 from ._metrics import AccessRecord, GatewayMetrics
+from ._recovered import ChunkRewriter, head_of, recount, relay_recovered
 
 __all__ = ["ChatForwarder", "Completion", "Rejected", "RequestOptions", "parse_chat"]
 
@@ -451,6 +452,8 @@ class ChatForwarder:
             return
         if completion is not None:
             assert report is not None
+            if stream.recovered:
+                recount(completion.deltas, report)
             data = completion.body(record.request_id, request.get("model"))
             await ex.json(200, data, _hedge_headers(report))
 
@@ -461,9 +464,26 @@ class ChatForwarder:
         several events per read)."""
         # The first batch (the events read up to the commit) is ready: one write for both.
         await ex.start(200, [*_SSE_HEADERS, *_hedge_headers(stream.report)], with_body=True)
-        encode = ChunkEncoder(ex.record.request_id, model).encode
+        encoder = ChunkEncoder(ex.record.request_id, model)
+        encode = encoder.encode
         send = ex.send
-        async for batch in stream.batches():
+        batches = stream.batches()
+        first: Delta | None = None  # the commit's first event (never a recovery's): its head
+        async for batch in batches:
+            first = batch[0]
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": b"".join(map(encode, batch)),
+                    "more_body": True,
+                }
+            )
+            break
+        async for batch in batches:
+            if stream.recovered:  # another replica goes on: one completion (``_recovered``)
+                rewriter = ChunkRewriter(head_of(first), encoder.chunk, stream)
+                await relay_recovered(ex, batch, batches, rewriter.encode)
+                break
             data = encode(batch[0]) if len(batch) == 1 else b"".join(map(encode, batch))
             await send({"type": "http.response.body", "body": data, "more_body": True})
         await ex.body(_DONE, more=False)
