@@ -107,11 +107,15 @@ class BudgetState:
         self._current(now)[1] += 1
         self._requests += 1
 
+    def _capacity(self) -> float:
+        """The backups the window allows in all (``ratio`` × requests + the floor)."""
+        c = self._config
+        return c.ratio * self._requests + c.min_per_second * c.window
+
     def allowance(self, now: float) -> float:
         """How many more backups the budget would allow right now."""
         self._current(now)
-        c = self._config
-        return c.ratio * self._requests + c.min_per_second * c.window - self._backups
+        return self._capacity() - self._backups
 
     def allows(self, now: float, *, early: bool = False) -> bool:
         """Whether one more backup fits now. Spends nothing (see ``spend``).
@@ -123,8 +127,7 @@ class BudgetState:
         every other caller's stuck request needs."""
         allowance = self.allowance(now)
         if early:
-            c = self._config
-            allowance -= EARLY_RESERVE * (c.ratio * self._requests + c.min_per_second * c.window)
+            allowance -= EARLY_RESERVE * self._capacity()
         return allowance >= 1.0 - 1e-9
 
     def spend(self, now: float) -> None:
