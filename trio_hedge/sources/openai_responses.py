@@ -316,6 +316,14 @@ _REFUSED = {
 }
 
 
+def _refuse_stateful(fields: Mapping[str, Any], where: str) -> None:
+    """``ValueError`` naming the first `_REFUSED` field set in ``fields`` (``where``: the
+    request, or a replica's overrides)."""
+    for field, why in _REFUSED.items():
+        if fields.get(field) not in (None, False):
+            raise ValueError(f"{where} field {field!r} cannot be hedged: {why}")
+
+
 @attrs.frozen
 class ResponsesReplica(Replica):
     """An endpoint of the OpenAI Responses API (OpenAI, Azure OpenAI, or a compatible server
@@ -343,9 +351,7 @@ class ResponsesReplica(Replica):
         if not isinstance(request, Mapping):
             raise TypeError("request must be the Responses JSON body (a mapping)")
         super().check_request(request)
-        for field, why in _REFUSED.items():
-            if request.get(field) not in (None, False):
-                raise ValueError(f"request field {field!r} cannot be hedged: {why}")
+        _refuse_stateful(request, "request")
 
 
 class ResponsesSource(HTTPSource):
@@ -364,9 +370,7 @@ class ResponsesSource(HTTPSource):
         extra_headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(replica, request, client, header_names, extra_headers=extra_headers)
-        for field, why in _REFUSED.items():  # an override may set them too
-            if replica.overrides.get(field) not in (None, False):
-                raise ValueError(f"overrides field {field!r} cannot be hedged: {why}")
+        _refuse_stateful(replica.overrides, "overrides")  # an override may set them too
         store = replica.overrides.get("store", request.get("store", True))
         self._stored = store is not False
 
