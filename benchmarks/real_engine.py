@@ -48,7 +48,6 @@ import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -68,6 +67,7 @@ from trio_hedge.report import AttemptOutcome
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import percentile
+from _engines import free_port, wait_idle
 
 ENGINE_HOME = Path(os.environ.get("ENGINE_HOME", Path.home() / ".cache" / "trio-hedge-engine"))
 MODEL_FILE = "tiny-random-llama.gguf"
@@ -181,12 +181,6 @@ def engine_paths(home: Path) -> tuple[Path, Path] | None:
     return (python, model) if check.returncode == 0 else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def llama_replicas(
     python: Path, model: Path, log_dir: Path, count: int = 2
@@ -197,7 +191,7 @@ def llama_replicas(
     urls = []
     try:
         for i in range(count):
-            port = _free_port()
+            port = free_port()
             log = open(log_dir / f"llama-{i}.log", "wb")  # noqa: SIM115 - closed with the process
             procs.append(
                 subprocess.Popen(
@@ -385,20 +379,6 @@ async def run_schedule(
             await trio.sleep_until(start + item.at)
             nursery.start_soon(one, item, start + item.at)
     return sorted(outcomes, key=lambda o: o.item.index)
-
-
-async def wait_idle(client: httpx.AsyncClient, urls: Sequence[str], model: str) -> None:
-    """Let every replica finish what it queued (cancelled prefills included): a one-token
-    request waits behind anything still queued there (FIFO)."""
-    await trio.sleep(1.0)
-    probe = {
-        "model": model,
-        "messages": [{"role": "user", "content": "hello"}],
-        "max_tokens": 1,
-    }
-    for url in urls:
-        response = await client.post(url + "/chat/completions", json=probe, timeout=120)
-        response.raise_for_status()
 
 
 # -- measuring ----------------------------------------------------------------------------------
