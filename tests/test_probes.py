@@ -414,6 +414,34 @@ async def test_a_backup_at_once_when_the_engine_says_the_primary_will_be_slow(
     assert start >= 0
 
 
+async def test_a_long_prompt_is_not_queued_behind_itself(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A request's own prompt is not ahead of it: a 4,000-token prompt on an idle engine is not
+    hedged at once for its own prefill (4 s at 1,000 tokens/s, over the 1 s delay), while a
+    second caller's short request, sent during that prefill, sees it and goes elsewhere."""
+    engines = {"a": Engine(IDLE), "b": Engine(IDLE)}
+    fleet = Fleet(["a", "b"], table(Script(ttft=2.0, tokens=3)))
+    async with th.Hedger(fleet.sources(), PLAIN, probes=_probes(engines)) as hedger:
+        await trio.sleep(0.01)
+        reports: dict[str, th.Report] = {}
+
+        async def one(name: str, tokens: int, at: float) -> None:
+            await trio.sleep(at)
+            reports[name] = await run(hedger.stream(None, prompt_tokens=tokens))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, "long", 4000, 0.0)
+            nursery.start_soon(one, "short", 20, 0.1)
+        stats = hedger.statistics()
+    long, short = reports["long"].attempts, reports["short"].attempts
+    assert [(a.replica, a.trigger) for a in long] == [("a", "primary"), ("b", "hedge")]
+    assert long[1].started_at is not None and long[0].started_at is not None
+    assert math.isclose(long[1].started_at - long[0].started_at, 1.0)  # the delay, not at once
+    assert stats.hedges_at_once == 0
+    assert short[0].replica == "b"  # the long prompt is queued on a for everyone else
+
+
 @pytest.mark.parametrize(
     ("reading_b", "sent"),
     [

@@ -194,12 +194,14 @@ class FleetState:
         prefill: Callable[[int], float | None] | None,
         *,
         count: bool = False,
+        request: int | None = None,
     ) -> float | None:
         """The seconds a new request would wait on ``replica`` before its prefill starts,
         from its engine's fresh reading (``inf``: saturated), raised to the age of this
         Hedger's oldest attempt waiting there for a first token (it says the replica is at
         least that slow now, whatever the engine reports); ``None`` without a fresh reading
-        (the caller then uses its own view). ``count``: count the decision in statistics."""
+        (the caller then uses its own view). ``count``: count the decision in statistics;
+        ``request``: the asking request (its own attempts there are not ahead of it)."""
         state = self.probes[replica.index]
         if state is None:
             return None
@@ -210,7 +212,7 @@ class FleetState:
             return None
         if count:
             state.used_probe += 1
-        wait = state.predicted_wait(reading, prefill or _no_model)
+        wait = state.predicted_wait(reading, prefill or _no_model, request)
         if replica.waiting:
             oldest = next(iter(replica.waiting.values()))
             wait = max(wait, now - oldest)

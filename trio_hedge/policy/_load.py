@@ -62,8 +62,9 @@ class ProbeState:
         self.consecutive_failures = 0
         self.last_error = ""  # the kind of the last failure (a class name), never a value
         self.quiet_until = -math.inf
-        #: (started, prompt tokens) of attempts started here after the reading was taken.
-        self.since: deque[tuple[float, int]] = deque(maxlen=_SINCE)
+        #: (started, prompt tokens, request) of attempts started here after the reading was
+        #: taken; ``request`` tells a request's own attempts apart (not ahead of itself).
+        self.since: deque[tuple[float, int, int]] = deque(maxlen=_SINCE)
         #: Decisions this replica took part in, with its reading or with the own view.
         self.used_probe = 0
         self.used_own = 0
@@ -95,8 +96,8 @@ class ProbeState:
 
     # -- the Hedger's own traffic -------------------------------------------------------------
 
-    def started(self, now: float, tokens: int) -> None:
-        self.since.append((now, tokens))
+    def started(self, now: float, tokens: int, request: int = 0) -> None:
+        self.since.append((now, tokens, request))
 
     def cancelled(self, now: float) -> None:
         """This Hedger cancelled an attempt here before its first token: its prefill may still
@@ -125,15 +126,22 @@ class ProbeState:
         return reading.kv_usage is not None and reading.kv_usage >= self.probe.kv_limit
 
     def predicted_wait(
-        self, reading: LoadReading, prefill_seconds: Callable[[int], float | None]
+        self,
+        reading: LoadReading,
+        prefill_seconds: Callable[[int], float | None],
+        request: int | None = None,
     ) -> float:
         """Seconds a new request waits before its prefill starts, from ``reading``:
         ``prefill_seconds(tokens)`` is the Hedger's prefill model (``None`` or 0 without one:
-        ``prefill_rate`` then). Infinite when the KV cache is saturated."""
+        ``prefill_rate`` then). ``request``: the asking request's own attempts are not ahead
+        of it (a long prompt's own prefill would otherwise make its primary look queued and
+        hedge it at once). Infinite when the KV cache is saturated."""
         if self.saturated(reading):
             return math.inf
         probe = self.probe
-        tokens = (reading.queued_tokens or 0) + sum(t for _, t in self.since)
+        tokens = (reading.queued_tokens or 0) + sum(
+            t for _, t, by in self.since if request is None or by != request
+        )
         seconds = reading.waiting * probe.queued_request_seconds
         if tokens:
             model = prefill_seconds(tokens)

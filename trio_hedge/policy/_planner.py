@@ -238,13 +238,13 @@ class RequestPlanner:
         prefill = self._prefill(now)
         target = math.inf
         for replica in self._running.values():
-            predicted = fleet.predicted(replica, now, prefill)
+            predicted = fleet.predicted(replica, now, prefill, request=self._serial)
             if predicted is None:
                 return ready
             target = min(target, predicted)
         kept = []
         for r in ready:
-            predicted = fleet.predicted(r, now, prefill)
+            predicted = fleet.predicted(r, now, prefill, request=self._serial)
             if predicted is None or predicted < target:
                 kept.append(r)
         if not kept:
@@ -337,7 +337,7 @@ class RequestPlanner:
             return False
         now = trio.current_time()
         fleet = self._fleet
-        predicted = fleet.predicted(replica, now, self._prefill(now))
+        predicted = fleet.predicted(replica, now, self._prefill(now), request=self._serial)
         if predicted is None or predicted <= delay:
             return False
         candidates = self._candidates()
@@ -533,7 +533,7 @@ class RequestPlanner:
         replica.waiting[(self, record.number)] = now
         probe = fleet.probes[replica.index] if fleet.probed else None
         if probe is not None:
-            probe.started(now, self._tokens or 0)
+            probe.started(now, self._tokens or 0, self._serial)
         replica.in_flight += 1
         replica.attempts += 1
         counts.attempts += 1
