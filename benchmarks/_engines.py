@@ -75,7 +75,7 @@ class Counters:
 class Engine:
     """Two running replicas and how to read their load signals."""
 
-    kind: str  # "llama", "vllm", "fake" or "unknown"
+    kind: str  # "llama", "vllm", "cpp" (llama-cpp-python), "fake" or "unknown"
     urls: list[str]  # OpenAI base URLs (``…/v1``)
     pids: list[int] = attrs.field(factory=list)  # server processes, for CPU seconds
     fakes: list[FakeReplica] = attrs.field(factory=list)
@@ -107,7 +107,7 @@ class Engine:
         if self.kind == "fake":
             await trio.sleep(0.05)
             return
-        if self.kind == "unknown":
+        if self.kind not in ("llama", "vllm"):  # "unknown", "cpp": by a request
             await wait_idle(client, self.urls, model)
             return
         deadline = trio.current_time() + 300

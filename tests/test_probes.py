@@ -414,6 +414,70 @@ async def test_a_backup_at_once_when_the_engine_says_the_primary_will_be_slow(
     assert start >= 0
 
 
+@pytest.mark.parametrize(("probed", "after"), [(True, 0.5), (False, 1.0)])
+async def test_a_reading_that_arrives_during_the_delay_sends_the_backup_then(
+    autojump_clock: trio.testing.MockClock, probed: bool, after: float
+) -> None:
+    """The primary went to an idle engine; another tenant's long prompt arrives there just
+    after (at 0.3 s). The poll at 0.51 s sees it; the request, which looks again every
+    ``interval`` (0.25 s) while it waits out its 1 s delay, sends the backup at 0.5 s, not at
+    the timer. A second caller, sent after the reading (its primary on a: ``in_order``), gets
+    its backup at once."""
+    engines = {"a": Engine(IDLE), "b": Engine(IDLE)}
+    fleet = Fleet(["a", "b"], table(FAST, a=SLOW))
+    config = attrs.evolve(PLAIN, pick="in_order")
+    probes = _probes(engines) if probed else None
+    async with th.Hedger(fleet.sources(), config, probes=probes) as hedger:
+        await trio.sleep(0.01)
+        reports: list[th.Report] = []
+
+        async def tenant_arrives() -> None:
+            await trio.sleep(0.3)
+            engines["a"].reading = PREFILLING
+
+        async def second() -> None:
+            await trio.sleep(0.7)
+            reports.append(await run(hedger.stream(None)))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tenant_arrives)
+            nursery.start_soon(second)
+            first = await run(hedger.stream(None))
+        stats = hedger.statistics()
+    primary, backup = first.attempts
+    assert (primary.replica, backup.replica, backup.outcome) == ("a", "b", O.WON)
+    assert primary.started_at is not None and backup.started_at is not None
+    assert backup.started_at - primary.started_at == pytest.approx(after)
+    assert stats.hedges_at_once == (2 if probed else 0)
+    a, b = reports[0].attempts
+    assert a.started_at is not None and b.started_at is not None
+    assert (a.replica, b.replica, b.started_at - a.started_at) == ("a", "b", (0 if probed else 1))
+
+
+@pytest.mark.parametrize("probed", [True, False])
+async def test_a_cold_hedger_waits_out_a_long_prompts_own_prefill(
+    autojump_clock: trio.testing.MockClock, probed: bool
+) -> None:
+    """Before any prefill model is fitted, the fallback delay (1 s) would hedge a 4,000-token
+    prompt whose own prefill takes ~4 s at the probe's 1,000 tokens/s: with a probe its delay
+    covers that prefill, and the primary (3 s) answers alone; a short prompt keeps the 1 s."""
+    engines = {"a": Engine(IDLE), "b": Engine(IDLE)}
+    fleet = Fleet(["a", "b"], table(FAST, a=Script(ttft=3.0, tokens=3)))
+    config = attrs.evolve(th.HedgerConfig(), pick="in_order", budget=None, throttle=None)
+    probes = _probes(engines) if probed else None
+    async with th.Hedger(fleet.sources(), config, probes=probes) as hedger:
+        await trio.sleep(0.01)
+        report = await run(hedger.stream(None, prompt_tokens=4000))
+        short = await run(hedger.stream(None, prompt_tokens=20))
+    assert _route(report) == (
+        [("a", "primary", O.WON)]
+        if probed
+        else [("a", "primary", O.CANCELLED), ("b", "hedge", O.WON)]
+    )
+    # A short prompt's own prefill (0.02 s) is under the fallback: hedged at 1 s either way.
+    assert _route(short) == [("a", "primary", O.CANCELLED), ("b", "hedge", O.WON)]
+
+
 async def test_a_long_prompt_is_not_queued_behind_itself(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

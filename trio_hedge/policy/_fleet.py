@@ -147,6 +147,8 @@ class FleetState:
             ProbeState(probes[i]) if i in probes else None for i in range(len(self.replicas))
         ]
         self.probed = bool(probes)
+        #: How often a request waiting for its hedge delay looks at the readings again.
+        self.probe_interval = min((p.interval for p in probes.values()), default=math.inf)
         self._serial = 0
 
     def next_serial(self) -> int:
@@ -195,13 +197,16 @@ class FleetState:
         *,
         count: bool = False,
         request: int | None = None,
+        before: float | None = None,
     ) -> float | None:
         """The seconds a new request would wait on ``replica`` before its prefill starts,
         from its engine's fresh reading (``inf``: saturated), raised to the age of this
         Hedger's oldest attempt waiting there for a first token (it says the replica is at
         least that slow now, whatever the engine reports); ``None`` without a fresh reading
         (the caller then uses its own view). ``count``: count the decision in statistics;
-        ``request``: the asking request (its own attempts there are not ahead of it)."""
+        ``request``: the asking request (its own attempts there are not ahead of it);
+        ``before``: count only this Hedger's attempts started there before then (those ahead
+        of an attempt started then)."""
         state = self.probes[replica.index]
         if state is None:
             return None
@@ -212,7 +217,7 @@ class FleetState:
             return None
         if count:
             state.used_probe += 1
-        wait = state.predicted_wait(reading, prefill or _no_model, request)
+        wait = state.predicted_wait(reading, prefill or _no_model, request, before)
         if replica.waiting:
             oldest = next(iter(replica.waiting.values()))
             wait = max(wait, now - oldest)

@@ -130,17 +130,21 @@ class ProbeState:
         reading: LoadReading,
         prefill_seconds: Callable[[int], float | None],
         request: int | None = None,
+        before: float | None = None,
     ) -> float:
         """Seconds a new request waits before its prefill starts, from ``reading``:
         ``prefill_seconds(tokens)`` is the Hedger's prefill model (``None`` or 0 without one:
         ``prefill_rate`` then). ``request``: the asking request's own attempts are not ahead
         of it (a long prompt's own prefill would otherwise make its primary look queued and
-        hedge it at once). Infinite when the KV cache is saturated."""
+        hedge it at once); ``before``: only the attempts started before then count (those
+        ahead of a request started then). Infinite when the KV cache is saturated."""
         if self.saturated(reading):
             return math.inf
         probe = self.probe
         tokens = (reading.queued_tokens or 0) + sum(
-            t for _, t, by in self.since if request is None or by != request
+            t
+            for at, t, by in self.since
+            if (request is None or by != request) and (before is None or at < before)
         )
         seconds = reading.waiting * probe.queued_request_seconds
         if tokens:
