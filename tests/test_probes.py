@@ -8,6 +8,8 @@ HTTP read over real loopback sockets (``FakeReplica.pages``).
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import random
 from typing import Any
@@ -21,6 +23,7 @@ import trio.testing
 import trio_hedge as th
 from trio_hedge import HedgerConfig
 from trio_hedge.events import EventKind, HedgeEvent
+from trio_hedge.hedger import LoadMonitor
 from trio_hedge.policy import OutlierDetection
 from trio_hedge.report import AttemptOutcome as O
 from trio_hedge.sources.probes import (
@@ -379,6 +382,103 @@ async def test_no_poller_outlives_the_hedger_and_errors_come_out_as_themselves(
     assert (await run(bare.stream(None))).attempts[0].replica == "a"
     assert bare.statistics().replicas[0].probe == "waiting"
     await bare.aclose()
+
+
+# -- one poller per replica for many Hedgers (LoadMonitor) ----------------------------------------
+
+
+async def _three_hedgers_run(
+    shared: bool, engine: str, config: HedgerConfig, behave: Any, rate: float, **fields: Any
+) -> tuple[dict[str, Engine], list[tuple[int, str, float]]]:
+    """Three Hedgers over the same two replicas (as the gateway's chat, Messages and Responses
+    Hedgers are), 30 seeded requests (``rate`` a second) spread over them; their probes a
+    shared `LoadMonitor`'s (``shared``) or each Hedger's own. Returns the engines and
+    (hedger, replica, time) of every attempt cancelled before its first token."""
+    idle = IDLE if engine == "llama.cpp" else LoadReading("vllm")
+    engines = {"a": Engine(idle), "b": Engine(idle)}
+    probes = _probes(engines, engine, **fields)
+    cancels: list[tuple[int, str, float]] = []
+
+    def hook(n: int) -> Any:
+        def on(event: HedgeEvent) -> None:
+            record, replica = event.record, event.replica
+            cancelled = event.kind is EventKind.ATTEMPT_CANCELLED and record is not None
+            if cancelled and record.ttft is None and replica is not None:  # type: ignore[union-attr]
+                cancels.append((n, replica, event.time))
+
+        return on
+
+    fleet = Fleet(["a", "b"], behave)
+    rng = random.Random(17)
+    async with LoadMonitor(fleet.sources(), probes=probes if shared else {}) as monitor:
+        hedgers = [
+            th.Hedger(
+                fleet.sources(), config, probes=monitor if shared else probes, on_event=[hook(n)]
+            )
+            for n in range(3)
+        ]
+        async with contextlib.AsyncExitStack() as stack:
+            for hedger in hedgers:
+                await stack.enter_async_context(hedger)
+            async with trio.open_nursery() as nursery:
+                at = trio.current_time()
+                for i in range(30):
+                    at += rng.expovariate(rate)
+                    nursery.start_soon(_request_at, hedgers[i % 3], at, f"r{i}")
+                nursery.start_soon(trio.sleep, 2.9)
+    return engines, cancels
+
+
+async def test_hedgers_sharing_a_monitor_poll_each_replica_as_one_hedger_does(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Three Hedgers over the same replicas, with a LoadMonitor: each engine is polled as one
+    Hedger polls it (0, 0.25, ..., 2.75 s: 12 polls, one at a time), whatever the requests;
+    each Hedger with its own probes polls three times as often (the cost the monitor saves)."""
+    behave = table(Script(ttft=0.05, tokens=5, gap=0.02))
+    engines, _ = await _three_hedgers_run(True, "vllm", PLAIN, behave, 15.0)
+    assert [len(e.polls) for e in engines.values()] == [12, 12]
+    assert {e.max_active for e in engines.values()} == {1}
+    alone, _ = await _three_hedgers_run(False, "vllm", PLAIN, behave, 15.0)
+    assert [len(e.polls) for e in alone.values()] == [36, 36]
+
+
+async def test_a_cancel_by_any_hedger_silences_the_shared_poller(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """llama-server: after any of the Hedgers sharing a monitor cancels an attempt on a
+    before its first token, no poll of a starts for 1.2 s. Each Hedger polling on its own
+    sees only its own cancels, and its polls land inside the others' windows."""
+
+    def inside(cancels: list[tuple[int, str, float]], polls: list[float]) -> list[float]:
+        return [p for _, name, c in cancels for p in polls if name == "a" and c < p < c + 1.2]
+
+    config = attrs.evolve(PLAIN, pick="in_order", hedge_after=0.3)
+    behave = table(FAST, a=SLOW)
+    engines, cancels = await _three_hedgers_run(True, "llama.cpp", config, behave, 3.0)
+    assert {n for n, _, _ in cancels} == {0, 1, 2} and len(cancels) >= 20
+    assert inside(cancels, engines["a"].polls) == []
+    polls_b = engines["b"].polls  # b: never cancelled, polled every 0.25 s as by one Hedger
+    assert [round(y - x, 9) for x, y in itertools.pairwise(polls_b)] == [0.25] * (len(polls_b) - 1)
+    engines, cancels = await _three_hedgers_run(False, "llama.cpp", config, behave, 3.0)
+    assert len(inside(cancels, engines["a"].polls)) > 20
+
+
+async def test_a_monitor_checks_its_replicas_and_hedgers_read_only_theirs() -> None:
+    fleet = Fleet(["a", "b"], table(FAST))
+    engine = Engine()
+    with pytest.raises(ValueError, match="unique"):
+        LoadMonitor([*fleet.sources(), *fleet.sources()])
+    with pytest.raises(ValueError, match="probes"):
+        LoadMonitor(fleet.sources(), probes={"c": LoadProbe("vllm", reader=engine.read)})
+    monitor = LoadMonitor(fleet.sources(), probes={"a": LoadProbe("vllm", reader=engine.read)})
+    assert monitor.replica_names == ("a",)
+    hedger = th.Hedger(fleet.sources(), PLAIN, probes=monitor)
+    assert [r.probe for r in hedger.statistics().replicas] == ["waiting", "off"]
+    # A replica of the same name elsewhere is not the monitor's.
+    probed = LoadMonitor([th.Replica("http://127.0.0.1:1/v1", name="a", probe="vllm")])
+    with pytest.raises(ValueError, match="base_url"):
+        th.Hedger([th.Replica("http://127.0.0.1:2/v1", name="a")], PLAIN, probes=probed)
 
 
 # -- hedging on evidence --------------------------------------------------------------------------
