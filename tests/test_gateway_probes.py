@@ -10,6 +10,8 @@ the count of polls is exact: each poller reads its engine once, when the gateway
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -24,6 +26,11 @@ from trio_hedge.sources.probes import LoadProbe
 from trio_hedge.testing import Behaviour, EnginePage, FakeReplica, llama_slots_page
 
 from .gateway_support import CHAT, HEDGER, Gateway, config_for
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 MESSAGES: dict[str, Any] = {"model": "m", "max_tokens": 16, "messages": CHAT["messages"]}
 RESPONSES: dict[str, Any] = {"model": "m", "input": "hello there"}
@@ -250,3 +257,24 @@ async def test_readiness_follows_every_route() -> None:
         "anthropic": {"default": {"a": "cooling", "b": "cooling"}},
         "responses": {"default": {"a": "healthy", "b": "healthy"}},
     }
+
+
+def test_the_documented_fleets_are_valid() -> None:
+    """Every TOML example of docs/gateway.md parses (the vLLM and llama-server fleets too)."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "gateway.md").read_text()
+    blocks = [part.split("```", 1)[0] for part in doc.split("```toml\n")[1:]]
+    names = ("GATEWAY_KEY", "TEAM_A_KEY", "PRIMARY_KEY", "PROVIDER_KEY", "SECRET_ENV")
+    env = {name: f"k{i}" for i, name in enumerate(names)}
+    configs = [parse_config(tomllib.loads(block), environ=env) for block in blocks]
+    assert len(configs) == 3
+    primary = configs[0].replica("primary")
+    assert (primary.probe, primary.continuation, primary.backup_priority) == (
+        LoadProbe("vllm"),
+        "vllm",
+        1,
+    )
+    vllm, llama = configs[1], configs[2]
+    assert vllm.replica("vllm-b").probe == LoadProbe("vllm", interval=0.1, max_age=0.5)
+    assert llama.replica("llama-a").probe == LoadProbe("llama.cpp", prefill_rate=650)
+    assert llama.replica("llama-b").probe.probe_path == "/metrics"  # type: ignore[union-attr]
+    assert [r.fallback for r in llama.replicas] == [False, False, True]
