@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import math
 import random
 from typing import Any
@@ -32,6 +33,7 @@ from trio_hedge.sources.probes import (
     ProbeError,
     parse_llama_slots,
     parse_metrics,
+    parse_sglang_loads,
     read_load,
 )
 from trio_hedge.testing import (
@@ -166,6 +168,110 @@ def test_llama_slots_parse() -> None:
     for bad in (b"not json", b"{}", b"[]", b"[1, 2]", b"\xff\xfe"):
         with pytest.raises(ProbeError):
             parse_llama_slots(bad)
+
+
+#: SGLang's /v1/loads as ``v1_loads.py`` (sgl-project/sglang) writes it: one object per
+#: data-parallel rank (the newest versions add ``num_waiting_uncached_tokens``, and drop the
+#: ``dp_rank_count`` and ``aggregate`` older ones had).
+SGLANG_LOADS = {
+    "timestamp": "2026-12-02T01:00:00+00:00",
+    "version": "0.5.9",
+    "accelerator": None,
+    "num_accelerators": 1,
+    "loads": [
+        {
+            "dp_rank": 0,
+            "timestamp": 1796000000.0,
+            "num_running_reqs": 3,
+            "num_waiting_reqs": 2,
+            "num_waiting_uncached_tokens": 5000,
+            "num_used_tokens": 9000,
+            "num_total_tokens": 14000,
+            "max_total_num_tokens": 100000,
+            "token_usage": 0.09,
+            "gen_throughput": 120.5,
+            "cache_hit_rate": 0.5,
+            "utilization": 0.75,
+            "max_running_requests": 48,
+            "memory": {"weight_gb": 1.0, "kv_cache_gb": 2.0, "graph_gb": 0.1, "token_capacity": 1},
+            "queues": {"waiting": 2, "grammar": 0, "paused": 0, "retracted": 0},
+        },
+        {
+            "dp_rank": 1,
+            "num_running_reqs": 1,
+            "num_waiting_reqs": 0,
+            "num_waiting_uncached_tokens": 0,
+            "token_usage": 0.4,
+        },
+    ],
+}
+#: An older SGLang's: no uncached token count, an aggregate (ignored).
+SGLANG_LOADS_OLD = {
+    "timestamp": "2024-01-15T10:30:00+00:00",
+    "version": "0.4.0",
+    "dp_rank_count": 1,
+    "loads": [
+        {
+            "dp_rank": 0,
+            "num_running_reqs": 5,
+            "num_waiting_reqs": 2,
+            "num_total_reqs": 7,
+            "num_used_tokens": 5000,
+            "num_total_tokens": 100000,
+            "token_usage": 0.05,
+            "gen_throughput": 120.5,
+            "utilization": 0.75,
+        }
+    ],
+    "aggregate": {"total_running_reqs": 5, "total_waiting_reqs": 2, "total_reqs": 7},
+}
+
+
+def test_sglang_loads_parse() -> None:
+    assert parse_sglang_loads(json.dumps(SGLANG_LOADS)) == LoadReading(
+        "sglang", waiting=2, running=4, queued_tokens=5000, kv_usage=0.4
+    )
+    assert parse_sglang_loads(json.dumps(SGLANG_LOADS_OLD).encode()) == LoadReading(
+        "sglang", waiting=2, running=5, kv_usage=0.05
+    )
+    # One rank without the token count: no token count at all (never a part of one).
+    ranks = [dict(SGLANG_LOADS["loads"][0]), {"num_running_reqs": 1, "num_waiting_reqs": 4}]
+    assert parse_sglang_loads(json.dumps({"loads": ranks})) == LoadReading(
+        "sglang", waiting=6, running=4, queued_tokens=None, kv_usage=0.09
+    )
+    # A usage over 1 (SGLang's is the fullest of several pools) is clamped; null is none.
+    assert parse_sglang_loads('{"loads": [{"num_running_reqs": 1, "token_usage": 1.5}]}') == (
+        LoadReading("sglang", running=1, kv_usage=1.0)
+    )
+    assert parse_sglang_loads('{"loads": [{"num_waiting_reqs": 1, "token_usage": null}]}') == (
+        LoadReading("sglang", waiting=1)
+    )
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json",
+        b"\xff\xfe",
+        b"[]",
+        b'{"loads": []}',
+        b'{"loads": {"0": {}}}',
+        b'{"loads": [1, 2]}',
+        b'{"aggregate": {"total_running_reqs": 1}}',
+        b'{"loads": [{"dp_rank": 0}]}',  # no request counts
+        b'{"loads": [{"num_running_reqs": "3"}]}',
+        b'{"loads": [{"num_running_reqs": -1}]}',
+        b'{"loads": [{"num_running_reqs": 1.5}]}',
+        b'{"loads": [{"num_running_reqs": true}]}',
+        b'{"loads": [{"num_running_reqs": 1, "token_usage": "full"}]}',
+        b'{"loads": [{"num_running_reqs": 1, "token_usage": NaN}]}',
+        b'{"loads": [{"num_running_reqs": 1, "num_waiting_uncached_tokens": -5}]}',
+        b'{"detail": "Unauthorized"}',  # an admin route without its key
+    ],
+)
+def test_an_unexpected_sglang_loads_page_is_no_reading(body: bytes) -> None:
+    with pytest.raises(ProbeError):
+        parse_sglang_loads(body)
 
 
 def test_probe_fields_are_validated_by_name() -> None:
@@ -567,7 +673,15 @@ async def test_read_load_over_loopback() -> None:
         assert await read_load(client, LoadProbe("llama.cpp"), fake.url) == LoadReading(
             "llama.cpp", running=1, queued_tokens=3000, slots=2
         )
-        assert [r.path for r in fake.requests] == ["/metrics", "/slots"]
+        fake.pages["/v1/loads"] = EnginePage(json.dumps(SGLANG_LOADS))
+        loads = LoadProbe("sglang", path="/v1/loads?include=core")
+        assert await read_load(client, loads, fake.url) == LoadReading(
+            "sglang", waiting=2, running=4, queued_tokens=5000, kv_usage=0.4
+        )
+        assert [r.path for r in fake.requests] == ["/metrics", "/slots", "/v1/loads?include=core"]
+        fake.pages["/v1/loads"] = EnginePage(b'{"loads": [' + b'{"num_running_reqs": 1},' * 50_000)
+        with pytest.raises(ProbeError, match="larger than 65536 bytes"):  # a bounded read
+            await read_load(client, attrs.evolve(loads, max_body=65536), fake.url)
         for page, message in (
             (EnginePage("garbage {{{"), "none of"),
             (EnginePage(b"x" * (2 << 20)), "larger than 1048576 bytes"),  # a bounded read
