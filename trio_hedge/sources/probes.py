@@ -2,7 +2,8 @@
 
 A [`Hedger`][trio_hedge.Hedger] sees only its own traffic. An engine shared with other tenants
 publishes what it is doing for all of them; a [`LoadProbe`][trio_hedge.sources.probes.LoadProbe]
-reads it (one poller per replica per Hedger, never one per request) into a
+reads it (one poller per replica per Hedger, or per
+[`LoadMonitor`][trio_hedge.hedger.LoadMonitor] for many Hedgers; never one per request) into a
 [`LoadReading`][trio_hedge.sources.probes.LoadReading]:
 
 * **vLLM** -- ``GET /metrics``: ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
@@ -141,8 +142,8 @@ class LoadProbe:
     Give it as ``Replica(..., probe="vllm")`` (or a ``LoadProbe``), or for any replica or
     [`Source`][trio_hedge.sources.Source] by name: ``Hedger(..., probes={"a": LoadProbe(...)})``.
     Probes run only inside ``async with Hedger(...)`` (the Hedger's own nursery, one poller
-    per replica); a Hedger used without ``async with`` decides from its own view, as without
-    probes.
+    per replica), or ``async with LoadMonitor(...)`` for the Hedgers given it; a Hedger used
+    without either decides from its own view, as without probes.
 
     Attributes:
         engine: ``"vllm"``, ``"llama.cpp"``, ``"sglang"`` or ``"tgi"`` (what the page says, and
