@@ -144,15 +144,16 @@ class Hedger:
             raise TypeError(f"headers must be HeaderNames or None, not {type(headers).__name__}")
         self._config = config
         self._policy = config.stream_policy()
-        monitor = probes if isinstance(probes, LoadMonitor) else None
-        own = probes_of(replicas, None if monitor is not None else probes)  # type: ignore[arg-type]
         states: dict[int, LoadProbe | ProbeState] = {}
-        if monitor is not None:  # the monitor's pollers; the replicas' own probes otherwise
+        if isinstance(probes, LoadMonitor):  # its pollers; the replicas' own probes otherwise
+            monitor, own = probes, probes_of(replicas, None)
             for i, replica in enumerate(replicas):
                 shared = monitor.shared(replica)
                 if shared is not None:
                     states[i] = shared
                     own.pop(i, None)
+        else:
+            own = probes_of(replicas, probes)
         states.update((i, p) for i, (p, _) in own.items())
         self._fleet = FleetState(config, replicas, list(on_event), states)
         self._own_probes = own
