@@ -1,10 +1,12 @@
 """What a replica's engine said about its load, how far it is trusted, and when it may be
 asked again (internal).
 
-One `ProbeState` per probed replica of a Hedger: its latest
+One `ProbeState` per probed replica, shared by every Hedger that reads the same poller (a
+``LoadMonitor``'s, or a Hedger's own): its latest
 [`LoadReading`][trio_hedge.sources.probes.LoadReading] and when it arrived, the polls and
-failures (for statistics), the attempts this Hedger started there since (the engine could not
-count them yet), and ``quiet_until``, before which no poll may start.
+failures (for statistics), the attempts those Hedgers started there since (the engine could
+not count them yet), and ``quiet_until``, before which no poll may start -- moved by a cancel
+in any of them. What each Hedger decided from it is counted in its own ``ReplicaState``.
 
 * **Fail open**: a reading is evidence only while it is younger than ``max_age`` and the last
   poll succeeded (a failed poll drops it). Otherwise the Hedger decides from its own view,
@@ -49,8 +51,6 @@ class ProbeState:
         "read_at",
         "reading",
         "since",
-        "used_own",
-        "used_probe",
     )
 
     def __init__(self, probe: LoadProbe) -> None:
@@ -63,11 +63,9 @@ class ProbeState:
         self.last_error = ""  # the kind of the last failure (a class name), never a value
         self.quiet_until = -math.inf
         #: (started, prompt tokens, request) of attempts started here after the reading was
-        #: taken; ``request`` tells a request's own attempts apart (not ahead of itself).
+        #: taken (by any Hedger sharing it); ``request`` tells a request's own attempts apart
+        #: (not ahead of itself): a key unique across Hedgers (`RequestPlanner`).
         self.since: deque[tuple[float, int, int]] = deque(maxlen=_SINCE)
-        #: Decisions this replica took part in, with its reading or with the own view.
-        self.used_probe = 0
-        self.used_own = 0
 
     # -- the poller ---------------------------------------------------------------------------
 
@@ -100,7 +98,7 @@ class ProbeState:
         self.since.append((now, tokens, request))
 
     def cancelled(self, now: float) -> None:
-        """This Hedger cancelled an attempt here before its first token: its prefill may still
+        """A Hedger cancelled an attempt here before its first token: its prefill may still
         run, and a poll now could keep it running (llama-server)."""
         quiet = self.probe.quiet
         if quiet > 0:

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +37,9 @@ from ._fleet import FleetState
 from ._health import ReplicaState
 
 __all__ = ["RequestPlanner"]
+
+#: Keys of requests unique across Hedgers: the attempts a shared load probe counts.
+_PROBE_KEYS = itertools.count(1)
 
 #: Cancelled attempts a replica may count as still being prefilled (a memory bound).
 _MAX_LINGERING = 1024
@@ -65,6 +69,8 @@ class RequestPlanner:
         self._make_source = bind
         self._request_id = request_id
         self._serial = fleet.next_serial()  # this request, whatever its id
+        # This request among every Hedger's sharing a load probe (a LoadMonitor).
+        self._probe_key = next(_PROBE_KEYS)
         self._group = group
         self._model = group if model is None else model  # what per-model state is kept by
         self._class = size_class
@@ -244,7 +250,7 @@ class RequestPlanner:
             target = min(target, predicted)
         kept = []
         for r in ready:
-            predicted = fleet.predicted(r, now, prefill, request=self._serial)
+            predicted = fleet.predicted(r, now, prefill, request=self._probe_key)
             if predicted is None or predicted < target:
                 kept.append(r)
         if not kept:
@@ -262,7 +268,7 @@ class RequestPlanner:
         only the prompts sent there before it are ahead of it (not its own, nor a later
         request's: a long prompt hedged onto the replica after it is behind it)."""
         started = replica.waiting.get((self, number))
-        return self._fleet.predicted(replica, now, prefill, request=self._serial, before=started)
+        return self._fleet.predicted(replica, now, prefill, request=self._probe_key, before=started)
 
     def _bind(self, replica: ReplicaState) -> Source:
         source = self._bound.get(replica.index)
@@ -587,7 +593,7 @@ class RequestPlanner:
         replica.waiting[(self, record.number)] = now
         probe = fleet.probes[replica.index] if fleet.probed else None
         if probe is not None:
-            probe.started(now, self._tokens or 0, self._serial)
+            probe.started(now, self._tokens or 0, self._probe_key)
         replica.in_flight += 1
         replica.attempts += 1
         counts.attempts += 1
