@@ -562,8 +562,13 @@ def evidence_schedule(p: Params, e: Evidence, seed: int) -> list[Item]:
         now += rng.expovariate(p.rate)
         raw.append((now, rng.randint(*p.short_words), False, False, rng.randrange(2)))
     span = now
+    # The library's own long prompts come between two of the tenant's, spread over the run
+    # (one at the same time as the tenant's would leave no free replica: nothing could help a
+    # short request then, and the table would measure the schedule).
+    gaps = max(1, int((span - e.offset) / e.every))
     for k in range(e.own_long):
-        raw.append((span * (k + 0.5) / e.own_long + 0.25, p.long_words, True, False, k % 2))
+        gap = (k * gaps) // e.own_long + gaps // (2 * e.own_long)
+        raw.append((e.offset + e.every * (gap + 0.5), p.long_words, True, False, k % 2))
     at, k = e.offset, 0
     while at < span:
         raw.append((at, p.long_words, True, True, k % 2 if e.pattern == "alternate" else 0))

@@ -420,19 +420,22 @@ class RequestPlanner:
         return delay
 
     def _own_prefill(self, number: int, now: float) -> float:
-        """Before the Hedger has fitted its prefill model, the seconds attempt ``number``'s own
-        prompt takes to prefill at its probed replica's ``prefill_rate`` (0: not probed, no
-        prompt size, or a model fitted, which the learned delay then accounts for). A cold
-        Hedger's fallback delay (1 s) hedged a 4,000-token prompt on llama-server, whose
-        prefill takes ~3 s: the backup doubled the prefill on a replica another tenant was
-        using (``benchmarks/real_engine.py --scenario evidence``)."""
+        """While the delay of this request's size class is not learned from its own data, the
+        seconds attempt ``number``'s own prompt takes to prefill at its probed replica's
+        ``prefill_rate`` (0: not probed, no prompt size, or the class learned, whose delay
+        then accounts for it). A cold Hedger's fallback delay (1 s) hedged a 4,000-token
+        prompt on llama-server, whose prefill takes ~3 s: the backup doubled the prefill on a
+        replica another tenant was using (``benchmarks/real_engine.py --scenario evidence``).
+        The prefill model is no guide here: fitted on short prompts only, it extrapolates
+        their noise."""
         fleet = self._fleet
         tokens = self._tokens
         replica = self._running.get(number)
-        if not fleet.probed or not tokens or replica is None:
+        model = fleet.model
+        if not fleet.probed or not tokens or replica is None or model is None:
             return 0.0
         state = fleet.probes[replica.index]
-        if state is None or fleet.prefill(self._group, tokens, now) > 0.0:
+        if state is None or model.raw(self._group, self._class, now) is not None:
             return 0.0
         return tokens / state.probe.prefill_rate
 
