@@ -115,8 +115,10 @@ def request_body(p: Params, prompt: str) -> dict[str, Any]:
 class Pair(Protocol):
     """Two replicas and the faults the benchmark can put on one of them (0 or 1)."""
 
-    kind: str
-    urls: list[str]
+    @property
+    def kind(self) -> str: ...
+    @property
+    def urls(self) -> list[str]: ...
 
     async def fault(self, index: int, fault: str) -> None: ...
     async def after(self, index: int, fault: str) -> None: ...
@@ -190,7 +192,7 @@ class FakeEngine:
         limit = body["max_tokens"]
         messages = body["messages"]
         tokens = fake_tokens(messages[0]["content"], 4 * self.p.max_tokens)
-        pace = {"ttft": 0.01, "token_delay": 0.003, "finish_reason": "length"}
+        pace: dict[str, Any] = {"ttft": 0.01, "token_delay": 0.003, "finish_reason": "length"}
         if messages[-1]["role"] == "assistant":
             have = messages[-1]["content"]
             count = next(i for i in range(len(tokens) + 1) if "".join(tokens[:i]) == have)
@@ -344,6 +346,59 @@ async def reference(pair: Pair, p: Params, prompt: str) -> tuple[str, bool]:
             answer = (await client.post(url + "/chat/completions", json=body)).json()
             answers.append(answer["choices"][0]["message"]["content"])
     return answers[0], answers[0] == answers[1]
+
+
+async def _generated_ids(
+    client: httpx.AsyncClient, kind: str, url: str, p: Params, prompt: str
+) -> tuple[list[int], list[int]]:
+    """The prompt's tokens and the tokens the engine generates for it (temperature 0)."""
+    root = url.removesuffix("/v1")
+    user = [{"role": "user", "content": prompt}]
+    if kind == "vllm":
+        body = {**request_body(p, prompt), "logprobs": True, "return_tokens_as_token_ids": True}
+        answer = (await client.post(url + "/chat/completions", json=body)).json()
+        ids = [int(t["token"].split(":")[1]) for t in answer["choices"][0]["logprobs"]["content"]]
+        ask = {"model": "tiny", "messages": user, "add_generation_prompt": True}
+        return (await client.post(root + "/tokenize", json=ask)).json()["tokens"], ids
+    text = (await client.post(root + "/apply-template", json={"messages": user})).json()["prompt"]
+    ask = {"prompt": text, "n_predict": p.max_tokens, "temperature": 0, "n_probs": 1}
+    answer = (await client.post(root + "/completion", json=ask)).json()
+    return [], [t["id"] for t in answer["completion_probabilities"]]
+
+
+async def round_trips(pair: EnginePair, p: Params) -> tuple[int, int]:
+    """Of the generated prefixes (1 to M-1 tokens of each prompt's answer), how many an
+    engine reads back as the tokens it generated when given their text, as a continuation
+    gives it: vLLM's ``/tokenize`` of the continuation's messages, llama-server's
+    ``/tokenize`` of the ``/detokenize``d text (its SentencePiece-style leading space
+    aside). A prefix that does not round-trip is continued from other tokens."""
+    same = total = 0
+    url = pair.urls[0]
+    root = url.removesuffix("/v1")
+    async with httpx.AsyncClient(timeout=60.0) as client:
+        for prompt in prompts(p):
+            base, ids = await _generated_ids(client, pair.kind, url, p, prompt)
+            for k in range(1, len(ids)):
+                if pair.kind == "vllm":
+                    pieces = {"model": "tiny", "tokens": ids[:k]}
+                    text = (await client.post(root + "/detokenize", json=pieces)).json()["prompt"]
+                    messages = [
+                        {"role": "user", "content": prompt},
+                        {"role": "assistant", "content": text},
+                    ]
+                    ask = {"model": "tiny", "messages": messages, "add_generation_prompt": False,
+                           "continue_final_message": True}  # fmt: skip
+                    back = (await client.post(root + "/tokenize", json=ask)).json()["tokens"]
+                    ok = back == base + ids[:k]
+                else:
+                    pieces = {"tokens": ids[:k]}
+                    text = (await client.post(root + "/detokenize", json=pieces)).json()["content"]
+                    ask = {"content": text, "add_special": False}
+                    back = (await client.post(root + "/tokenize", json=ask)).json()["tokens"]
+                    ok = back == ids[:k] or back[1:] == ids[:k]
+                same += ok
+                total += 1
+    return same, total
 
 
 # -- the scenarios -------------------------------------------------------------------------------
@@ -528,8 +583,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         with started(kind, console) as engine:
             pair = EnginePair(engine, console, list(engine.leaders))
             rows, agree = trio.run(partial(run_all, p, pair, console))
+            trips = trio.run(round_trips, pair, p)
         label = {"llama": "llama-server (-np 4)", "vllm": "vLLM CPU"}[kind]
     print_table(console, rows, p, label, agree)
+    if kind != "fake":
+        console.print(
+            "generated prefixes whose text the engine reads back as the same tokens "
+            f"(a continuation goes on from exactly the engine's own state): {trips[0]}/{trips[1]}"
+        )
     console.print(f"load average after: {os.getloadavg()}")
     return 0 if check(console, rows, p, strict=kind == "fake") else 1
 

@@ -224,7 +224,11 @@ class Replica:
             400). Without one, a recovery on this replica replays the request and verifies
             it. Declare it; it is never guessed. Chat completions only (the engines'
             contracts are their chat endpoints'): another API's replica raises
-            ``ValueError``. A backup's ``backup_priority`` goes in a continuation's body too.
+            ``ValueError``. A backup's ``backup_priority`` goes in a continuation's body too,
+            and its ``max_tokens`` / ``max_completion_tokens`` are lowered by the tokens the
+            caller already has (never below 1). The engine re-tokenizes the text it is given,
+            so its answer is a continuation of that text, not always the very tokens the
+            first replica would have generated (docs/recovery.md, "On real engines").
         probe: read the engine's own load
             ([`LoadProbe`][trio_hedge.sources.probes.LoadProbe], or an engine name:
             ``"vllm"``, ``"llama.cpp"``, ``"sglang"``, ``"tgi"``) so a
