@@ -32,8 +32,8 @@ the *surviving* replicas generated beyond what the caller got from them (a kille
 counters die with it: its own undelivered tokens are not counted), and the report's
 ``held_back`` (a replay's regenerated prefix).
 
-Without the engine it prints ``SKIP: …`` and exits 0 (CI builds neither). ``--quick`` without
-an engine runs the same scenarios on two ``trio_hedge.testing.FakeReplica`` servers that
+Without the engine it prints ``SKIP: …`` and exits 0 (CI builds neither). ``--quick`` (unless
+``--engine`` is given) runs the same scenarios on two ``trio_hedge.testing.FakeReplica`` servers that
 answer like a deterministic engine (both continuation contracts, ``max_tokens`` honoured):
 "kill" closes the winner's server mid-answer (a fresh pair per request), "stop" makes the
 primary stall at token N. Hold the engine lock for an engine run:
@@ -537,7 +537,12 @@ def check(console: Console, rows: Sequence[Row], p: Params, strict: bool) -> boo
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--engine", choices=("llama", "vllm", "fake"), default="llama")
+    parser.add_argument(
+        "--engine",
+        choices=("llama", "vllm", "fake"),
+        default=None,
+        help="default: llama; with --quick, the fakes (CI runs it: no engine, no engine lock)",
+    )
     parser.add_argument("--requests", type=int, default=5, help="per method and fault")
     parser.add_argument(
         "--kills", type=int, default=None, help="kill requests per method (default: --requests)"
@@ -547,7 +552,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--stall-timeout", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
-        "--quick", action="store_true", help="a smoke run (on the fakes when no engine is built)"
+        "--quick", action="store_true", help="a smoke run (on the fakes unless --engine is given)"
     )
     return parser.parse_args(argv)
 
@@ -556,9 +561,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the engines
     console = Console(width=220)
-    kind = args.engine
-    if args.quick and kind != "fake" and missing(kind) is not None:
-        kind = "fake"
+    kind = args.engine or ("fake" if args.quick else "llama")
     requests = 3 if args.quick else args.requests
     p = Params(
         requests=requests,
