@@ -32,9 +32,10 @@ the *surviving* replicas generated beyond what the caller got from them (a kille
 counters die with it: its own undelivered tokens are not counted), and the report's
 ``held_back`` (a replay's regenerated prefix).
 
-Without the engine it prints ``SKIP: …`` and exits 0 (CI builds neither). ``--quick`` (unless
-``--engine`` is given) runs the same scenarios on two ``trio_hedge.testing.FakeReplica`` servers that
-answer like a deterministic engine (both continuation contracts, ``max_tokens`` honoured):
+Without the engine it prints ``SKIP: …`` and exits 0 (CI builds neither). ``--quick``
+(unless ``--engine`` is given) runs the same scenarios on two
+``trio_hedge.testing.FakeReplica`` servers that answer like a deterministic engine (both
+continuation contracts, ``max_tokens`` honoured):
 "kill" closes the winner's server mid-answer (a fresh pair per request), "stop" makes the
 primary stall at token N. Hold the engine lock for an engine run:
 ``flock /tmp/engine.lock python benchmarks/recovery_engines.py --engine llama``.
