@@ -43,12 +43,12 @@ printed with the figures.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -68,6 +68,7 @@ from trio_hedge.report import AttemptOutcome
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import percentile
+from _engines import free_port, wait_idle
 
 ENGINE_HOME = Path(os.environ.get("ENGINE_HOME", Path.home() / ".cache" / "trio-hedge-engine"))
 MODEL_FILE = "tiny-random-llama.gguf"
@@ -181,12 +182,6 @@ def engine_paths(home: Path) -> tuple[Path, Path] | None:
     return (python, model) if check.returncode == 0 else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def llama_replicas(
     python: Path, model: Path, log_dir: Path, count: int = 2
@@ -197,7 +192,7 @@ def llama_replicas(
     urls = []
     try:
         for i in range(count):
-            port = _free_port()
+            port = free_port()
             log = open(log_dir / f"llama-{i}.log", "wb")  # noqa: SIM115 - closed with the process
             procs.append(
                 subprocess.Popen(
@@ -387,20 +382,6 @@ async def run_schedule(
     return sorted(outcomes, key=lambda o: o.item.index)
 
 
-async def wait_idle(client: httpx.AsyncClient, urls: Sequence[str], model: str) -> None:
-    """Let every replica finish what it queued (cancelled prefills included): a one-token
-    request waits behind anything still queued there (FIFO)."""
-    await trio.sleep(1.0)
-    probe = {
-        "model": model,
-        "messages": [{"role": "user", "content": "hello"}],
-        "max_tokens": 1,
-    }
-    for url in urls:
-        response = await client.post(url + "/chat/completions", json=probe, timeout=120)
-        response.raise_for_status()
-
-
 # -- measuring ----------------------------------------------------------------------------------
 
 
@@ -535,6 +516,276 @@ def check_targets(console: Console, rows: Sequence[Row]) -> bool:
     return met.get(HEDGER, True)
 
 
+# -- issue 21: engine evidence, on the engines people self-host -----------------------------------
+
+PROBES_ROUTING = "routing only, with probes"
+PROBES = "Hedger with probes"
+#: The evidence scenario's strategies (``--scenario evidence``), in the order they run; a
+#: router name stands for one row per policy of ``_routers.POLICIES``.
+EVIDENCE_STRATEGIES = {
+    "none": NONE,
+    "fixed": FIXED,
+    "double": DOUBLE,
+    "hedger": HEDGER,
+    "routing": ROUTING,
+    "probe-routing": PROBES_ROUTING,
+    "probes": PROBES,
+    "smg": "smg",
+    "vllm-router": "vllm-router",
+}
+#: Per engine: the other tenants' long prompt (words ~ tokens) and the seconds between two of
+#: them, so that with ``alternate`` each replica prefills one about a third of the time.
+EVIDENCE_DEFAULTS = {"llama": (4000, 6.0), "vllm": (4000, 4.0), "cpp": (2000, 3.0)}
+#: The probe each engine is read with (llama-cpp-python publishes no load).
+PROBE_ENGINE = {"llama": "llama.cpp", "vllm": "vllm"}
+
+
+@attrs.frozen
+class Evidence:
+    """The evidence scenario: ``requests`` short streaming requests (Poisson at ``rate``)
+    and ``own_long`` long prompts of the library's own (spread evenly: are they hedged?);
+    another tenant's long prompts every ``every`` seconds from ``offset``, alternating
+    between the replicas (``pattern="alternate"``) or all on the first (``"one"``)."""
+
+    pattern: str = "alternate"
+    every: float = 6.0
+    offset: float = 1.0
+    own_long: int = 2
+    warm_from: int = 20
+
+
+def evidence_schedule(p: Params, e: Evidence, seed: int) -> list[Item]:
+    rng = random.Random(seed)
+    raw: list[tuple[float, int, bool, bool, int]] = []  # at, words, long, tenant, replica
+    now = 0.0
+    for _ in range(p.requests):
+        now += rng.expovariate(p.rate)
+        raw.append((now, rng.randint(*p.short_words), False, False, rng.randrange(2)))
+    span = now
+    for k in range(e.own_long):
+        raw.append((span * (k + 0.5) / e.own_long + 0.25, p.long_words, True, False, k % 2))
+    at, k = e.offset, 0
+    while at < span:
+        raw.append((at, p.long_words, True, True, k % 2 if e.pattern == "alternate" else 0))
+        at, k = at + e.every, k + 1
+    raw.sort()
+    return [Item(i, *fields) for i, fields in enumerate(raw)]
+
+
+def routed(
+    url: str, client: httpx.AsyncClient, p: Params, model: str, prompts: dict[int, str]
+) -> Send:
+    """Through a router: one attempt to its URL (it picks the worker), never hedged."""
+    policy = th.HedgePolicy(hedge_after=None, first_token_timeout=120.0)
+    replica = th.Replica(url, name="router")
+
+    async def send(item: Item, sent_at: float) -> Outcome:
+        stream = th.hedged_stream(body(p, model, prompts[item.index]), [replica], policy,
+                                  client=client)  # fmt: skip
+        return await _outcome(item, stream, sent_at)
+
+    return send
+
+
+@attrs.frozen
+class EvidenceRow:
+    row: Row
+    warm: tuple[float, float, float]  # P50, P99, max of the warm part's short requests
+    polls: int | None  # probe polls, both replicas (None: no probes)
+    poll_failures: int | None
+    at_once: int  # backups sent at once on the engine's evidence
+    delays: str  # the Hedger's delays at the end
+
+
+def _three(values: Sequence[float]) -> tuple[float, float, float]:
+    return (percentile(values, 50), percentile(values, 99), max(values)) if values else (
+        math.nan, math.nan, math.nan)  # fmt: skip
+
+
+def _warm(outcomes: Sequence[Outcome], warm_from: int) -> tuple[float, float, float]:
+    short = [o for o in outcomes if not o.item.tenant and not o.item.long]
+    return _three([o.ttft if o.ttft is not None else math.inf for o in short[warm_from:]])
+
+
+async def run_evidence(
+    engine: Any, p: Params, e: Evidence, model: str, names: Sequence[str], console: Console,
+    out: Path, verbose: float | None = None,
+) -> list[EvidenceRow]:  # fmt: skip
+    """Every strategy over one seeded schedule, each on idle replicas, cold."""
+    from _routers import POLICIES, router, router_missing
+
+    schedule = evidence_schedule(p, e, p.seed)
+    urls: list[str] = engine.urls
+    pids: list[int] = engine.pids
+    probe = PROBE_ENGINE.get(engine.kind)
+    rows: list[EvidenceRow] = []
+    p90: float | None = None
+    async with th.transport.make_client() as client:
+        await engine.wait_idle(client, model)
+        for number, name in enumerate(names):
+            runs: list[tuple[str, Any]] = []
+            if name in POLICIES:
+                why = router_missing(name)
+                if why is None and engine.kind not in ("llama", "vllm", "unknown"):
+                    why = f"its workers need GET /health (the {engine.kind} engine has none)"
+                if why is not None:
+                    console.print(f"skipping {name}: {why}")
+                    continue
+                runs = [(f"{name} {policy}", policy) for policy in POLICIES[name]]
+            elif name in (PROBES, PROBES_ROUTING) and probe is None:
+                console.print(f"skipping {name}: the {engine.kind} engine publishes no load")
+                continue
+            elif name == FIXED and p90 is None:
+                console.print(f"skipping {FIXED}: it needs the {NONE} run first")
+                continue
+            else:
+                runs = [(name, None)]
+            for label, policy in runs:
+                # Fresh words for every run: llama.cpp reuses a cached prompt prefix.
+                prompts = texts(schedule, p.seed * 1000 + len(rows) + 100 * number)
+                hedger: th.Hedger | None = None
+                began = time.monotonic()
+                cpu_before = cpu_seconds(pids) if pids else None
+                if policy is not None:
+                    roots = [u.removesuffix("/v1") for u in urls]
+                    with router(name, policy, roots, out / "routers" / f"{label}.log") as url:
+                        await engine.wait_idle(client, model)
+                        cpu_before = cpu_seconds(pids) if pids else None
+                        send = routed(url, client, p, model, prompts)
+                        outcomes = await run_schedule(
+                            schedule, send, client, urls, p, model, prompts
+                        )
+                elif name in (HEDGER, ROUTING, PROBES, PROBES_ROUTING):
+                    with_probes = name in (PROBES, PROBES_ROUTING)
+                    replicas = [
+                        th.Replica(u, name=f"r{i}", probe=probe if with_probes else None)
+                        for i, u in enumerate(urls)
+                    ]
+                    config = th.HedgerConfig(first_token_timeout=120.0)
+                    if name in (ROUTING, PROBES_ROUTING):
+                        config = attrs.evolve(config, hedge_after=None)
+                    hedger = th.Hedger(replicas, config, client=client)
+                    async with hedger:  # the probes poll only inside
+                        outcomes = await run_schedule(
+                            schedule, hedger_send(hedger, p, model, prompts), client, urls, p,
+                            model, prompts,
+                        )  # fmt: skip
+                else:
+                    replicas = [th.Replica(u, name=f"r{i}") for i, u in enumerate(urls)]
+                    delay = {NONE: None, DOUBLE: 0.0, FIXED: p90}[name]
+                    send = fixed(replicas, client, p, model, delay, prompts)
+                    outcomes = await run_schedule(schedule, send, client, urls, p, model, prompts)
+                await engine.wait_idle(client, model)
+                cpu_after = cpu_seconds(pids) if pids else None
+                cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
+                row = summarize(label, outcomes, cpu)
+                if name == NONE:
+                    p90 = row.ttft[1]
+                polls = failures = None
+                at_once = 0
+                delays = ""
+                if hedger is not None:
+                    stats = hedger.statistics()
+                    at_once = stats.hedges_at_once
+                    if name in (PROBES, PROBES_ROUTING):
+                        polls = sum(r.probe_polls for r in stats.replicas)
+                        failures = sum(r.probe_failures for r in stats.replicas)
+                    delays = ", ".join(
+                        f"{d.size_class}: {d.delay:.3f}{'' if d.learned else '*'}"
+                        for d in stats.delays
+                    )
+                if name == FIXED:
+                    delays = f"{p90:.3f}"
+                rows.append(EvidenceRow(row, _warm(outcomes, e.warm_from), polls, failures,
+                                        at_once, delays))  # fmt: skip
+                console.print(
+                    f"  {label}: {time.monotonic() - began:.0f} s, P99 {row.ttft[2]:.3f} s, "
+                    f"warm P99 {rows[-1].warm[1]:.3f} s, extra {row.extra:.1f}%, "
+                    f"load {row.load:.2f}" + (f"; delays {delays}" if delays else "")
+                )
+                if verbose is not None:
+                    _show(console, outcomes, verbose)
+    return rows
+
+
+def _show(console: Console, outcomes: Sequence[Outcome], slower_than: float) -> None:
+    t0 = min(o.sent_at for o in outcomes)
+    for o in outcomes:
+        if o.item.long or o.hedged or (o.ttft or math.inf) > slower_than:
+            who = "tenant" if o.item.tenant else "own"
+            console.print(
+                f"    #{o.item.index} {who} {o.item.words} words at {o.sent_at - t0:.2f} s: "
+                f"TTFT {'-' if o.ttft is None else f'{o.ttft:.3f}'} s, to {o.primary} "
+                f"(ended {o.ended_at - t0:.2f} s) {o.trace}"
+            )
+
+
+def print_evidence(
+    console: Console, rows: Sequence[EvidenceRow], p: Params, e: Evidence, engine: str
+) -> None:
+    where = "alternating between the replicas" if e.pattern == "alternate" else "on one replica"
+    table = Table(
+        title=f"Short-request TTFT on two {engine} replicas: {p.requests} short requests at "
+        f"{p.rate:g}/s, another tenant's {p.long_words}-word prompts every {e.every:g} s "
+        f"{where}, {e.own_long} long prompts of the library's own; cold start included"
+    )
+    table.add_column("strategy")
+    table.add_column("all: P50 / P99 / max (s)", justify="right")
+    table.add_column(f"warm (from #{e.warm_from}): P50 / P99 / max", justify="right")
+    table.add_column("extra req", justify="right")
+    table.add_column("primary busy", justify="right")
+    table.add_column("long hedged", justify="right")
+    table.add_column("at once", justify="right")
+    table.add_column("probe polls (failed)", justify="right")
+    table.add_column("server CPU (s)", justify="right")
+    table.add_column("delays (s)", justify="right")
+    table.add_column("load", justify="right")
+    for er in rows:
+        r = er.row
+        table.add_row(
+            r.name + (f" ({r.errors} errors)" if r.errors else ""),
+            " / ".join(f"{v:.3f}" for v in (r.ttft[0], r.ttft[2], r.ttft[3])),
+            " / ".join(f"{v:.3f}" for v in er.warm),
+            f"{r.extra:.1f}%",
+            "-" if r.name.split()[0] in ("smg", "vllm-router") else str(r.to_busy),
+            f"{r.long_hedged[0]} of {r.long_hedged[1]}",
+            str(er.at_once),
+            "-" if er.polls is None else f"{er.polls} ({er.poll_failures})",
+            "-" if r.server_cpu is None else f"{r.server_cpu:.1f}",
+            er.delays or "-",
+            f"{r.load:.2f}",
+        )
+    console.print(table)
+
+
+def check_evidence(console: Console, rows: Sequence[EvidenceRow]) -> bool:
+    """PASS/FAIL for issue 21's targets, for the Hedger with probes."""
+    by = {er.row.name: er for er in rows}
+    if PROBES not in by:
+        return True
+    ours = by[PROBES]
+    p99 = ours.row.ttft[2]
+    checks: list[tuple[str, bool]] = []
+    if DOUBLE in by:
+        double = by[DOUBLE].row.ttft[2]
+        checks.append((f"short-request P99 <= 1.2x double send's ({p99:.3f} vs 1.2 x "
+                       f"{double:.3f} = {1.2 * double:.3f} s)", p99 <= 1.2 * double))  # fmt: skip
+    checks.append((f"<= 5% extra requests ({ours.row.extra:.1f}%)", ours.row.extra <= 5))
+    routers = [er for er in rows if er.row.name.split()[0] in ("smg", "vllm-router")]
+    if routers:
+        best = min(routers, key=lambda er: er.row.ttft[2])
+        checks.append((f"P99 <= 0.25x the best router policy's ({p99:.3f} vs 0.25 x "
+                       f"{best.row.ttft[2]:.3f} = {0.25 * best.row.ttft[2]:.3f} s, "
+                       f"{best.row.name})", p99 <= 0.25 * best.row.ttft[2]))  # fmt: skip
+    checks.append((f"whole-run P99 <= 1.5x warm P99 ({p99:.3f} vs 1.5 x {ours.warm[1]:.3f} = "
+                   f"{1.5 * ours.warm[1]:.3f} s)", p99 <= 1.5 * ours.warm[1]))  # fmt: skip
+    hedged, sent = ours.row.long_hedged
+    checks.append((f"no long prompt hedged ({hedged} of {sent})", hedged == 0))
+    for text, ok in checks:
+        console.print(f"[{'green' if ok else 'red'}]{'PASS' if ok else 'FAIL'}[/] {PROBES}: {text}")
+    return all(ok for _, ok in checks)
+
+
 # -- main ---------------------------------------------------------------------------------------
 
 
@@ -640,6 +891,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="40 requests, a smoke run")
     parser.add_argument(
+        "--scenario",
+        choices=("tail", "evidence"),
+        default="tail",
+        help="tail: issue 9's mixed schedule on llama-cpp-python (the default); evidence: "
+        "issue 21's, other tenants' long prompts on the engines of ../shared/engine2 with "
+        "probes and routers",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("auto", "cpp", "llama", "vllm"),
+        default="auto",
+        help="cpp: llama-cpp-python (../shared/engine); llama: llama-server -np 4, vllm: vLLM "
+        "CPU (../shared/engine2). auto: cpp for tail, llama for evidence",
+    )
+    parser.add_argument("--pattern", choices=("alternate", "one"), default="alternate")
+    parser.add_argument("--long-every", type=float, default=None, metavar="SECONDS")
+    parser.add_argument("--own-long", type=int, default=Evidence().own_long)
+    parser.add_argument("--warm-from", type=int, default=Evidence().warm_from)
+    parser.add_argument(
         "--show-slower-than",
         type=float,
         default=None,
@@ -657,8 +927,82 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def main_evidence(args: argparse.Namespace, console: Console) -> int:
+    """``--scenario evidence`` (issue 21)."""
+    from _engines import Engine, detect, missing, started
+
+    kind = "llama" if args.engine == "auto" else args.engine
+    words, every = EVIDENCE_DEFAULTS[kind]
+    long_words = words if args.long_words == Params().long_words else args.long_words
+    p = Params(
+        requests=20
+        if args.quick
+        else (60 if args.requests == Params().requests else args.requests),
+        rate=2.0 if args.rate == Params().rate else args.rate,
+        long_fraction=0.0,
+        long_words=long_words,
+        max_tokens=args.max_tokens,
+        warmup=0,
+        seed=args.seed,
+        tenants="others",
+    )
+    e = Evidence(
+        pattern=args.pattern,
+        every=args.long_every or every,
+        own_long=args.own_long,
+        warm_from=min(args.warm_from, p.requests // 2),
+    )
+    keys = [n.strip() for n in args.strategies.split(",") if n.strip()]
+    if args.strategies == ",".join(STRATEGIES):
+        keys = list(EVIDENCE_STRATEGIES)
+    unknown = [k for k in keys if k not in EVIDENCE_STRATEGIES]
+    if unknown:
+        console.print(f"unknown strategies {unknown}; choose from {list(EVIDENCE_STRATEGIES)}")
+        return 2
+    names = [EVIDENCE_STRATEGIES[k] for k in keys]
+    console.print(
+        f"parameters: {attrs.asdict(p)}, {attrs.asdict(e)}; load average {os.getloadavg()}, "
+        f"nproc {os.cpu_count()}"
+    )
+    run = functools.partial(
+        run_evidence, p=p, e=e, model=args.model, names=names, console=console, out=args.out,
+        verbose=args.show_slower_than,
+    )  # fmt: skip
+    label = {"llama": "llama-server -np 4", "vllm": "vLLM CPU", "cpp": "llama-cpp-python"}
+    if args.replica:
+        if len(args.replica) != 2:
+            console.print("give --replica exactly twice (two replicas)")
+            return 2
+        engine = Engine(detect(args.replica), args.replica)
+        rows = trio.run(functools.partial(run, engine))
+    elif kind == "cpp":
+        paths = engine_paths(args.engine_home)
+        if paths is None:
+            console.print(f"SKIP: no llama-cpp-python engine in {args.engine_home} (bash "
+                          "../shared/engine/setup.sh), and no --replica URL given.")  # fmt: skip
+            return 0
+        with llama_replicas(*paths, args.out / "real_engine_logs") as servers:
+            engine = Engine("cpp", [u for u, _ in servers], [pid for _, pid in servers])
+            rows = trio.run(functools.partial(run, engine))
+    else:
+        why = missing(kind)
+        if why is not None:
+            console.print(f"SKIP: {why}, and no --replica URL given: nothing to measure.")
+            return 0
+        with started(kind, console) as engine:
+            rows = trio.run(functools.partial(run, engine))
+    print_evidence(console, rows, p, e, label.get(engine.kind, engine.kind))
+    ok = check_evidence(console, rows)
+    if args.quick:
+        console.print("(--quick: 20 requests; targets are indicative only)")
+    return 0 if ok or args.quick else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.scenario == "evidence":
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        return main_evidence(args, Console(width=220))
     # A kill (SIGTERM) unwinds like Ctrl-C, so the servers this started are stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     console = Console(width=160)

@@ -5,7 +5,7 @@ the answer complete on the other replica with the text the engine would have pro
 What it runs. Two replicas of one engine of ``../shared/engine2/`` (llama.cpp's C++
 ``llama-server`` with ``-np 4``, or vLLM 0.32 on CPU; the tiny random-weight model, model name
 ``tiny``, the same on both), started with that directory's scripts
-(``benchmarks/agent_engines.py``'s helpers) on free loopback ports and stopped on exit.
+(``benchmarks/_engines.py``) on free loopback ports and stopped on exit.
 ``--engine llama|vllm`` chooses. Every request is ``temperature: 0`` with ``max_tokens`` M
 (the tiny model never stops before it: a complete answer has exactly M tokens), a seeded
 prompt, a fresh ``Hedger`` (no hedging, ``stall_timeout`` 1 s, ``max_recoveries`` 2) on both
@@ -68,7 +68,7 @@ from trio_hedge.testing import Behaviour, FakeReplica, RequestRecord
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import percentile
-from agent_engines import (
+from _engines import (
     Engine,
     missing,
     parse_metrics,

@@ -543,7 +543,8 @@ async def test_health_readiness_metrics_and_pushback() -> None:
         'trio_hedge_gateway_requests_total{path="/v1/chat/completions",status="503"} 2.0',
         'trio_hedge_gateway_requests_total{path="/readyz",status="200"} 1.0',
         'trio_hedge_attempts_total{outcome="failed",replica="a",trigger="primary"} 1.0',
-        'trio_hedge_gateway_replica_state{group="default",replica="b",state="cooling"} 1.0',
+        'trio_hedge_gateway_replica_state{api="chat",group="default",replica="b",'
+        'state="cooling"} 1.0',
         "trio_hedge_gateway_in_flight 0.0",
     ):
         assert line in metrics

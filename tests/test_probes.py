@@ -8,6 +8,9 @@ HTTP read over real loopback sockets (``FakeReplica.pages``).
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import json
 import math
 import random
 from typing import Any
@@ -21,6 +24,7 @@ import trio.testing
 import trio_hedge as th
 from trio_hedge import HedgerConfig
 from trio_hedge.events import EventKind, HedgeEvent
+from trio_hedge.hedger import LoadMonitor
 from trio_hedge.policy import OutlierDetection
 from trio_hedge.report import AttemptOutcome as O
 from trio_hedge.sources.probes import (
@@ -29,6 +33,7 @@ from trio_hedge.sources.probes import (
     ProbeError,
     parse_llama_slots,
     parse_metrics,
+    parse_sglang_loads,
     read_load,
 )
 from trio_hedge.testing import (
@@ -163,6 +168,110 @@ def test_llama_slots_parse() -> None:
     for bad in (b"not json", b"{}", b"[]", b"[1, 2]", b"\xff\xfe"):
         with pytest.raises(ProbeError):
             parse_llama_slots(bad)
+
+
+#: SGLang's /v1/loads as ``v1_loads.py`` (sgl-project/sglang) writes it: one object per
+#: data-parallel rank (the newest versions add ``num_waiting_uncached_tokens``, and drop the
+#: ``dp_rank_count`` and ``aggregate`` older ones had).
+SGLANG_LOADS = {
+    "timestamp": "2026-12-02T01:00:00+00:00",
+    "version": "0.5.9",
+    "accelerator": None,
+    "num_accelerators": 1,
+    "loads": [
+        {
+            "dp_rank": 0,
+            "timestamp": 1796000000.0,
+            "num_running_reqs": 3,
+            "num_waiting_reqs": 2,
+            "num_waiting_uncached_tokens": 5000,
+            "num_used_tokens": 9000,
+            "num_total_tokens": 14000,
+            "max_total_num_tokens": 100000,
+            "token_usage": 0.09,
+            "gen_throughput": 120.5,
+            "cache_hit_rate": 0.5,
+            "utilization": 0.75,
+            "max_running_requests": 48,
+            "memory": {"weight_gb": 1.0, "kv_cache_gb": 2.0, "graph_gb": 0.1, "token_capacity": 1},
+            "queues": {"waiting": 2, "grammar": 0, "paused": 0, "retracted": 0},
+        },
+        {
+            "dp_rank": 1,
+            "num_running_reqs": 1,
+            "num_waiting_reqs": 0,
+            "num_waiting_uncached_tokens": 0,
+            "token_usage": 0.4,
+        },
+    ],
+}
+#: An older SGLang's: no uncached token count, an aggregate (ignored).
+SGLANG_LOADS_OLD = {
+    "timestamp": "2024-01-15T10:30:00+00:00",
+    "version": "0.4.0",
+    "dp_rank_count": 1,
+    "loads": [
+        {
+            "dp_rank": 0,
+            "num_running_reqs": 5,
+            "num_waiting_reqs": 2,
+            "num_total_reqs": 7,
+            "num_used_tokens": 5000,
+            "num_total_tokens": 100000,
+            "token_usage": 0.05,
+            "gen_throughput": 120.5,
+            "utilization": 0.75,
+        }
+    ],
+    "aggregate": {"total_running_reqs": 5, "total_waiting_reqs": 2, "total_reqs": 7},
+}
+
+
+def test_sglang_loads_parse() -> None:
+    assert parse_sglang_loads(json.dumps(SGLANG_LOADS)) == LoadReading(
+        "sglang", waiting=2, running=4, queued_tokens=5000, kv_usage=0.4
+    )
+    assert parse_sglang_loads(json.dumps(SGLANG_LOADS_OLD).encode()) == LoadReading(
+        "sglang", waiting=2, running=5, kv_usage=0.05
+    )
+    # One rank without the token count: no token count at all (never a part of one).
+    ranks = [dict(SGLANG_LOADS["loads"][0]), {"num_running_reqs": 1, "num_waiting_reqs": 4}]
+    assert parse_sglang_loads(json.dumps({"loads": ranks})) == LoadReading(
+        "sglang", waiting=6, running=4, queued_tokens=None, kv_usage=0.09
+    )
+    # A usage over 1 (SGLang's is the fullest of several pools) is clamped; null is none.
+    assert parse_sglang_loads('{"loads": [{"num_running_reqs": 1, "token_usage": 1.5}]}') == (
+        LoadReading("sglang", running=1, kv_usage=1.0)
+    )
+    assert parse_sglang_loads('{"loads": [{"num_waiting_reqs": 1, "token_usage": null}]}') == (
+        LoadReading("sglang", waiting=1)
+    )
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json",
+        b"\xff\xfe",
+        b"[]",
+        b'{"loads": []}',
+        b'{"loads": {"0": {}}}',
+        b'{"loads": [1, 2]}',
+        b'{"aggregate": {"total_running_reqs": 1}}',
+        b'{"loads": [{"dp_rank": 0}]}',  # no request counts
+        b'{"loads": [{"num_running_reqs": "3"}]}',
+        b'{"loads": [{"num_running_reqs": -1}]}',
+        b'{"loads": [{"num_running_reqs": 1.5}]}',
+        b'{"loads": [{"num_running_reqs": true}]}',
+        b'{"loads": [{"num_running_reqs": 1, "token_usage": "full"}]}',
+        b'{"loads": [{"num_running_reqs": 1, "token_usage": NaN}]}',
+        b'{"loads": [{"num_running_reqs": 1, "num_waiting_uncached_tokens": -5}]}',
+        b'{"detail": "Unauthorized"}',  # an admin route without its key
+    ],
+)
+def test_an_unexpected_sglang_loads_page_is_no_reading(body: bytes) -> None:
+    with pytest.raises(ProbeError):
+        parse_sglang_loads(body)
 
 
 def test_probe_fields_are_validated_by_name() -> None:
@@ -381,6 +490,103 @@ async def test_no_poller_outlives_the_hedger_and_errors_come_out_as_themselves(
     await bare.aclose()
 
 
+# -- one poller per replica for many Hedgers (LoadMonitor) ----------------------------------------
+
+
+async def _three_hedgers_run(
+    shared: bool, engine: str, config: HedgerConfig, behave: Any, rate: float, **fields: Any
+) -> tuple[dict[str, Engine], list[tuple[int, str, float]]]:
+    """Three Hedgers over the same two replicas (as the gateway's chat, Messages and Responses
+    Hedgers are), 30 seeded requests (``rate`` a second) spread over them; their probes a
+    shared `LoadMonitor`'s (``shared``) or each Hedger's own. Returns the engines and
+    (hedger, replica, time) of every attempt cancelled before its first token."""
+    idle = IDLE if engine == "llama.cpp" else LoadReading("vllm")
+    engines = {"a": Engine(idle), "b": Engine(idle)}
+    probes = _probes(engines, engine, **fields)
+    cancels: list[tuple[int, str, float]] = []
+
+    def hook(n: int) -> Any:
+        def on(event: HedgeEvent) -> None:
+            record, replica = event.record, event.replica
+            cancelled = event.kind is EventKind.ATTEMPT_CANCELLED and record is not None
+            if cancelled and record.ttft is None and replica is not None:  # type: ignore[union-attr]
+                cancels.append((n, replica, event.time))
+
+        return on
+
+    fleet = Fleet(["a", "b"], behave)
+    rng = random.Random(17)
+    async with LoadMonitor(fleet.sources(), probes=probes if shared else {}) as monitor:
+        hedgers = [
+            th.Hedger(
+                fleet.sources(), config, probes=monitor if shared else probes, on_event=[hook(n)]
+            )
+            for n in range(3)
+        ]
+        async with contextlib.AsyncExitStack() as stack:
+            for hedger in hedgers:
+                await stack.enter_async_context(hedger)
+            async with trio.open_nursery() as nursery:
+                at = trio.current_time()
+                for i in range(30):
+                    at += rng.expovariate(rate)
+                    nursery.start_soon(_request_at, hedgers[i % 3], at, f"r{i}")
+                nursery.start_soon(trio.sleep, 2.9)
+    return engines, cancels
+
+
+async def test_hedgers_sharing_a_monitor_poll_each_replica_as_one_hedger_does(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Three Hedgers over the same replicas, with a LoadMonitor: each engine is polled as one
+    Hedger polls it (0, 0.25, ..., 2.75 s: 12 polls, one at a time), whatever the requests;
+    each Hedger with its own probes polls three times as often (the cost the monitor saves)."""
+    behave = table(Script(ttft=0.05, tokens=5, gap=0.02))
+    engines, _ = await _three_hedgers_run(True, "vllm", PLAIN, behave, 15.0)
+    assert [len(e.polls) for e in engines.values()] == [12, 12]
+    assert {e.max_active for e in engines.values()} == {1}
+    alone, _ = await _three_hedgers_run(False, "vllm", PLAIN, behave, 15.0)
+    assert [len(e.polls) for e in alone.values()] == [36, 36]
+
+
+async def test_a_cancel_by_any_hedger_silences_the_shared_poller(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """llama-server: after any of the Hedgers sharing a monitor cancels an attempt on a
+    before its first token, no poll of a starts for 1.2 s. Each Hedger polling on its own
+    sees only its own cancels, and its polls land inside the others' windows."""
+
+    def inside(cancels: list[tuple[int, str, float]], polls: list[float]) -> list[float]:
+        return [p for _, name, c in cancels for p in polls if name == "a" and c < p < c + 1.2]
+
+    config = attrs.evolve(PLAIN, pick="in_order", hedge_after=0.3)
+    behave = table(FAST, a=SLOW)
+    engines, cancels = await _three_hedgers_run(True, "llama.cpp", config, behave, 3.0)
+    assert {n for n, _, _ in cancels} == {0, 1, 2} and len(cancels) >= 20
+    assert inside(cancels, engines["a"].polls) == []
+    polls_b = engines["b"].polls  # b: never cancelled, polled every 0.25 s as by one Hedger
+    assert [round(y - x, 9) for x, y in itertools.pairwise(polls_b)] == [0.25] * (len(polls_b) - 1)
+    engines, cancels = await _three_hedgers_run(False, "llama.cpp", config, behave, 3.0)
+    assert len(inside(cancels, engines["a"].polls)) > 20
+
+
+async def test_a_monitor_checks_its_replicas_and_hedgers_read_only_theirs() -> None:
+    fleet = Fleet(["a", "b"], table(FAST))
+    engine = Engine()
+    with pytest.raises(ValueError, match="unique"):
+        LoadMonitor([*fleet.sources(), *fleet.sources()])
+    with pytest.raises(ValueError, match="probes"):
+        LoadMonitor(fleet.sources(), probes={"c": LoadProbe("vllm", reader=engine.read)})
+    monitor = LoadMonitor(fleet.sources(), probes={"a": LoadProbe("vllm", reader=engine.read)})
+    assert monitor.replica_names == ("a",)
+    hedger = th.Hedger(fleet.sources(), PLAIN, probes=monitor)
+    assert [r.probe for r in hedger.statistics().replicas] == ["waiting", "off"]
+    # A replica of the same name elsewhere is not the monitor's.
+    probed = LoadMonitor([th.Replica("http://127.0.0.1:1/v1", name="a", probe="vllm")])
+    with pytest.raises(ValueError, match="base_url"):
+        th.Hedger([th.Replica("http://127.0.0.1:2/v1", name="a")], PLAIN, probes=probed)
+
+
 # -- hedging on evidence --------------------------------------------------------------------------
 
 
@@ -412,6 +618,98 @@ async def test_a_backup_at_once_when_the_engine_says_the_primary_will_be_slow(
         assert stats.hedges_at_once == 0
         assert stats.ejected == ("a",)  # slow after the full delay: the control blames it
     assert start >= 0
+
+
+@pytest.mark.parametrize(("probed", "after"), [(True, 0.5), (False, 1.0)])
+async def test_a_reading_that_arrives_during_the_delay_sends_the_backup_then(
+    autojump_clock: trio.testing.MockClock, probed: bool, after: float
+) -> None:
+    """The primary went to an idle engine; another tenant's long prompt arrives there just
+    after (at 0.3 s). The poll at 0.51 s sees it; the request, which looks again every
+    ``interval`` (0.25 s) while it waits out its 1 s delay, sends the backup at 0.5 s, not at
+    the timer. A second caller, sent after the reading (its primary on a: ``in_order``), gets
+    its backup at once."""
+    engines = {"a": Engine(IDLE), "b": Engine(IDLE)}
+    fleet = Fleet(["a", "b"], table(FAST, a=SLOW))
+    config = attrs.evolve(PLAIN, pick="in_order")
+    probes = _probes(engines) if probed else None
+    async with th.Hedger(fleet.sources(), config, probes=probes) as hedger:
+        await trio.sleep(0.01)
+        reports: list[th.Report] = []
+
+        async def tenant_arrives() -> None:
+            await trio.sleep(0.3)
+            engines["a"].reading = PREFILLING
+
+        async def second() -> None:
+            await trio.sleep(0.7)
+            reports.append(await run(hedger.stream(None)))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tenant_arrives)
+            nursery.start_soon(second)
+            first = await run(hedger.stream(None))
+        stats = hedger.statistics()
+    primary, backup = first.attempts
+    assert (primary.replica, backup.replica, backup.outcome) == ("a", "b", O.WON)
+    assert primary.started_at is not None and backup.started_at is not None
+    assert backup.started_at - primary.started_at == pytest.approx(after)
+    assert stats.hedges_at_once == (2 if probed else 0)
+    a, b = reports[0].attempts
+    assert a.started_at is not None and b.started_at is not None
+    assert (a.replica, b.replica, b.started_at - a.started_at) == ("a", "b", (0 if probed else 1))
+
+
+@pytest.mark.parametrize("probed", [True, False])
+async def test_a_cold_hedger_waits_out_a_long_prompts_own_prefill(
+    autojump_clock: trio.testing.MockClock, probed: bool
+) -> None:
+    """Before any prefill model is fitted, the fallback delay (1 s) would hedge a 4,000-token
+    prompt whose own prefill takes ~4 s at the probe's 1,000 tokens/s: with a probe its delay
+    covers that prefill, and the primary (3 s) answers alone; a short prompt keeps the 1 s."""
+    engines = {"a": Engine(IDLE), "b": Engine(IDLE)}
+    fleet = Fleet(["a", "b"], table(FAST, a=Script(ttft=3.0, tokens=3)))
+    config = attrs.evolve(th.HedgerConfig(), pick="in_order", budget=None, throttle=None)
+    probes = _probes(engines) if probed else None
+    async with th.Hedger(fleet.sources(), config, probes=probes) as hedger:
+        await trio.sleep(0.01)
+        report = await run(hedger.stream(None, prompt_tokens=4000))
+        short = await run(hedger.stream(None, prompt_tokens=20))
+    assert _route(report) == (
+        [("a", "primary", O.WON)]
+        if probed
+        else [("a", "primary", O.CANCELLED), ("b", "hedge", O.WON)]
+    )
+    # A short prompt's own prefill (0.02 s) is under the fallback: hedged at 1 s either way.
+    assert _route(short) == [("a", "primary", O.CANCELLED), ("b", "hedge", O.WON)]
+
+
+async def test_a_long_prompt_is_not_queued_behind_itself(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A request's own prompt is not ahead of it: a 4,000-token prompt on an idle engine is not
+    hedged at once for its own prefill (4 s at 1,000 tokens/s, over the 1 s delay), while a
+    second caller's short request, sent during that prefill, sees it and goes elsewhere."""
+    engines = {"a": Engine(IDLE), "b": Engine(IDLE)}
+    fleet = Fleet(["a", "b"], table(Script(ttft=2.0, tokens=3)))
+    async with th.Hedger(fleet.sources(), PLAIN, probes=_probes(engines)) as hedger:
+        await trio.sleep(0.01)
+        reports: dict[str, th.Report] = {}
+
+        async def one(name: str, tokens: int, at: float) -> None:
+            await trio.sleep(at)
+            reports[name] = await run(hedger.stream(None, prompt_tokens=tokens))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, "long", 4000, 0.0)
+            nursery.start_soon(one, "short", 20, 0.1)
+        stats = hedger.statistics()
+    long, short = reports["long"].attempts, reports["short"].attempts
+    assert [(a.replica, a.trigger) for a in long] == [("a", "primary"), ("b", "hedge")]
+    assert long[1].started_at is not None and long[0].started_at is not None
+    assert math.isclose(long[1].started_at - long[0].started_at, 1.0)  # the delay, not at once
+    assert stats.hedges_at_once == 0
+    assert short[0].replica == "b"  # the long prompt is queued on a for everyone else
 
 
 @pytest.mark.parametrize(
@@ -467,7 +765,15 @@ async def test_read_load_over_loopback() -> None:
         assert await read_load(client, LoadProbe("llama.cpp"), fake.url) == LoadReading(
             "llama.cpp", running=1, queued_tokens=3000, slots=2
         )
-        assert [r.path for r in fake.requests] == ["/metrics", "/slots"]
+        fake.pages["/v1/loads"] = EnginePage(json.dumps(SGLANG_LOADS))
+        loads = LoadProbe("sglang", path="/v1/loads?include=core")
+        assert await read_load(client, loads, fake.url) == LoadReading(
+            "sglang", waiting=2, running=4, queued_tokens=5000, kv_usage=0.4
+        )
+        assert [r.path for r in fake.requests] == ["/metrics", "/slots", "/v1/loads?include=core"]
+        fake.pages["/v1/loads"] = EnginePage(b'{"loads": [' + b'{"num_running_reqs": 1},' * 50_000)
+        with pytest.raises(ProbeError, match="larger than 65536 bytes"):  # a bounded read
+            await read_load(client, attrs.evolve(loads, max_body=65536), fake.url)
         for page, message in (
             (EnginePage("garbage {{{"), "none of"),
             (EnginePage(b"x" * (2 << 20)), "larger than 1048576 bytes"),  # a bounded read

@@ -28,7 +28,12 @@ class Planner(Protocol):
     ``attempt_changed`` heard of the failure) when an attempt fails with an error that is
     not retryable, whether another attempt may still go instead of the request failing
     ([`Hedger`][trio_hedge.Hedger]'s: a context-length error while a replica declares a larger
-    window)."""
+    window).
+
+    And a method ``hedge_on_evidence(number) -> float | None``: asked while the race waits
+    out attempt ``number``'s hedge delay; ``0.0`` sends the backup now, a positive number
+    asks again after that many seconds, ``None`` never asks again (the Hedger's, with load
+    probes: a reading that arrived during the wait says the primary's replica is queued)."""
 
     async def next_source(self, number: int, trigger: str) -> Source | None:
         """The source for attempt ``number`` (``trigger`` says why it starts), or ``None``

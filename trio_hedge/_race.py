@@ -256,7 +256,7 @@ class _Race:
             started += 1
             self._start(number, source, trigger)
             delay = None if self._resume is not None else self._planner.hedge_delay(number)
-            trigger = await self._next_trigger(delay)
+            trigger = await self._next_trigger(delay, number)
         # Nothing more starts: wait for the running attempts (a commit cancels this wait),
         # and read every piece of news, down to the last one queued in the same tick.
         while self._live or self._news:
@@ -268,12 +268,24 @@ class _Race:
             await trio.lowlevel.checkpoint_if_cancelled()
             self._commit_answer(self._answer)
 
-    async def _next_trigger(self, delay: float | None) -> str | None:
+    async def _next_trigger(self, delay: float | None, number: int) -> str | None:
         """Wait for the reason the next attempt starts: ``"failover"`` (an attempt failed),
-        ``"hedge"`` (``delay`` passed and the planner allows a hedge), or ``None`` (an empty
-        answer is in hand: nothing more starts)."""
-        with trio.move_on_after(math.inf if delay is None else delay):
-            return self._take_news(await self._next_news())
+        ``"hedge"`` (``delay`` passed, or the planner's ``hedge_on_evidence`` said so before,
+        and the planner allows a hedge), or ``None`` (an empty answer is in hand: nothing
+        more starts)."""
+        deadline = trio.current_time() + (math.inf if delay is None else delay)
+        ask = getattr(self._planner, "hedge_on_evidence", None) if delay else None
+        again = None if ask is None else ask(number)
+        while True:
+            wake = deadline if again is None else min(deadline, trio.current_time() + again)
+            with trio.move_on_at(wake):
+                return self._take_news(await self._next_news())
+            if again is None or trio.current_time() >= deadline:
+                break
+            assert ask is not None
+            again = ask(number)
+            if again == 0:
+                break
         # A first token due at the very instant the delay ends wins without a hedge, and a
         # failure at that instant is a failover: let the tasks woken in this tick run first
         # (a commit cancels us right here).

@@ -48,7 +48,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any
 
@@ -56,7 +55,7 @@ import httpx
 import trio
 
 from ._oneshot import check_replicas, check_request
-from ._probing import poll_load
+from ._probing import LoadMonitor, Pollers, probes_of
 from ._source import Source
 from ._stream import HedgedStream, require_trio
 from ._validate import (
@@ -68,50 +67,21 @@ from ._validate import (
 from .events import EventHook
 from .policy._config import HedgerConfig
 from .policy._fleet import FleetState
+from .policy._load import ProbeState
 from .policy._planner import RequestPlanner
 from .policy._sizing import estimate_prompt_tokens
 from .policy._stats import HedgerStatistics
 from .sources._bindable import BindableReplica, is_bindable
 from .sources.openai._http import HeaderNames, Replica
-from .sources.probes import LoadProbe, LoadReading, as_probe, read_load
+from .sources.probes import LoadProbe
 from .transport import make_client
 
-__all__ = ["Hedger"]
+__all__ = ["Hedger", "LoadMonitor"]
 
 #: Commits kept for the caller-visible TTFT percentiles in ``statistics()``.
 _TTFT_SAMPLES = 4096
 #: Cancelled attempts a replica may count as still being prefilled (a memory bound).
 _MAX_LINGERING = 1024
-
-
-def _probes_of(
-    replicas: Sequence[Replica | BindableReplica | Source],
-    probes: Mapping[str, LoadProbe | str] | None,
-) -> dict[int, tuple[LoadProbe, Replica | None]]:
-    """Each probed replica's probe and (for the HTTP read) its ``Replica``, by index."""
-    found: dict[int, tuple[LoadProbe, Replica | None]] = {}
-    index = {r.name: i for i, r in enumerate(replicas)}
-    for i, r in enumerate(replicas):
-        if isinstance(r, Replica) and r.probe is not None:
-            found[i] = (r.probe, r)
-    if probes is None:
-        return found
-    if not isinstance(probes, Mapping):
-        raise TypeError("probes must be a mapping of replica names to LoadProbes")
-    for name, value in probes.items():
-        if name not in index:
-            raise ValueError("probes names a replica the Hedger does not have")
-        probe = as_probe(value, "probes")
-        i = index[name]
-        if probe is None:
-            found.pop(i, None)
-            continue
-        replica = replicas[i]
-        http = replica if isinstance(replica, Replica) else None
-        if http is None and probe.reader is None:
-            raise ValueError("probes: a replica that is not a Replica needs a LoadProbe reader")
-        found[i] = (probe, http)
-    return found
 
 
 class Hedger:
@@ -143,8 +113,11 @@ class Hedger:
             replica name, over each [`Replica`][trio_hedge.sources.Replica]'s own ``probe``; a
             replica that is not a ``Replica`` needs a probe with a ``reader``. The probes run
             inside ``async with Hedger(...)``, one poller per replica in the Hedger's own
-            nursery (``docs/policy.md``, "Load probes"). Default none: the Hedger decides from
-            its own view only, exactly as without this argument.
+            nursery (``docs/policy.md``, "Load probes"). Or a
+            [`LoadMonitor`][trio_hedge.hedger.LoadMonitor] that several Hedgers share: the
+            replicas it probes are read from its pollers (one per replica for all of them),
+            the others' own probes polled by this Hedger. Default none: the Hedger decides
+            from its own view only, exactly as without this argument.
 
     Raises:
         TypeError, ValueError: bad replicas (empty, wrong type, duplicate names), config or
@@ -159,7 +132,7 @@ class Hedger:
         client: httpx.AsyncClient | None = None,
         headers: HeaderNames | None = None,
         on_event: Iterable[EventHook] = (),
-        probes: Mapping[str, LoadProbe | str] | None = None,
+        probes: Mapping[str, LoadProbe | str] | LoadMonitor | None = None,
     ) -> None:
         config = HedgerConfig() if config is None else config
         if not isinstance(config, HedgerConfig):
@@ -171,12 +144,20 @@ class Hedger:
             raise TypeError(f"headers must be HeaderNames or None, not {type(headers).__name__}")
         self._config = config
         self._policy = config.stream_policy()
-        self._probes = _probes_of(replicas, probes)
-        self._fleet = FleetState(
-            config, replicas, list(on_event), {i: p for i, (p, _) in self._probes.items()}
-        )
-        self._pollers: AbstractAsyncContextManager[trio.Nursery] | None = None
-        self._poller_nursery: trio.Nursery | None = None
+        states: dict[int, LoadProbe | ProbeState] = {}
+        if isinstance(probes, LoadMonitor):  # its pollers; the replicas' own probes otherwise
+            monitor, own = probes, probes_of(replicas, None)
+            for i, replica in enumerate(replicas):
+                shared = monitor.shared(replica)
+                if shared is not None:
+                    states[i] = shared
+                    own.pop(i, None)
+        else:
+            own = probes_of(replicas, probes)
+        states.update((i, p) for i, (p, _) in own.items())
+        self._fleet = FleetState(config, replicas, list(on_event), states)
+        self._own_probes = own
+        self._pollers = Pollers()
         # The checks each request must pass (one per kind of replica bound to requests),
         # and the replicas bound to requests (by id: the planner hands the object back).
         self._request_checks = request_checks
@@ -209,18 +190,13 @@ class Hedger:
 
     async def __aenter__(self) -> Hedger:
         require_trio("Hedger")
-        if self._probes:
-            if self._pollers is not None:
-                raise RuntimeError("a Hedger with load probes can be entered only once at a time")
-            # The pollers' nursery lives exactly as long as this ``async with``: no poller
-            # outlives it. Pollers never raise (a failed poll is only "no evidence").
-            manager = trio.open_nursery()
-            nursery = await manager.__aenter__()
-            self._pollers, self._poller_nursery = manager, nursery
-            for index, (probe, replica) in self._probes.items():
+        if self._own_probes:
+            polled = []
+            for index, (probe, replica) in self._own_probes.items():
                 state = self._fleet.probes[index]
                 assert state is not None
-                nursery.start_soon(poll_load, state, self._reader(probe, replica))
+                polled.append((state, probe, replica))
+            await self._pollers.start(polled, self._http_client, "Hedger")
         return self
 
     async def __aexit__(
@@ -229,28 +205,8 @@ class Hedger:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        manager, nursery = self._pollers, self._poller_nursery
-        if manager is not None and nursery is not None:
-            self._pollers = self._poller_nursery = None
-            nursery.cancel_scope.cancel()
-            # The body's own exception is not handed to the nursery (it would come out in an
-            # ExceptionGroup): the pollers end at once on the cancel, and never raise.
-            await manager.__aexit__(None, None, None)
+        await self._pollers.stop()
         await self.aclose()
-
-    def _reader(self, probe: LoadProbe, replica: Replica | None) -> Any:
-        """The probe's own reader, or the HTTP read of ``replica``'s engine."""
-        if probe.reader is not None:
-            return probe.reader
-        assert replica is not None
-        headers = dict(replica.headers)
-        if replica.api_key is not None:
-            headers["authorization"] = f"Bearer {replica.api_key}"
-
-        async def read() -> LoadReading:
-            return await read_load(self._http_client(), probe, replica.base_url, headers)
-
-        return read
 
     async def aclose(self) -> None:
         """Close the client the Hedger created (not one you passed). Streams opened later

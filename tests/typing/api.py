@@ -36,6 +36,7 @@ from trio_hedge import (
 from trio_hedge.aio import AioHedgedStream, AioHedger, aio_hedged_stream
 from trio_hedge.errors import ErrorKind
 from trio_hedge.events import Delta, EventKind, FirstToken, HedgeEvent, ToolCallDelta
+from trio_hedge.hedger import LoadMonitor
 from trio_hedge.instrumentation import LoggingHook
 from trio_hedge.policy import (
     Backoff,
@@ -47,7 +48,7 @@ from trio_hedge.policy import (
 )
 from trio_hedge.report import AttemptOutcome, AttemptRecord
 from trio_hedge.sources import AttemptInfo, HeaderNames, Source
-from trio_hedge.sources.probes import LoadProbe
+from trio_hedge.sources.probes import LoadProbe, LoadReading
 from trio_hedge.transport import make_client
 
 assert_type(trio_hedge.__version__, str)
@@ -127,7 +128,10 @@ async def production() -> None:
             on_event=[on_event, timed, LoggingHook()],
         ) as hedger,
         Hedger(replicas, fixed) as other,
+        LoadMonitor(replicas, client=client) as monitor,
     ):
+        shared = Hedger(replicas, fixed, probes=monitor)
+        assert_type(monitor.replica_names, tuple[str, ...])
         assert_type(hedger.config, HedgerConfig)
         assert_type(other.hedge_delay(prompt_tokens=100), float | None)
         request = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -139,6 +143,8 @@ async def production() -> None:
         assert_type(stats.replicas[0].predicted_wait, float | None)
         assert_type(stats.hedges_at_once, int)
         assert_type(stats.hedges_sent, int)
+        assert_type(stats.replicas[0].probe_reading, LoadReading | None)
+        assert_type(shared.statistics().replicas[2].probe, str)
         assert_type(hedger.samples(), list[dict[str, Any]])
 
 

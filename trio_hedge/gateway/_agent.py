@@ -36,6 +36,7 @@ import httpx
 
 from .. import HedgedStream, Hedger, Replica
 from ..events import Delta, EventHook
+from ..hedger import LoadMonitor
 from ..sources.anthropic import AnthropicReplica
 from ..sources.openai_responses import ResponsesReplica
 from ._config import GatewayConfig
@@ -65,7 +66,9 @@ APIS: dict[str, tuple[type[Replica], str]] = {
 
 def as_api(replica: Replica, api: str) -> Replica:
     """``replica`` (a configured chat replica) speaking ``api``: the same URL, key, name,
-    overrides and headers, the API's own path."""
+    overrides, headers, context window, fallback mark, backup priority and probe, the API's
+    own path. Not its ``continuation``: the engines' continuation contracts are their chat
+    endpoints' (a recovery on another API replays and verifies)."""
     kind, _ = APIS[api]
     return kind(
         replica.base_url,
@@ -73,13 +76,21 @@ def as_api(replica: Replica, api: str) -> Replica:
         name=replica.name,
         overrides=replica.overrides,
         headers=replica.headers,
+        context_window=replica.context_window,
+        fallback=replica.fallback,
+        backup_priority=replica.backup_priority,
+        probe=replica.probe,
     )
 
 
 def agent_hedgers(
-    config: GatewayConfig, client: httpx.AsyncClient, hooks: Sequence[EventHook]
+    config: GatewayConfig,
+    client: httpx.AsyncClient,
+    hooks: Sequence[EventHook],
+    probes: LoadMonitor | None = None,
 ) -> dict[str, dict[str, Hedger]]:
-    """Per API, one Hedger per group over the group's replicas speaking that API."""
+    """Per API, one Hedger per group over the group's replicas speaking that API; their
+    probed replicas read from ``probes`` (the gateway's one poller per replica)."""
     out: dict[str, dict[str, Hedger]] = {}
     for api in APIS:
         out[api] = {
@@ -88,6 +99,7 @@ def agent_hedgers(
                 group.hedger,
                 client=client,
                 on_event=list(hooks),
+                probes=probes,
             )
             for group in config.groups
         }

@@ -122,6 +122,8 @@ class GatewayApp:
         self.limiter = Limiter(config.limits.max_concurrent)
         self.metrics = metrics
         self._hedgers = hedgers
+        #: Every Hedger, by API ("chat" for chat completions) and group: /readyz, /metrics.
+        self._all: dict[str, Mapping[str, Hedger]] = {"chat": hedgers, **(agent_hedgers or {})}
         self._client = client
         self.keys = KeyLimiter(config.keys, config.limits)
         self._keys = tuple((k.key.encode(), k) for k in config.keys)
@@ -133,7 +135,7 @@ class GatewayApp:
             self._forwarders[path] = forwarder
         self._routes = {**_ROUTES, **dict.fromkeys(self._forwarders, "POST")}
         named = (m for g in config.groups for m in g.models if not any(c in m for c in "*?["))
-        metrics.watch(hedgers, named)
+        metrics.watch(self._all, named)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -349,16 +351,29 @@ class GatewayApp:
         await ex.json(200, data)
 
     async def _ready(self, ex: Exchange) -> None:
+        """Ready while not draining and some replica is healthy in every Hedger that has it
+        (evidence against a server on any route counts); ``groups``: each replica's worst
+        state over the routes, ``apis``: each route's own."""
+        apis: dict[str, dict[str, dict[str, str]]] = {}
         groups: dict[str, dict[str, str]] = {}
-        eligible = False
-        for name, hedger in self._hedgers.items():
-            states = {r.name: r.state for r in hedger.statistics().replicas}
-            groups[name] = states
-            eligible = eligible or any(s == "healthy" for s in states.values())
+        for api, by_group in self._all.items():
+            apis[api] = {}
+            for name, hedger in by_group.items():
+                states = {r.name: r.state for r in hedger.statistics().replicas}
+                apis[api][name] = states
+                merged = groups.setdefault(name, {})
+                for replica, state in states.items():
+                    worst = max(state, merged.get(replica, state), key=_READY_ORDER.index)
+                    merged[replica] = worst
+        eligible = any(s == "healthy" for g in groups.values() for s in g.values())
         draining = self.limiter.draining
         status = "draining" if draining else "ready" if eligible else "no eligible replica"
-        data = json.dumps({"status": status, "groups": groups}).encode()
+        data = json.dumps({"status": status, "groups": groups, "apis": apis}).encode()
         await ex.json(200 if status == "ready" else 503, data)
+
+
+#: A replica's states, best first: its worst over the routes is its /readyz state.
+_READY_ORDER = ("healthy", "cooling", "ejected")
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

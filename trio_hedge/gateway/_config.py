@@ -22,6 +22,7 @@ import attrs
 from .. import HedgerConfig, LearnedDelay, Replica
 from ..events import FirstToken
 from ..policy import Attribution
+from ..sources.probes import ENGINES, LoadProbe
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -452,10 +453,48 @@ def _str_map(value: object, where: str) -> dict[str, str]:
     return dict(table)
 
 
+#: A probe's fields a TOML table may set (``reader`` is code, not configuration).
+_PROBE_FIELDS = tuple(f for f in attrs.fields_dict(LoadProbe) if f != "reader")
+#: A replica's fields given as they are (the Replica validates them, naming the field).
+_REPLICA_FIELDS = ("name", "path", "continuation", "context_window", "fallback", "backup_priority")
+#: Of those, the ones whose "none" is written ``false`` (TOML has no null).
+_NONE_FOR_FALSE = ("continuation", "context_window", "backup_priority")
+
+
+def _probe(value: object, where: str) -> LoadProbe | None:
+    """A replica's ``probe``: an engine name, a table of
+    [`LoadProbe`][trio_hedge.sources.probes.LoadProbe] fields, or ``false`` (none)."""
+    if value is False:
+        return None
+    if isinstance(value, str):
+        if value not in ENGINES:
+            raise ConfigError(f"{where} must be one of {sorted(ENGINES)}, a table or false")
+        return LoadProbe(value)  # type: ignore[arg-type]
+    table = _table(value, where)
+    _known(table, _PROBE_FIELDS, where)
+    if "engine" not in table:
+        raise ConfigError(f"{where}.engine is required")
+    kwargs: dict[str, Any] = {
+        k: None if v is False and k in ("path", "cancel_quiet") else v for k, v in table.items()
+    }
+    try:
+        return LoadProbe(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
 def _replica(table: Mapping[str, Any], where: str, environ: Mapping[str, str]) -> Replica:
     _known(
         table,
-        ("name", "base_url", "api_key_env", "overrides", "headers", "headers_env", "path"),
+        (
+            "base_url",
+            "api_key_env",
+            "overrides",
+            "headers",
+            "headers_env",
+            "probe",
+            *_REPLICA_FIELDS,
+        ),
         where,
     )
     if "base_url" not in table:
@@ -469,10 +508,17 @@ def _replica(table: Mapping[str, Any], where: str, environ: Mapping[str, str]) -
     }
     if "api_key_env" in table:
         kwargs["api_key"] = _env(table["api_key_env"], f"{where}.api_key_env", environ)
-    if "name" in table:
-        kwargs["name"] = table["name"]
-    if "path" in table:
-        kwargs["path"] = table["path"]
+    for field in _REPLICA_FIELDS:
+        if field in table:
+            value = table[field]
+            # TOML has no null: false is "none" for the fields that are not booleans.
+            kwargs[field] = None if value is False and field in _NONE_FOR_FALSE else value
+    if kwargs.get("continuation") not in (None, "vllm", "llama.cpp"):
+        raise ConfigError(f'{where}.continuation must be "vllm", "llama.cpp" or false')
+    if not isinstance(kwargs.get("fallback", False), bool):
+        raise ConfigError(f"{where}.fallback must be true or false")
+    if "probe" in table:
+        kwargs["probe"] = _probe(table["probe"], f"{where}.probe")
     try:
         return Replica(table["base_url"], **kwargs)
     except (TypeError, ValueError) as exc:

@@ -4,8 +4,9 @@ Metrics live in the gateway's own registry (two gateways in one process, as in t
 collide): the library's [`PrometheusHook`][trio_hedge.instrumentation.PrometheusHook] counters
 (requests, attempts, backups won, hedges refused, replica events, TTFT histogram), the
 gateway's requests by path and status, requests in flight, relayed tokens, refusals by
-reason, and, read from each group's ``Hedger.statistics()`` at scrape time, every replica's
-state and the learned hedge delays: what this instance has learned on its own.
+reason, and, read from every Hedger's ``statistics()`` at scrape time (each group's, on each
+route: chat completions, Messages, Responses), every replica's state and the learned hedge
+delays, and each probed replica's engine reading: what this instance has learned on its own.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from typing import Any
 import attrs
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .. import Hedger
 from ..instrumentation import PrometheusHook
+from ..policy import ReplicaStatistics
 
 __all__ = [
     "ACCESS_LOGGER",
@@ -76,50 +78,107 @@ class ModelLabels:
         return model if model in self._names else OTHER_MODELS
 
 
-class _HedgerCollector(Collector):
-    """Each group's Hedger state, read when Prometheus scrapes (inside Trio)."""
+#: The states a load probe's reading can be in (``ReplicaStatistics.probe``, not ``off``).
+PROBE_STATES = ("fresh", "stale", "failing", "waiting")
 
-    def __init__(self, hedgers: Mapping[str, Hedger], models: ModelLabels) -> None:
+
+class _HedgerCollector(Collector):
+    """Every Hedger's state (per API and group), read when Prometheus scrapes (inside Trio);
+    and each probed replica's engine reading, once per replica (every Hedger reads the
+    gateway's one poller of it)."""
+
+    def __init__(self, hedgers: Mapping[str, Mapping[str, Hedger]], models: ModelLabels) -> None:
         self._hedgers = hedgers
         self._models = models
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         state = GaugeMetricFamily(
             "trio_hedge_gateway_replica_state",
-            "1 for the replica's current state (healthy, cooling, ejected), per group.",
-            labels=["group", "replica", "state"],
+            "1 for the replica's current state (healthy, cooling, ejected), per API and group.",
+            labels=["api", "group", "replica", "state"],
         )
         in_flight = GaugeMetricFamily(
             "trio_hedge_gateway_replica_in_flight",
-            "Attempts in flight per replica, per group.",
-            labels=["group", "replica"],
+            "Attempts in flight per replica, per API and group.",
+            labels=["api", "group", "replica"],
         )
         delay = GaugeMetricFamily(
             "trio_hedge_gateway_hedge_delay_seconds",
-            "The hedge delay a request gets now, per group, model and prompt-size class.",
-            labels=["group", "model", "size_class", "learned"],
+            "The hedge delay a request gets now, per API, group, model and prompt-size class.",
+            labels=["api", "group", "model", "size_class", "learned"],
         )
         tasks = GaugeMetricFamily("trio_hedge_gateway_trio_tasks", "Trio tasks alive.")
         try:
             trio.lowlevel.current_task()
         except RuntimeError:  # not inside Trio (a stray scrape from another thread)
             return
-        for group, hedger in self._hedgers.items():
-            stats = hedger.statistics()
-            for r in stats.replicas:
-                for name in _STATES:
-                    state.add_metric([group, r.name, name], 1.0 if r.state == name else 0.0)
-                in_flight.add_metric([group, r.name], r.in_flight)
-            # Models outside the label set are folded into one series per size class (the
-            # longest of their delays).
-            delays: dict[tuple[str, str, str], float] = {}
-            for d in stats.delays:
-                labels = (self._models.label(d.group), str(d.size_class), str(d.learned).lower())
-                delays[labels] = max(d.delay, delays.get(labels, d.delay))
-            for (model, size_class, learned), seconds in delays.items():
-                delay.add_metric([group, model, size_class, learned], seconds)
+        probed: dict[str, ReplicaStatistics] = {}
+        for api, groups in self._hedgers.items():
+            for group, hedger in groups.items():
+                stats = hedger.statistics()
+                for r in stats.replicas:
+                    for name in _STATES:
+                        value = 1.0 if r.state == name else 0.0
+                        state.add_metric([api, group, r.name, name], value)
+                    in_flight.add_metric([api, group, r.name], r.in_flight)
+                    if r.probe != "off":
+                        probed.setdefault(r.name, r)
+                # Models outside the label set are folded into one series per size class (the
+                # longest of their delays).
+                delays: dict[tuple[str, str, str], float] = {}
+                for d in stats.delays:
+                    key = (self._models.label(d.group), str(d.size_class), str(d.learned).lower())
+                    delays[key] = max(d.delay, delays.get(key, d.delay))
+                for (model, size_class, learned), seconds in delays.items():
+                    delay.add_metric([api, group, model, size_class, learned], seconds)
         tasks.add_metric([], _count_tasks())
         yield from (state, in_flight, delay, tasks)
+        yield from _probe_metrics(probed)
+
+
+def _probe_metrics(probed: Mapping[str, ReplicaStatistics]) -> Iterator[Metric]:
+    """Each probed replica's engine reading (labels: the configured replica names only)."""
+    status = GaugeMetricFamily(
+        "trio_hedge_gateway_probe_status",
+        "1 for the load probe's state: fresh (its reading is used), stale, failing, waiting.",
+        labels=["replica", "status"],
+    )
+    age = GaugeMetricFamily(
+        "trio_hedge_gateway_probe_age_seconds",
+        "Seconds since the replica's engine was last read (absent before the first reading).",
+        labels=["replica"],
+    )
+    counts = {
+        field: GaugeMetricFamily(f"trio_hedge_gateway_probe_{field}", what, labels=["replica"])
+        for field, what in (
+            ("waiting", "Requests the engine holds but has not started, at the last reading."),
+            ("running", "Requests the engine is processing, at the last reading."),
+            ("queued_tokens", "Prompt tokens the engine has still to prefill (when it says)."),
+            ("kv_usage", "The engine's KV cache's used fraction (when it says)."),
+        )
+    }
+    polls = CounterMetricFamily(
+        "trio_hedge_gateway_probe_polls", "Polls of the replica's engine.", labels=["replica"]
+    )
+    failures = CounterMetricFamily(
+        "trio_hedge_gateway_probe_failures",
+        "Polls of the replica's engine that gave no reading.",
+        labels=["replica"],
+    )
+    for name, r in probed.items():
+        for value in PROBE_STATES:
+            status.add_metric([name, value], 1.0 if r.probe == value else 0.0)
+        if r.probe_age is not None:
+            age.add_metric([name], r.probe_age)
+        reading = r.probe_reading
+        if reading is not None:
+            for field, family in counts.items():
+                value = getattr(reading, field)
+                if value is not None:
+                    family.add_metric([name], value)
+        polls.add_metric([name], r.probe_polls)
+        failures.add_metric([name], r.probe_failures)
+    yield from (status, age, *counts.values(), polls, failures)
 
 
 class GatewayMetrics:
@@ -161,9 +220,12 @@ class GatewayMetrics:
         )
         self.models = ModelLabels(())
 
-    def watch(self, hedgers: Mapping[str, Hedger], models: Iterable[str] = ()) -> None:
-        """Export the state of these Hedgers (group name -> Hedger) at each scrape, with a
-        ``model`` label for the names in ``models`` (and those learned: `ModelLabels`)."""
+    def watch(
+        self, hedgers: Mapping[str, Mapping[str, Hedger]], models: Iterable[str] = ()
+    ) -> None:
+        """Export the state of these Hedgers (API -> group name -> Hedger) at each scrape,
+        with a ``model`` label for the names in ``models`` (and those learned:
+        `ModelLabels`)."""
         self.models = ModelLabels(models)
         self.registry.register(_HedgerCollector(hedgers, self.models))
 

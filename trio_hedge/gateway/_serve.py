@@ -18,6 +18,7 @@ import signal
 import trio
 
 from .. import Hedger
+from ..hedger import LoadMonitor
 from ..transport import make_client
 from ._agent import agent_hedgers
 from ._app import GatewayApp
@@ -71,14 +72,17 @@ async def serve(
     hedgers: dict[str, Hedger] = {}
     by_api: dict[str, dict[str, Hedger]] = {}
     async with make_client() as client:
+        # One poller per probed replica for the whole gateway: every group's Hedgers, on
+        # every route, read it (a cancel by any of them opens its quiet window).
+        monitor = LoadMonitor(config.replicas, client=client)
         try:
             for group in config.groups:
                 replicas = [config.replica(name) for name in group.replicas]
                 hedgers[group.name] = Hedger(
-                    replicas, group.hedger, client=client, on_event=[metrics.hook]
+                    replicas, group.hedger, client=client, on_event=[metrics.hook], probes=monitor
                 )
             # The same groups speaking Anthropic Messages and OpenAI Responses (_agent.py).
-            by_api = agent_hedgers(config, client, [metrics.hook])
+            by_api = agent_hedgers(config, client, [metrics.hook], monitor)
             app = GatewayApp(config, hedgers, client, metrics, by_api)
             limiter = app.limiter
             limits = config.limits
@@ -89,7 +93,7 @@ async def serve(
                 http2=config.http2,
                 max_connections=limits.max_connections or default_max_connections(),
             )
-            async with trio.open_nursery() as nursery:
+            async with monitor, trio.open_nursery() as nursery:
                 nursery.start_soon(server.watch)
                 if handle_signals:
                     nursery.start_soon(_signals, stop, limiter, server)

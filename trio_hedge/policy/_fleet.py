@@ -96,6 +96,10 @@ def _no_model(_tokens: int) -> None:
     return None
 
 
+def _probe_state(probe: LoadProbe | ProbeState) -> ProbeState:
+    return probe if isinstance(probe, ProbeState) else ProbeState(probe)
+
+
 class FleetState:
     """What every request of one Hedger shares (see the module docs).
 
@@ -107,7 +111,8 @@ class FleetState:
             [`Source`][trio_hedge.sources.Source]), names unique (checked by the caller).
         on_event: the hooks events go to; the list is shared, not copied.
         probes: the [`LoadProbe`][trio_hedge.sources.probes.LoadProbe] of each probed
-            replica, by its index in ``replicas``.
+            replica, by its index in ``replicas``, or the `ProbeState` it shares with other
+            Hedgers (a ``LoadMonitor``'s: one poller per replica for all of them).
     """
 
     def __init__(
@@ -115,7 +120,7 @@ class FleetState:
         config: HedgerConfig,
         replicas: Sequence[BindableReplica | Source],
         on_event: list[EventHook],
-        probes: Mapping[int, LoadProbe] | None = None,
+        probes: Mapping[int, LoadProbe | ProbeState] | None = None,
     ) -> None:
         self.config = config
         self.on_event = on_event
@@ -144,9 +149,13 @@ class FleetState:
         probes = probes or {}
         #: Each replica's engine evidence (``None``: not probed); ``probed``: any is.
         self.probes: list[ProbeState | None] = [
-            ProbeState(probes[i]) if i in probes else None for i in range(len(self.replicas))
+            _probe_state(probes[i]) if i in probes else None for i in range(len(self.replicas))
         ]
         self.probed = bool(probes)
+        #: How often a request waiting for its hedge delay looks at the readings again.
+        self.probe_interval = min(
+            (p.probe.interval for p in self.probes if p is not None), default=math.inf
+        )
         self._serial = 0
 
     def next_serial(self) -> int:
@@ -194,23 +203,28 @@ class FleetState:
         prefill: Callable[[int], float | None] | None,
         *,
         count: bool = False,
+        request: int | None = None,
+        before: float | None = None,
     ) -> float | None:
         """The seconds a new request would wait on ``replica`` before its prefill starts,
         from its engine's fresh reading (``inf``: saturated), raised to the age of this
         Hedger's oldest attempt waiting there for a first token (it says the replica is at
         least that slow now, whatever the engine reports); ``None`` without a fresh reading
-        (the caller then uses its own view). ``count``: count the decision in statistics."""
+        (the caller then uses its own view). ``count``: count the decision in statistics;
+        ``request``: the asking request (its own attempts there are not ahead of it);
+        ``before``: count only this Hedger's attempts started there before then (those ahead
+        of an attempt started then)."""
         state = self.probes[replica.index]
         if state is None:
             return None
         reading = state.fresh(now)
         if reading is None:
             if count:
-                state.used_own += 1
+                replica.own_view_decisions += 1
             return None
         if count:
-            state.used_probe += 1
-        wait = state.predicted_wait(reading, prefill or _no_model)
+            replica.probe_decisions += 1
+        wait = state.predicted_wait(reading, prefill or _no_model, request, before)
         if replica.waiting:
             oldest = next(iter(replica.waiting.values()))
             wait = max(wait, now - oldest)
@@ -284,11 +298,12 @@ class FleetState:
         return {
             "probe": state.status(now),
             "probe_age": None if state.reading is None else now - state.read_at,
+            "probe_reading": state.reading,
             "probe_polls": state.polls,
             "probe_failures": state.failures,
             "predicted_wait": None if fresh is None else self.predicted(r, now, None),
-            "probe_decisions": state.used_probe,
-            "own_view_decisions": state.used_own,
+            "probe_decisions": r.probe_decisions,
+            "own_view_decisions": r.own_view_decisions,
         }
 
     def _replica_statistics(self, r: ReplicaState, now: float) -> ReplicaStatistics:

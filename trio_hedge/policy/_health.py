@@ -128,6 +128,10 @@ class ReplicaState:
     context_window: int | None = None
     # Used only when no peer can take an attempt in time (``Replica.fallback``).
     fallback: bool = False
+    # Load probes: this Hedger's picks and hedge decisions made with the replica's engine
+    # reading, and without one (its own view). Per Hedger: the reading may be shared.
+    probe_decisions: int = 0
+    own_view_decisions: int = 0
 
     def latency_now(self, now: float, decay: float) -> float:
         """The peak-EWMA TTFT estimate now: the last value, decayed toward zero with time

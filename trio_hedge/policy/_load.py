@@ -1,10 +1,12 @@
 """What a replica's engine said about its load, how far it is trusted, and when it may be
 asked again (internal).
 
-One `ProbeState` per probed replica of a Hedger: its latest
+One `ProbeState` per probed replica, shared by every Hedger that reads the same poller (a
+``LoadMonitor``'s, or a Hedger's own): its latest
 [`LoadReading`][trio_hedge.sources.probes.LoadReading] and when it arrived, the polls and
-failures (for statistics), the attempts this Hedger started there since (the engine could not
-count them yet), and ``quiet_until``, before which no poll may start.
+failures (for statistics), the attempts those Hedgers started there since (the engine could
+not count them yet), and ``quiet_until``, before which no poll may start -- moved by a cancel
+in any of them. What each Hedger decided from it is counted in its own ``ReplicaState``.
 
 * **Fail open**: a reading is evidence only while it is younger than ``max_age`` and the last
   poll succeeded (a failed poll drops it). Otherwise the Hedger decides from its own view,
@@ -49,8 +51,6 @@ class ProbeState:
         "read_at",
         "reading",
         "since",
-        "used_own",
-        "used_probe",
     )
 
     def __init__(self, probe: LoadProbe) -> None:
@@ -62,11 +62,10 @@ class ProbeState:
         self.consecutive_failures = 0
         self.last_error = ""  # the kind of the last failure (a class name), never a value
         self.quiet_until = -math.inf
-        #: (started, prompt tokens) of attempts started here after the reading was taken.
-        self.since: deque[tuple[float, int]] = deque(maxlen=_SINCE)
-        #: Decisions this replica took part in, with its reading or with the own view.
-        self.used_probe = 0
-        self.used_own = 0
+        #: (started, prompt tokens, request) of attempts started here after the reading was
+        #: taken (by any Hedger sharing it); ``request`` tells a request's own attempts apart
+        #: (not ahead of itself): a key unique across Hedgers (`RequestPlanner`).
+        self.since: deque[tuple[float, int, int]] = deque(maxlen=_SINCE)
 
     # -- the poller ---------------------------------------------------------------------------
 
@@ -95,11 +94,11 @@ class ProbeState:
 
     # -- the Hedger's own traffic -------------------------------------------------------------
 
-    def started(self, now: float, tokens: int) -> None:
-        self.since.append((now, tokens))
+    def started(self, now: float, tokens: int, request: int = 0) -> None:
+        self.since.append((now, tokens, request))
 
     def cancelled(self, now: float) -> None:
-        """This Hedger cancelled an attempt here before its first token: its prefill may still
+        """A Hedger cancelled an attempt here before its first token: its prefill may still
         run, and a poll now could keep it running (llama-server)."""
         quiet = self.probe.quiet
         if quiet > 0:
@@ -125,15 +124,26 @@ class ProbeState:
         return reading.kv_usage is not None and reading.kv_usage >= self.probe.kv_limit
 
     def predicted_wait(
-        self, reading: LoadReading, prefill_seconds: Callable[[int], float | None]
+        self,
+        reading: LoadReading,
+        prefill_seconds: Callable[[int], float | None],
+        request: int | None = None,
+        before: float | None = None,
     ) -> float:
         """Seconds a new request waits before its prefill starts, from ``reading``:
         ``prefill_seconds(tokens)`` is the Hedger's prefill model (``None`` or 0 without one:
-        ``prefill_rate`` then). Infinite when the KV cache is saturated."""
+        ``prefill_rate`` then). ``request``: the asking request's own attempts are not ahead
+        of it (a long prompt's own prefill would otherwise make its primary look queued and
+        hedge it at once); ``before``: only the attempts started before then count (those
+        ahead of a request started then). Infinite when the KV cache is saturated."""
         if self.saturated(reading):
             return math.inf
         probe = self.probe
-        tokens = (reading.queued_tokens or 0) + sum(t for _, t in self.since)
+        tokens = (reading.queued_tokens or 0) + sum(
+            t
+            for at, t, by in self.since
+            if (request is None or by != request) and (before is None or at < before)
+        )
         seconds = reading.waiting * probe.queued_request_seconds
         if tokens:
             model = prefill_seconds(tokens)

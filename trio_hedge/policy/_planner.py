@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +37,9 @@ from ._fleet import FleetState
 from ._health import ReplicaState
 
 __all__ = ["RequestPlanner"]
+
+#: Keys of requests unique across Hedgers: the attempts a shared load probe counts.
+_PROBE_KEYS = itertools.count(1)
 
 #: Cancelled attempts a replica may count as still being prefilled (a memory bound).
 _MAX_LINGERING = 1024
@@ -65,6 +69,8 @@ class RequestPlanner:
         self._make_source = bind
         self._request_id = request_id
         self._serial = fleet.next_serial()  # this request, whatever its id
+        # This request among every Hedger's sharing a load probe (a LoadMonitor).
+        self._probe_key = next(_PROBE_KEYS)
         self._group = group
         self._model = group if model is None else model  # what per-model state is kept by
         self._class = size_class
@@ -237,19 +243,32 @@ class RequestPlanner:
         fleet = self._fleet
         prefill = self._prefill(now)
         target = math.inf
-        for replica in self._running.values():
-            predicted = fleet.predicted(replica, now, prefill)
+        for number, replica in self._running.items():
+            predicted = self._predicted_for(number, replica, now, prefill)
             if predicted is None:
                 return ready
             target = min(target, predicted)
         kept = []
         for r in ready:
-            predicted = fleet.predicted(r, now, prefill)
+            predicted = fleet.predicted(r, now, prefill, request=self._probe_key)
             if predicted is None or predicted < target:
                 kept.append(r)
         if not kept:
             self._saturated = True  # counted when the refusal is
         return kept
+
+    def _predicted_for(
+        self,
+        number: int,
+        replica: ReplicaState,
+        now: float,
+        prefill: Callable[[int], float | None] | None,
+    ) -> float | None:
+        """The predicted wait of this request's running attempt ``number`` on ``replica``:
+        only the prompts sent there before it are ahead of it (not its own, nor a later
+        request's: a long prompt hedged onto the replica after it is behind it)."""
+        started = replica.waiting.get((self, number))
+        return self._fleet.predicted(replica, now, prefill, request=self._probe_key, before=started)
 
     def _bind(self, replica: ReplicaState) -> Source:
         source = self._bound.get(replica.index)
@@ -326,6 +345,30 @@ class RequestPlanner:
             return 0.0
         return delay
 
+    def hedge_on_evidence(self, number: int) -> float | None:
+        """Asked by the race while it waits out attempt ``number``'s hedge delay: ``0.0``, the
+        backup goes now (a reading that arrived since says the primary's replica is queued
+        longer than the delay, and a replica a backup may go to is predicted sooner);
+        otherwise the seconds until it should ask again (the probes' shortest interval: a new
+        reading may have come), or ``None`` (never: no probes). A prompt that arrived at the
+        engine just after the primary was sent is seen at the next poll, not at the timer:
+        on llama-server, a short request behind another tenant's 4,000-token prefill waits
+        for all of it (``../shared/engine2/README.md``)."""
+        fleet = self._fleet
+        if not fleet.probed or not self._hedgeable:
+            return None
+        delay = (self._fleet_delays or {}).get(number)
+        if self._hedge_after is not None:
+            delay = self._hedge_after
+        if delay is None or delay <= 0:
+            return None
+        if self._slow_on_evidence(number, delay):
+            if self._at_once is None:
+                self._at_once = set()
+            self._at_once.add(number)
+            return 0.0
+        return fleet.probe_interval
+
     def _slow_on_evidence(self, number: int, delay: float) -> bool:
         """Whether the engine's fresh reading predicts attempt ``number`` waits longer than
         ``delay`` for its prefill, and a replica a backup may go to is predicted sooner: then
@@ -336,8 +379,7 @@ class RequestPlanner:
         if replica is None:
             return False
         now = trio.current_time()
-        fleet = self._fleet
-        predicted = fleet.predicted(replica, now, self._prefill(now))
+        predicted = self._predicted_for(number, replica, now, self._prefill(now))
         if predicted is None or predicted <= delay:
             return False
         candidates = self._candidates()
@@ -360,6 +402,7 @@ class RequestPlanner:
             delay = float(fixed)
         else:
             delay = model.delay(self._group, self._class, now, self._tokens)
+            delay = max(delay, self._own_prefill(number, now))
         # The evidence the delay waits for may be in already: another attempt on this
         # attempt's replica has waited twice the delay for its first token (at the delay it
         # was hedged itself, and for another delay nothing answered): the replica is stuck
@@ -375,6 +418,23 @@ class RequestPlanner:
                     return 0.0
                 break  # the first is the oldest
         return delay
+
+    def _own_prefill(self, number: int, now: float) -> float:
+        """Before the Hedger has fitted its prefill model, the seconds attempt ``number``'s own
+        prompt takes to prefill at its probed replica's ``prefill_rate`` (0: not probed, no
+        prompt size, or a model fitted, which the learned delay then accounts for). A cold
+        Hedger's fallback delay (1 s) hedged a 4,000-token prompt on llama-server, whose
+        prefill takes ~3 s: the backup doubled the prefill on a replica another tenant was
+        using (``benchmarks/real_engine.py --scenario evidence``)."""
+        fleet = self._fleet
+        tokens = self._tokens
+        replica = self._running.get(number)
+        if not fleet.probed or not tokens or replica is None:
+            return 0.0
+        state = fleet.probes[replica.index]
+        if state is None or fleet.prefill(self._group, tokens, now) > 0.0:
+            return 0.0
+        return tokens / state.probe.prefill_rate
 
     def _emit(self, kind: EventKind, now: float, replica: str | None = None, **fields: Any) -> None:
         fleet = self._fleet
@@ -533,7 +593,7 @@ class RequestPlanner:
         replica.waiting[(self, record.number)] = now
         probe = fleet.probes[replica.index] if fleet.probed else None
         if probe is not None:
-            probe.started(now, self._tokens or 0)
+            probe.started(now, self._tokens or 0, self._probe_key)
         replica.in_flight += 1
         replica.attempts += 1
         counts.attempts += 1

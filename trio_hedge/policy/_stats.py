@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import attrs
 
+from ..sources.probes import LoadReading
 from ._prefill import PrefillFit
 
 __all__ = ["DelayStatistics", "HedgerStatistics", "ReplicaStatistics"]
@@ -44,6 +45,7 @@ _PROBE_FIELDS = frozenset(
     (
         "probe",
         "probe_age",
+        "probe_reading",
         "probe_polls",
         "probe_failures",
         "predicted_wait",
@@ -91,6 +93,9 @@ class ReplicaStatistics:
             ``max_age``: the own view is used) or ``"failing"`` (its last poll failed: the
             own view is used).
         probe_age: seconds since its last reading (``None``: none yet).
+        probe_reading: its last [`LoadReading`][trio_hedge.sources.probes.LoadReading]
+            (what the engine said: waiting and running requests, queued tokens, KV usage),
+            fresh or stale; ``None`` before the first reading and after a failed poll.
         probe_polls: polls made since the Hedger was entered.
         probe_failures: of those, polls that gave no reading.
         predicted_wait: with a fresh reading, the seconds the engine's queue makes a new
@@ -119,6 +124,7 @@ class ReplicaStatistics:
     ejected_models: tuple[str, ...] = ()
     probe: str = "off"
     probe_age: float | None = None
+    probe_reading: LoadReading | None = None
     probe_polls: int = 0
     probe_failures: int = 0
     predicted_wait: float | None = None

@@ -2,7 +2,8 @@
 
 A [`Hedger`][trio_hedge.Hedger] sees only its own traffic. An engine shared with other tenants
 publishes what it is doing for all of them; a [`LoadProbe`][trio_hedge.sources.probes.LoadProbe]
-reads it (one poller per replica per Hedger, never one per request) into a
+reads it (one poller per replica per Hedger, or per
+[`LoadMonitor`][trio_hedge.hedger.LoadMonitor] for many Hedgers; never one per request) into a
 [`LoadReading`][trio_hedge.sources.probes.LoadReading]:
 
 * **vLLM** -- ``GET /metrics``: ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
@@ -13,8 +14,12 @@ reads it (one poller per replica per Hedger, never one per request) into a
   ``is_processing``, ``n_prompt_tokens`` and ``n_prompt_tokens_processed``, so the prompt
   tokens still to prefill; or ``GET /metrics`` (``--metrics``): ``llamacpp:requests_processing``,
   ``llamacpp:requests_deferred``.
-* **SGLang** -- ``GET /metrics``: ``num_running_reqs``, ``num_queue_reqs``, ``token_usage``
-  under the ``sglang:`` or the ``sglang_`` prefix.
+* **SGLang** -- ``GET /metrics`` (``--enable-metrics``): ``num_running_reqs``,
+  ``num_queue_reqs``, ``token_usage`` under the ``sglang:`` or the ``sglang_`` prefix; or
+  ``GET /v1/loads`` (``path="/v1/loads"``), its JSON load report, one object per
+  data-parallel rank (``num_running_reqs``, ``num_waiting_reqs``, ``token_usage``, and in
+  newer versions ``num_waiting_uncached_tokens``: the prompt tokens waiting for prefill;
+  ``python/sglang/srt/entrypoints/v1_loads.py`` in sgl-project/sglang).
 * **TGI** -- ``GET /metrics``: ``tgi_queue_size``, ``tgi_batch_current_size``.
 
 Prometheus text is parsed by ``prometheus_client``'s parser (the ``probes`` extra), after the
@@ -45,6 +50,7 @@ __all__ = [
     "ProbeError",
     "parse_llama_slots",
     "parse_metrics",
+    "parse_sglang_loads",
     "read_load",
 ]
 
@@ -136,15 +142,18 @@ class LoadProbe:
     Give it as ``Replica(..., probe="vllm")`` (or a ``LoadProbe``), or for any replica or
     [`Source`][trio_hedge.sources.Source] by name: ``Hedger(..., probes={"a": LoadProbe(...)})``.
     Probes run only inside ``async with Hedger(...)`` (the Hedger's own nursery, one poller
-    per replica); a Hedger used without ``async with`` decides from its own view, as without
-    probes.
+    per replica), or ``async with LoadMonitor(...)`` for the Hedgers given it; a Hedger used
+    without either decides from its own view, as without probes.
 
     Attributes:
         engine: ``"vllm"``, ``"llama.cpp"``, ``"sglang"`` or ``"tgi"`` (what the page says, and
             the default ``path`` and ``cancel_quiet``).
         path: the path read, under the server's root (the replica's ``base_url`` without a
             trailing ``/v1``). Default by engine: ``/slots`` for llama.cpp (``/metrics`` also
-            works, with ``--metrics``), ``/metrics`` for the others.
+            works, with ``--metrics``), ``/metrics`` for the others (SGLang's JSON
+            ``/v1/loads`` also works). A path ending in ``/slots`` is read as llama-server's
+            slots, one ending in ``/v1/loads`` as SGLang's load report, any other as a
+            Prometheus page of ``engine``.
         interval: the least time between two polls' starts. Default 0.25 (llm-d's endpoint
             picker scrapes every 0.05).
         max_age: a reading older than this is stale and not used (the Hedger's own view is).
@@ -332,6 +341,60 @@ def parse_llama_slots(body: bytes | str) -> LoadReading:
     return LoadReading(engine="llama.cpp", running=running, queued_tokens=queued, slots=len(slots))
 
 
+def _sglang_count(rank: dict[str, Any], key: str) -> int | None:
+    """A rank's count: ``None`` when absent, else an int >= 0 (anything else is no reading)."""
+    if key not in rank or rank[key] is None:
+        return None
+    value = rank[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ProbeError(f"the /v1/loads page has a bad {key}")
+    return value
+
+
+def parse_sglang_loads(body: bytes | str) -> LoadReading:
+    """A reading from SGLang's ``GET /v1/loads`` (a JSON object whose ``"loads"`` list has one
+    object per data-parallel rank): ``running`` and ``waiting`` their ``num_running_reqs`` and
+    ``num_waiting_reqs`` summed, ``queued_tokens`` their ``num_waiting_uncached_tokens``
+    summed when every rank gives it (newer SGLang; ``None`` otherwise), ``kv_usage`` the
+    fullest rank's ``token_usage`` (clamped to 0..1). Other fields are ignored.
+
+    Raises:
+        ProbeError: not JSON, no non-empty ``"loads"`` list of objects, a rank with neither
+            request count, a count that is not an int >= 0 or a ``token_usage`` that is not a
+            finite number: anything unexpected is no reading (fail open).
+    """
+    try:
+        page = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProbeError("the /v1/loads page is not JSON") from exc
+    ranks = page.get("loads") if isinstance(page, dict) else None
+    if not isinstance(ranks, list) or not ranks or not all(isinstance(r, dict) for r in ranks):
+        raise ProbeError("the /v1/loads page has no list of loads")
+    running = waiting = 0
+    queued: int | None = 0
+    kv: float | None = None
+    for rank in ranks:
+        ran = _sglang_count(rank, "num_running_reqs")
+        wait = _sglang_count(rank, "num_waiting_reqs")
+        if ran is None and wait is None:
+            raise ProbeError("a rank of the /v1/loads page has no request counts")
+        running += ran or 0
+        waiting += wait or 0
+        tokens = _sglang_count(rank, "num_waiting_uncached_tokens")
+        queued = None if tokens is None or queued is None else queued + tokens
+        usage = rank.get("token_usage")
+        if usage is not None:
+            if isinstance(usage, bool) or not isinstance(usage, (int, float)):
+                raise ProbeError("the /v1/loads page has a bad token_usage")
+            if not math.isfinite(usage):
+                raise ProbeError("the /v1/loads page has a bad token_usage")
+            usage = min(max(float(usage), 0.0), 1.0)
+            kv = usage if kv is None else max(kv, usage)
+    return LoadReading(
+        engine="sglang", waiting=waiting, running=running, queued_tokens=queued, kv_usage=kv
+    )
+
+
 def probe_root(base_url: str) -> str:
     """The server's root a probe path is under: ``base_url`` without a trailing ``/v1``."""
     root = base_url.rstrip("/")
@@ -363,8 +426,11 @@ async def read_load(
             body += chunk
             if len(body) > probe.max_body:
                 raise ProbeError(f"GET {path}: page larger than {probe.max_body} bytes")
-    if path.split("?", 1)[0].endswith("/slots"):
+    bare = path.split("?", 1)[0]
+    if bare.endswith("/slots"):
         return parse_llama_slots(bytes(body))
+    if bare.endswith("/v1/loads"):
+        return parse_sglang_loads(bytes(body))
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
