@@ -79,6 +79,7 @@ class Engine:
     urls: list[str]  # OpenAI base URLs (``…/v1``)
     pids: list[int] = attrs.field(factory=list)  # server processes, for CPU seconds
     fakes: list[FakeReplica] = attrs.field(factory=list)
+    leaders: list[int] = attrs.field(factory=list)  # each replica's server pid (started ones)
 
     def roots(self) -> list[str]:
         return [url.removesuffix("/v1") for url in self.urls]
@@ -174,27 +175,40 @@ def group_pids(leader: int) -> list[int]:
     return pids
 
 
+def start_replica(kind: str, port: int, console: Console) -> int:
+    """Start one replica of ``kind`` on ``port`` with ``../shared/engine2``'s script (it
+    waits until ``/health`` answers); its server's pid (vLLM's: a process group leader)."""
+    name = "start_llama_server.sh" if kind == "llama" else "start_vllm_cpu.sh"
+    env = {**os.environ, "NP": os.environ.get("NP", "4")}
+    done = subprocess.run(["bash", ENGINE_DIR / name, str(port)], env=env, capture_output=True)
+    console.print(done.stdout.decode().strip())
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} {port} failed: {done.stderr.decode()[-2000:]}")
+    pid_dir = (LLAMA_HOME if kind == "llama" else VLLM_HOME) / "logs"
+    pid_name = "llama-server-{}.pid" if kind == "llama" else "vllm-{}.pid"
+    return int((pid_dir / pid_name.format(port)).read_text())
+
+
+def stop_replica(kind: str, port: int) -> None:
+    """Stop the replica the script started on ``port`` (by its recorded pid)."""
+    name = "start_llama_server.sh" if kind == "llama" else "start_vllm_cpu.sh"
+    subprocess.run(["bash", ENGINE_DIR / name, "stop", str(port)], capture_output=True)
+
+
 @contextmanager
 def started(kind: str, console: Console) -> Iterator[Engine]:
     """Start two replicas of ``kind`` with ``../shared/engine2``'s scripts on free ports;
     stop exactly those on exit."""
-    name = "start_llama_server.sh" if kind == "llama" else "start_vllm_cpu.sh"
-    script = str(ENGINE_DIR / name)
     ports = [free_port(), free_port()]
-    env = {**os.environ, "NP": os.environ.get("NP", "4")}
-    pid_dir = (LLAMA_HOME if kind == "llama" else VLLM_HOME) / "logs"
-    pid_name = "llama-server-{}.pid" if kind == "llama" else "vllm-{}.pid"
     launched: list[int] = []
     try:
+        leaders = []
         for port in ports:  # one at a time: vLLM's start-up takes the CPU for ~35 s
             launched.append(port)
-            done = subprocess.run(["bash", script, str(port)], env=env, capture_output=True)
-            console.print(done.stdout.decode().strip())
-            if done.returncode != 0:
-                raise RuntimeError(f"{name} {port} failed: {done.stderr.decode()[-2000:]}")
-        leaders = [int((pid_dir / pid_name.format(port)).read_text()) for port in ports]
+            leaders.append(start_replica(kind, port, console))
         pids = [pid for leader in leaders for pid in group_pids(leader)] or leaders
-        yield Engine(kind, [f"http://127.0.0.1:{port}/v1" for port in ports], pids)
+        urls = [f"http://127.0.0.1:{port}/v1" for port in ports]
+        yield Engine(kind, urls, pids, leaders=leaders)
     finally:
         for port in launched:
-            subprocess.run(["bash", script, "stop", str(port)], capture_output=True)
+            stop_replica(kind, port)

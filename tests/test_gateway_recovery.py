@@ -250,3 +250,39 @@ async def test_a_responses_stream_recovered_is_one_response(backup: Behaviour) -
     final = events[-1].response
     assert final.output_text == FULL and final.output[0].id == "item_resp-cut-0_0"
     assert whole.id == "resp-cut-1" and whole.output_text == FULL
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_cut_after_the_last_allowed_token_ends_the_completion_by_length(
+    stream: bool,
+) -> None:
+    # The winner sent all max_tokens tokens and was cut before its finish chunk: nothing is
+    # recovered (the backup gets no request), and the client's completion ends by length
+    # under the winner's id, model and created, with [DONE]. Before, a replay ran the
+    # whole request again (and a continuation would have added max_tokens tokens more).
+    cut = Behaviour(tokens=6, token_delay=0.001, cut_after=6)
+    a = Dated(cut, name="cut", answers_as="model-a", created=1_000)
+    b = Dated(BACKUP, name="backup", answers_as="model-b", created=2_000)
+    request = {**CHAT, "max_tokens": 6}
+
+    def call(gw: Gateway) -> Any:
+        with openai.OpenAI(base_url=gw.url, api_key="sk-test", max_retries=0) as client:
+            if not stream:
+                return client.chat.completions.create(**request)
+            return list(client.chat.completions.create(**request, stream=True))
+
+    async with a, b, Gateway(config(a, b)) as gw:
+        with trio.fail_after(20):
+            answer = await trio.to_thread.run_sync(call, gw)
+    assert b.requests == []
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in answer if c.choices)
+        assert text == FULL
+        assert {(c.id, c.model, c.created) for c in answer} == {
+            ("chatcmpl-cut-0", "model-a", 1_000)
+        }
+        assert [c.choices[0].finish_reason for c in answer if c.choices][-1] == "length"
+    else:
+        assert answer.choices[0].message.content == FULL
+        assert answer.choices[0].finish_reason == "length"
+        assert (answer.id, answer.model) == ("chatcmpl-cut-0", "model-a")

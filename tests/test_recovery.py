@@ -725,3 +725,180 @@ async def test_events_and_batches_keep_a_recoverys_order(read: str) -> None:
                         got.extend([d.content async for b in stream.batches() for d in b])
             assert stream.recovered == 1 and stream.report.recoveries == 1
     assert "".join(got) == prefix(6)
+
+
+# -- the caller's token limit across a recovery ---------------------------------------------
+
+#: What an engine at temperature 0 answers: the same tokens every time, cut at the limit.
+ENGINE_TOKENS = tuple(f"tok{i} " for i in range(40))
+
+
+def _limit_of(body: dict[str, Any]) -> int:
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    assert isinstance(limit, int)
+    return limit
+
+
+def engine(record: th.testing.RequestRecord) -> Behaviour:
+    """An engine that honours the body's token limit (``finish_reason="length"``) and both
+    continuation contracts: vLLM's (only what follows the assistant message) and llama.cpp's
+    (the message repeated, then as many new tokens as the limit allows)."""
+    body = record.json
+    limit = _limit_of(body)
+    last = body["messages"][-1]
+    if last["role"] != "assistant":
+        return Behaviour(tokens=ENGINE_TOKENS[:limit], finish_reason="length")
+    have = ENGINE_TOKENS.index(last["content"].rsplit(" ", 2)[-2] + " ") + 1
+    assert "".join(ENGINE_TOKENS[:have]) == last["content"]
+    after = ENGINE_TOKENS[have : have + limit]
+    if body.get("continue_final_message"):
+        return Behaviour(tokens=after, finish_reason="length")
+    return Behaviour(tokens=ENGINE_TOKENS[:have] + after, finish_reason="length")
+
+
+@attrs.frozen
+class LimitCase:
+    name: str
+    limits: dict[str, int]  # the request's token-limit fields
+    continuation: str | None  # the backup's declared engine
+    sent: dict[str, int]  # the limit fields the recovery's body carried
+    text: str  # exactly what the caller gets
+    overrides: dict[str, Any] = attrs.field(factory=dict)  # the backup's
+
+
+LIMIT_CASES = [
+    LimitCase("vLLM, max_tokens", {"max_tokens": 8}, "vllm", {"max_tokens": 3}, prefix(8)),
+    LimitCase(
+        "vLLM, max_completion_tokens",
+        {"max_completion_tokens": 8},
+        "vllm",
+        {"max_completion_tokens": 3},
+        prefix(8),
+    ),
+    LimitCase(
+        "vLLM, both fields",
+        {"max_completion_tokens": 8, "max_tokens": 8},
+        "vllm",
+        {"max_completion_tokens": 3, "max_tokens": 3},
+        prefix(8),
+    ),
+    LimitCase(
+        "llama.cpp (its repeated prefix is not generated: it does not count)",
+        {"max_tokens": 8},
+        "llama.cpp",
+        {"max_tokens": 3},
+        prefix(8),
+    ),
+    LimitCase(
+        "replay keeps the limit (it generates the prefix again)",
+        {"max_tokens": 8},
+        None,
+        {"max_tokens": 8},
+        prefix(8),
+    ),
+    LimitCase(
+        "a backup whose own limit is below what was delivered: 1, never 0 or less",
+        {"max_tokens": 8},
+        "vllm",
+        {"max_tokens": 1},
+        prefix(6),
+        overrides={"max_tokens": 4},
+    ),
+]
+
+
+def _primary_then_engine(record: th.testing.RequestRecord) -> Behaviour:
+    """The primary: cut after 5 tokens on its first request, an honest engine after."""
+    return Behaviour(tokens=ENGINE_TOKENS, cut_after=5) if record.index == 0 else engine(record)
+
+
+async def _answer(hedger: th.Hedger, request: dict[str, Any]) -> tuple[str, list[str], th.Report]:
+    """The text, the finish reasons and the report of one request."""
+    finishes: list[str] = []
+    with trio.fail_after(10):
+        async with hedger.stream(request) as stream:
+            text = ""
+            async for delta in stream.events():
+                text += delta.content
+                if delta.finish_reason:
+                    finishes.append(delta.finish_reason)
+    return text, finishes, stream.report
+
+
+@pytest.mark.parametrize("case", LIMIT_CASES, ids=[c.name for c in LIMIT_CASES])
+async def test_a_continuation_asks_only_for_the_tokens_the_caller_has_not_had(
+    case: LimitCase,
+) -> None:
+    # Issue 17: the engine counts only what it generates after the prefill, so a continuation
+    # sent with the caller's whole limit would make the answer longer than the caller asked
+    # for (5 + 8 tokens for a limit of 8). The second caller on the same Hedger sends its
+    # own limit, untouched by the first one's recovery.
+    request = {**REQUEST, **case.limits}
+    async with _fleet([_primary_then_engine, engine]) as servers:  # type: ignore[list-item]
+        replicas = [
+            th.Replica(servers[0].url, name="r0"),
+            th.Replica(
+                servers[1].url,
+                name="r1",
+                continuation=case.continuation,  # type: ignore[arg-type]
+                overrides=case.overrides,
+            ),
+        ]
+        async with th.Hedger(replicas, CONFIG) as hedger:
+            first = await _answer(hedger, request)
+            second = await _answer(hedger, request)
+    text, finishes, report = first
+    assert (text, finishes, report.text) == (case.text, ["length"], case.text)
+    assert report.completed and report.recoveries == 1
+    sent = servers[1].requests[0].json  # the first caller's recovery
+    limits = ("max_tokens", "max_completion_tokens")
+    assert {k: sent[k] for k in limits if k in sent} == case.sent
+    if case.continuation is not None:
+        assert sent["messages"][-1] == {"role": "assistant", "content": prefix(5)}
+    # The second caller: one attempt, with the limit it sent (or the replica's override),
+    # and the whole answer that limit allows.
+    (other,) = [r.json for s in servers for r in s.requests[1:]]
+    own = case.overrides if other in [r.json for r in servers[1].requests] else {}
+    assert {k: other[k] for k in limits if k in other} == {**case.limits, **own}
+    assert second[:2] == (prefix(_limit_of(other)), ["length"]) and second[2].recoveries == 0
+
+
+@pytest.mark.parametrize("continuation", ["vllm", "llama.cpp", None])
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+async def test_a_break_after_the_last_allowed_token_ends_the_answer_by_length(
+    continuation: str | None, field: str
+) -> None:
+    # The winner sent every token the limit allows and broke before its finish chunk: the
+    # caller has the whole answer. Nothing is sent to recover it (a continuation would add
+    # a limit's worth of tokens more, a replay would generate it all again for nothing);
+    # the answer ends as the engine would have ended it, by length.
+    request = {**REQUEST, field: 8}
+    primary = Behaviour(tokens=ENGINE_TOKENS[:8], cut_after=8)
+    async with _fleet([primary, engine]) as servers:  # type: ignore[list-item]
+        replicas = [
+            th.Replica(servers[0].url, name="r0"),
+            th.Replica(servers[1].url, name="r1", continuation=continuation),  # type: ignore[arg-type]
+        ]
+        async with th.Hedger(replicas, CONFIG) as hedger:
+            text, finishes, report = await _answer(hedger, request)
+    assert (text, finishes, report.text) == (prefix(8), ["length"], prefix(8))
+    assert report.completed and report.error is None
+    assert report.recoveries == 0 and servers[1].requests == []
+    (attempt,) = report.attempts  # the winner keeps the failure it had, for the record
+    assert attempt.outcome is O.WON and attempt.error is not None
+    assert attempt.error.kind is ErrorKind.STREAM_TRUNCATED
+
+
+async def test_a_break_before_the_last_allowed_token_is_still_recovered() -> None:
+    # One token short of the limit is not the end: the recovery asks for the one left.
+    request = {**REQUEST, "max_tokens": 8}
+    primary = Behaviour(tokens=ENGINE_TOKENS[:7], cut_after=7)
+    async with _fleet([primary, engine]) as servers:  # type: ignore[list-item]
+        replicas = [
+            th.Replica(servers[0].url, name="r0"),
+            th.Replica(servers[1].url, name="r1", continuation="vllm"),
+        ]
+        async with th.Hedger(replicas, CONFIG) as hedger:
+            text, finishes, report = await _answer(hedger, request)
+    assert (text, finishes, report.recoveries) == (prefix(8), ["length"], 1)
+    assert [r.json["max_tokens"] for r in servers[1].requests] == [1]

@@ -71,6 +71,8 @@ class Committed:
     stream: AttemptStream
     pending: Sequence[Delta]
     ended: bool  # the winner's stream already ended cleanly (a complete, possibly empty answer)
+    # The most tokens its source's request lets an answer have (``Source.token_limit``).
+    token_limit: int | None = None
 
 
 async def close_quietly(stream: AttemptStream, limit: float) -> None:
@@ -321,8 +323,11 @@ class _Race:
         if trigger == "hedge":
             rec.hedged = True  # a backup really was sent on the hedge delay
         continue_from = None
+        continue_tokens = 0
         if self._resume is not None:
             continue_from, self._gates[number], state.recovery = self._resume(source)
+            if continue_from is not None:
+                continue_tokens = state.recovery.tokens
         self._sources[number] = source
         self._live.add(number)
         self._changed(state)
@@ -332,6 +337,7 @@ class _Race:
             trigger=trigger,
             idempotency_key=rec.idempotency_key,
             continue_from=continue_from,
+            continue_tokens=continue_tokens,
         )
         scope = self._scopes[number] = trio.CancelScope()
         self._nursery.start_soon(
@@ -522,7 +528,8 @@ class _Race:
 
     def _hand_over(self, number: int, *, ended: bool, now: float) -> None:
         stream = self._streams.pop(number)  # the one line that takes it from its task
-        self._winner = Committed(number, stream, self._pending.pop(number), ended)
+        limit = getattr(self._sources[number], "token_limit", None)
+        self._winner = Committed(number, stream, self._pending.pop(number), ended, limit)
         self._recorder.winner = number
         if self._resume is None:  # a recovery serves an answer committed long ago
             self._recorder.committed_at = now

@@ -35,6 +35,11 @@ class AttemptInfo:
             text the caller already has: the source sends it as a final assistant message by
             its engine's contract (and only a source whose ``continues`` attribute says how
             is ever given one); else ``None``.
+        continue_tokens: the tokens of ``continue_from`` the caller already has (counted as
+            the content deltas it was given: an engine streams at least one token per
+            chunk, so the count never exceeds the tokens it generated); a source subtracts
+            them from its request's token limit (``max_tokens``), so the whole answer keeps
+            the caller's limit. 0 when ``continue_from`` is ``None``.
     """
 
     request_id: str
@@ -42,6 +47,7 @@ class AttemptInfo:
     trigger: str
     idempotency_key: str | None = None
     continue_from: str | None = None
+    continue_tokens: int = 0
 
 
 @runtime_checkable
@@ -78,7 +84,12 @@ class Source(Protocol):
     ``continues``: ``"appends"`` (given ``AttemptInfo.continue_from``, its answer is only what
     follows that text: vLLM's ``continue_final_message``), ``"repeats"`` (its answer repeats
     that text first, then goes on: llama.cpp's server; the engine verifies and strips it) or
-    ``None`` (the default: it is never asked, and a recovery on it replays the request)."""
+    ``None`` (the default: it is never asked, and a recovery on it replays the request).
+
+    A source may also say, with an attribute ``token_limit``, the most tokens its request
+    lets an answer have (the body's ``max_tokens``, or ``None``: unknown): when the winner
+    breaks once the caller has had that many, the answer is complete by length and no
+    recovery is made (``docs/recovery.md``)."""
 
     @property
     def name(self) -> str:

@@ -116,6 +116,7 @@ class HedgedStream:
         self._recoveries_left = policy.max_recoveries
         self._others: list[Delta] | None = [] if self._recoveries_left else None
         self._recovered = 0
+        self._token_limit: int | None = None  # the winner's (``Source.token_limit``)
 
     @property
     def request_id(self) -> str:
@@ -137,7 +138,9 @@ class HedgedStream:
     def recovered(self) -> int:
         """How many recoveries took over the answer after the commit so far (0 when none
         did): a relay may read it per batch to know the deltas now come from another replica
-        (the gateway then rewrites them as one completion)."""
+        (the gateway then rewrites them as one completion). It counts, too, an answer the
+        stream ended itself with ``finish_reason="length"`` because the winner broke once
+        the caller had every token the request allows (``docs/recovery.md``)."""
         return self._recovered
 
     @property
@@ -310,6 +313,13 @@ class HedgedStream:
         policy = self._policy
         if winner is not None:  # its server must see it stop before another one starts
             await close_quietly(winner, policy.close_timeout)
+        limit = self._token_limit
+        if limit is not None and rec.token_count >= limit:
+            # The caller has every token its request allows (the break came before the
+            # finish): nothing to recover. The answer ends as the engine would have ended it.
+            self._ended = True
+            self._recovered += 1  # the last delta is the stream's own, not the winner's
+            return (Delta(finish_reason="length"),)
         before = len(rec.attempts)
         committed = await recover(
             self._planner,
@@ -336,6 +346,7 @@ class HedgedStream:
         if self._policy.stall_timeout is None:
             self._direct = committed.stream
         self._winner_number = committed.number
+        self._token_limit = committed.token_limit
         self._ended = committed.ended
         self._silent_for = 0.0
         self._pending.extend(committed.pending)

@@ -161,6 +161,18 @@ _CONTINUATIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "vllm": ("appends", {"continue_final_message": True, "add_generation_prompt": False}),
     "llama.cpp": ("repeats", {}),
 }
+#: The chat-completions fields that cap an answer's tokens (``max_tokens`` is the older
+#: name; both are honoured by vLLM and llama.cpp's server).
+_TOKEN_LIMITS = ("max_completion_tokens", "max_tokens")
+
+
+def _token_limit(body: Mapping[str, Any], fields: Sequence[str]) -> int | None:
+    """The first of ``fields`` the body sets to a positive int, or ``None``."""
+    for name in fields:
+        limit = body.get(name)
+        if type(limit) is int and limit > 0:
+            return limit
+    return None
 
 
 def _as_probe(value: object) -> LoadProbe | None:
@@ -212,7 +224,11 @@ class Replica:
             400). Without one, a recovery on this replica replays the request and verifies
             it. Declare it; it is never guessed. Chat completions only (the engines'
             contracts are their chat endpoints'): another API's replica raises
-            ``ValueError``. A backup's ``backup_priority`` goes in a continuation's body too.
+            ``ValueError``. A backup's ``backup_priority`` goes in a continuation's body too,
+            and its ``max_tokens`` / ``max_completion_tokens`` are lowered by the tokens the
+            caller already has (never below 1). The engine re-tokenizes the text it is given,
+            so its answer is a continuation of that text, not always the very tokens the
+            first replica would have generated (docs/recovery.md, "On real engines").
         probe: read the engine's own load
             ([`LoadProbe`][trio_hedge.sources.probes.LoadProbe], or an engine name:
             ``"vllm"``, ``"llama.cpp"``, ``"sglang"``, ``"tgi"``) so a
@@ -384,6 +400,8 @@ class HTTPSource:
         except (TypeError, ValueError):
             check_json_body(body, "request")  # raises, naming the path
             raise
+        #: The most tokens an answer to this request may have (`Source.token_limit`).
+        self.token_limit = _token_limit(body, self._limit_fields)
         declared = _CONTINUATIONS.get(replica.continuation or "")
         #: How this source continues an answer (`Source.continues`), as its replica declares.
         self.continues = None if declared is None else declared[0]
@@ -417,6 +435,10 @@ class HTTPSource:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(replica={self._replica!r})"
 
+    #: The body's fields that cap an answer's tokens (`Source.token_limit`), the one an
+    #: engine honours first first; none for an API whose end by length is not a chat
+    #: ``finish_reason`` (a recovery there replays, and the replay ends by length itself).
+    _limit_fields: ClassVar[tuple[str, ...]] = ()
     #: The decoder of one response body (``ChunkDecoder(redact=…)`` for chat completions).
     _stream_decoder: ClassVar[Callable[..., StreamDecoder]]
     #: How a whole ``application/json`` answer reads: ``(status, headers, body, *, redact)`` to
@@ -437,7 +459,7 @@ class HTTPSource:
         final assistant message with the engine's fields (and the priority: both apply)."""
         priority = None if info.number == 1 else self._priority
         if info.continue_from is not None and self.continues is not None:
-            return self._continuation(info.continue_from, priority)
+            return self._continuation(info.continue_from, info.continue_tokens, priority)
         if priority is None:
             return self._content
         if self._backup_content is None:
@@ -445,12 +467,18 @@ class HTTPSource:
             self._backup_content = json.dumps(body, ensure_ascii=False).encode()
         return self._backup_content
 
-    def _continuation(self, text: str, priority: int | None) -> bytes:
-        """The body that asks this replica's engine to continue ``text`` (a recovery)."""
+    def _continuation(self, text: str, tokens: int, priority: int | None) -> bytes:
+        """The body that asks this replica's engine to continue ``text`` (a recovery), the
+        caller already having ``tokens`` of it: its token limits lowered by as many (never
+        below 1), as the engine counts only what it generates after the prefill."""
         assert self._replica.continuation is not None  # the race asks only sources that say
         fields = _CONTINUATIONS[self._replica.continuation][1]
         messages = [*self._body.get("messages", ()), {"role": "assistant", "content": text}]
         body = {**self._body, "messages": messages, **fields}
+        for name in _TOKEN_LIMITS:
+            limit = body.get(name)
+            if type(limit) is int:
+                body[name] = max(1, limit - tokens)
         if priority is not None:
             body["priority"] = priority
         return json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
@@ -503,6 +531,7 @@ class OpenAIChatSource(HTTPSource):
 
     _stream_decoder = ChunkDecoder
     _whole_decoder = staticmethod(decode_json_body)
+    _limit_fields = _TOKEN_LIMITS
 
 
 Replica._source_class = OpenAIChatSource
