@@ -684,6 +684,42 @@ async def test_a_cold_hedger_waits_out_a_long_prompts_own_prefill(
     assert _route(short) == [("a", "primary", O.CANCELLED), ("b", "hedge", O.WON)]
 
 
+def test_vllm_generated_tokens_counter_parses() -> None:
+    page = vllm_metrics_page(running=1, generated=1234).body.decode()
+    assert parse_metrics("vllm", page) == LoadReading("vllm", running=1, kv_usage=0.0,
+                                                      generated=1234)  # fmt: skip
+    assert parse_metrics("vllm", VLLM_PAGE).generated is None  # an older vLLM: no counter
+
+
+@pytest.mark.parametrize(("counter", "primary"), [(True, "b"), (False, "a")])
+async def test_a_vllm_engine_inside_one_long_step_gets_no_primary(
+    autojump_clock: trio.testing.MockClock, counter: bool, primary: str
+) -> None:
+    """vLLM shows another tenant's long prefill as ``running = 1``, like a decode; but a
+    decode moves the generated-token count every step, and the prefill does not. a's count
+    stands still, b's moves: from the second poll on, a is stalled and the primaries of
+    two callers go to b. Without the counter the gauges look alike and a (first) is used."""
+    moved = 0
+
+    async def decoding() -> LoadReading:
+        nonlocal moved
+        moved += 16
+        return LoadReading("vllm", running=1, generated=moved if counter else None)
+
+    a = Engine(LoadReading("vllm", running=1, generated=500 if counter else None))
+    probes = {"a": LoadProbe("vllm", reader=a.read), "b": LoadProbe("vllm", reader=decoding)}
+    fleet = Fleet(["a", "b"], table(FAST))
+    config = attrs.evolve(PLAIN, hedge_after=None)
+    async with th.Hedger(fleet.sources(), config, probes=probes) as hedger:
+        await trio.sleep(0.6)  # polls at 0, 0.25, 0.5: a has not moved for 0.5 s
+        first = await run(hedger.stream(None))
+        now, stats = trio.current_time(), hedger.statistics()
+        second = await run(hedger.stream(None))
+    assert [r.attempts[0].replica for r in (first, second)] == [primary, primary]
+    # Stalled since the first poll (at 0): the wait is at least that long.
+    assert stats.replicas[0].predicted_wait == (pytest.approx(now) if counter else 0.0)
+
+
 async def test_a_long_prompt_is_not_queued_behind_itself(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -47,6 +47,7 @@ class ProbeState:
         "last_error",
         "polls",
         "probe",
+        "progress_at",
         "quiet_until",
         "read_at",
         "reading",
@@ -62,6 +63,8 @@ class ProbeState:
         self.consecutive_failures = 0
         self.last_error = ""  # the kind of the last failure (a class name), never a value
         self.quiet_until = -math.inf
+        #: When a poll last saw the engine idle or its generated-token count move.
+        self.progress_at = -math.inf
         #: (started, prompt tokens, request) of attempts started here after the reading was
         #: taken (by any Hedger sharing it); ``request`` tells a request's own attempts apart
         #: (not ahead of itself): a key unique across Hedgers (`RequestPlanner`).
@@ -78,6 +81,14 @@ class ProbeState:
         """A poll that started at ``taken_at`` read ``reading`` (arriving ``now``)."""
         self.polls += 1
         self.consecutive_failures = 0
+        previous = self.reading
+        if (
+            reading.running == 0
+            or reading.generated is None
+            or previous is None
+            or previous.generated != reading.generated
+        ):
+            self.progress_at = taken_at  # idle, or a step ended since: no long step seen
         self.reading = reading
         self.read_at = now
         since = self.since
@@ -119,6 +130,19 @@ class ProbeState:
         if self.consecutive_failures:
             return "failing"
         return "stale" if self.reading is not None else "waiting"
+
+    def stalled_for(self, reading: LoadReading, now: float) -> float:
+        """Seconds the engine has been inside one step, when longer than a poll interval:
+        requests run and the generated-token count has not moved since ``progress_at`` (a
+        decode step takes tens of milliseconds; a long one is a prefill). A lower bound of
+        what a new request waits, as the age of an attempt still waiting for its first token
+        is (`FleetState.predicted`); 0 when the engine gives no such count. On vLLM the
+        gauges of a long prefill show ``running = 1``, like a decode, and nothing else
+        (``../shared/engine2/README.md``)."""
+        if reading.generated is None or reading.running == 0:
+            return 0.0
+        stalled = now - self.progress_at
+        return stalled if stalled > self.probe.interval else 0.0
 
     def saturated(self, reading: LoadReading) -> bool:
         return reading.kv_usage is not None and reading.kv_usage >= self.probe.kv_limit

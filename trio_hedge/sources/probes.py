@@ -91,6 +91,11 @@ class LoadReading:
         kv_usage: the KV cache's used fraction (0 to 1), when the engine says; ``None``
             otherwise.
         slots: the engine's parallel slots (llama.cpp), when known.
+        generated: the output tokens the engine has generated since it started (a counter:
+            vLLM's ``vllm:generation_tokens_total``), when it says. vLLM refreshes its gauges
+            only after each engine step, and a decode step takes tens of milliseconds: a
+            count that has not moved between two polls while requests run says the engine
+            is inside one long step, a prefill (`ProbeState.stalled_for`).
 
     Raises:
         TypeError, ValueError: a count that is not an int >= 0, a ``kv_usage`` outside 0..1.
@@ -106,6 +111,9 @@ class LoadReading:
         default=None, validator=attrs.validators.optional(number(0.0))
     )
     slots: int | None = attrs.field(default=None, validator=attrs.validators.optional(integer(1)))
+    generated: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(integer(0))
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.kv_usage is not None and self.kv_usage > 1.0:
@@ -239,6 +247,8 @@ _METRICS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = 
     ),
     "tgi": (("tgi_queue_size",), ("tgi_batch_current_size",), ()),
 }
+#: The generated-tokens counter per engine, where it has one (``LoadReading.generated``).
+_GENERATED: dict[str, str] = {"vllm": "vllm:generation_tokens_total"}
 
 
 def _wanted_lines(text: str, names: frozenset[str]) -> str:
@@ -273,7 +283,8 @@ def parse_metrics(engine: str, text: str) -> LoadReading:
     if engine not in _METRICS:
         raise ValueError(f"engine must be one of {sorted(_METRICS)}")
     waiting_names, running_names, kv_names = _METRICS[engine]
-    names = frozenset((*waiting_names, *running_names, *kv_names))
+    generated_name = _GENERATED.get(engine, "")
+    names = frozenset((*waiting_names, *running_names, *kv_names, generated_name)) - {""}
     values: dict[str, float] = {}
     kv: float | None = None
     try:
@@ -299,11 +310,13 @@ def parse_metrics(engine: str, text: str) -> LoadReading:
         raise ProbeError(f"the page has none of {engine}'s request counts")
     if kv is not None:
         kv = min(max(kv, 0.0), 1.0)
+    generated = values.get(generated_name)
     return LoadReading(
         engine=engine,
         waiting=max(0, round(waiting or 0.0)),
         running=max(0, round(running or 0.0)),
         kv_usage=kv,
+        generated=None if generated is None else max(0, round(generated)),
     )
 
 

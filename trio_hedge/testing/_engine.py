@@ -50,13 +50,26 @@ class EnginePage:
 
 
 def vllm_metrics_page(
-    waiting: int = 0, running: int = 0, kv_usage: float = 0.0, *, model: str = "tiny"
+    waiting: int = 0,
+    running: int = 0,
+    kv_usage: float = 0.0,
+    *,
+    model: str = "tiny",
+    generated: int | None = None,
 ) -> EnginePage:
     """A vLLM ``/metrics`` page (with the help, type and histogram lines vLLM writes around
-    the three gauges a probe reads)."""
+    the three gauges a probe reads); ``generated``: with the ``vllm:generation_tokens_total``
+    counter at that value."""
     labels = f'engine="0",model_name="{model}"'
+    counter = () if generated is None else (
+        "# HELP vllm:generation_tokens_total Number of generation tokens processed.",
+        "# TYPE vllm:generation_tokens_total counter",
+        f"vllm:generation_tokens_total{{{labels}}} {float(generated)}",
+        f"vllm:generation_tokens_created{{{labels}}} 1.7e9",
+    )  # fmt: skip
     text = "\n".join(
         (
+            *counter,
             "# HELP vllm:num_requests_running Number of requests in model execution batches.",
             "# TYPE vllm:num_requests_running gauge",
             f"vllm:num_requests_running{{{labels}}} {float(running)}",
