@@ -38,6 +38,27 @@ library's own, with ``--tenants self``), and the CPU seconds the two servers spe
 Run: ``python benchmarks/real_engine.py`` (240 requests, ~10 minutes with the warm-ups);
 ``--quick`` for a smoke run (40 requests). Run it on a quiet machine: the load average is
 printed with the figures.
+
+``--scenario evidence`` (issue 21): the engines people self-host, with other tenants' load.
+``--engine llama`` (default) or ``vllm`` starts two replicas of ``../shared/engine2/``
+(llama-server ``-np 4``, vLLM CPU), ``cpp`` two of llama-cpp-python; ``--replica URL`` twice
+runs against any fleet. Another tenant (plain httpx, unseen by the library) sends a long
+prompt (4,000 words; 2,000 on llama-cpp-python) every ``--long-every`` seconds (6 on
+llama-server, 4 on vLLM: each replica prefills one about a third / a fifth of the time),
+alternating between the replicas (``--pattern alternate``) or all on the first (``one``);
+the library sends 60 short streaming requests (Poisson, 2/s) and ``--own-long`` (2) long
+prompts of its own, between the tenant's. Every strategy starts cold (no warm-up): no
+hedging, the fixed delay tuned on the no-hedging run (its P90), double send, the Hedger
+without probes, routing only with probes, the Hedger with probes, and smg 1.13.0 and
+vllm-router 0.1.17 with each of their policies (``benchmarks/_routers.py``: installed in a
+venv of their own; skipped with a message without it). Reported: short-request TTFT
+P50/P99/max over all requests and over the warm part (from the ``--warm-from``-th, 20),
+extra requests, primaries sent to a replica busy with a long prompt, the library's long
+prompts hedged, backups sent at once on evidence, probe polls, the engines' CPU seconds; and
+PASS/FAIL for the issue's targets. ``--scenario cancel-cost``: on one llama-server, a
+7,800-word prompt cancelled by its caller 0.5 s after it was sent, with no prober, with the
+Hedger's probe and with the same probe polling on without a quiet window: the prompt tokens
+the engine computed for it (its log's ``stop processing: n_tokens``).
 """
 
 from __future__ import annotations
@@ -48,6 +69,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -520,6 +542,7 @@ def check_targets(console: Console, rows: Sequence[Row]) -> bool:
 
 PROBES_ROUTING = "routing only, with probes"
 PROBES = "Hedger with probes"
+PROBES_PRIORITY = "Hedger with probes, backups at priority 1"
 #: The evidence scenario's strategies (``--scenario evidence``), in the order they run; a
 #: router name stands for one row per policy of ``_routers.POLICIES``.
 EVIDENCE_STRATEGIES = {
@@ -530,6 +553,7 @@ EVIDENCE_STRATEGIES = {
     "routing": ROUTING,
     "probe-routing": PROBES_ROUTING,
     "probes": PROBES,
+    "probes-priority": PROBES_PRIORITY,
     "smg": "smg",
     "vllm-router": "vllm-router",
 }
@@ -600,6 +624,7 @@ class EvidenceRow:
     poll_failures: int | None
     at_once: int  # backups sent at once on the engine's evidence
     delays: str  # the Hedger's delays at the end
+    tenant: tuple[float, float]  # the other tenant's TTFT: P50, max
 
 
 def _three(values: Sequence[float]) -> tuple[float, float, float]:
@@ -637,7 +662,10 @@ async def run_evidence(
                     console.print(f"skipping {name}: {why}")
                     continue
                 runs = [(f"{name} {policy}", policy) for policy in POLICIES[name]]
-            elif name in (PROBES, PROBES_ROUTING) and probe is None:
+            elif name == PROBES_PRIORITY and engine.kind != "vllm":
+                console.print(f"skipping {name}: only vLLM (--scheduling-policy priority) here")
+                continue
+            elif name in (PROBES, PROBES_ROUTING, PROBES_PRIORITY) and probe is None:
                 console.print(f"skipping {name}: the {engine.kind} engine publishes no load")
                 continue
             elif name == FIXED and p90 is None:
@@ -660,10 +688,16 @@ async def run_evidence(
                         outcomes = await run_schedule(
                             schedule, send, client, urls, p, model, prompts
                         )
-                elif name in (HEDGER, ROUTING, PROBES, PROBES_ROUTING):
-                    with_probes = name in (PROBES, PROBES_ROUTING)
+                elif name in (HEDGER, ROUTING, PROBES, PROBES_ROUTING, PROBES_PRIORITY):
+                    with_probes = name in (PROBES, PROBES_ROUTING, PROBES_PRIORITY)
+                    priority = 1 if name == PROBES_PRIORITY else None
                     replicas = [
-                        th.Replica(u, name=f"r{i}", probe=probe if with_probes else None)
+                        th.Replica(
+                            u,
+                            name=f"r{i}",
+                            probe=probe if with_probes else None,
+                            backup_priority=priority,
+                        )
                         for i, u in enumerate(urls)
                     ]
                     config = th.HedgerConfig(first_token_timeout=120.0)
@@ -692,7 +726,7 @@ async def run_evidence(
                 if hedger is not None:
                     stats = hedger.statistics()
                     at_once = stats.hedges_at_once
-                    if name in (PROBES, PROBES_ROUTING):
+                    if with_probes:
                         polls = sum(r.probe_polls for r in stats.replicas)
                         failures = sum(r.probe_failures for r in stats.replicas)
                     delays = ", ".join(
@@ -701,8 +735,10 @@ async def run_evidence(
                     )
                 if name == FIXED:
                     delays = f"{p90:.3f}"
+                tenant = [o.ttft or math.inf for o in outcomes if o.item.tenant]
                 rows.append(EvidenceRow(row, _warm(outcomes, e.warm_from), polls, failures,
-                                        at_once, delays))  # fmt: skip
+                                        at_once, delays, (percentile(tenant, 50),
+                                                          max(tenant))))  # fmt: skip
                 console.print(
                     f"  {label}: {time.monotonic() - began:.0f} s, P99 {row.ttft[2]:.3f} s, "
                     f"warm P99 {rows[-1].warm[1]:.3f} s, extra {row.extra:.1f}%, "
@@ -742,6 +778,7 @@ def print_evidence(
     table.add_column("long hedged", justify="right")
     table.add_column("at once", justify="right")
     table.add_column("probe polls (failed)", justify="right")
+    table.add_column("tenant TTFT P50 / max", justify="right")
     table.add_column("server CPU (s)", justify="right")
     table.add_column("delays (s)", justify="right")
     table.add_column("load", justify="right")
@@ -756,6 +793,7 @@ def print_evidence(
             f"{r.long_hedged[0]} of {r.long_hedged[1]}",
             str(er.at_once),
             "-" if er.polls is None else f"{er.polls} ({er.poll_failures})",
+            f"{er.tenant[0]:.2f} / {er.tenant[1]:.2f}",
             "-" if r.server_cpu is None else f"{r.server_cpu:.1f}",
             er.delays or "-",
             f"{r.load:.2f}",
@@ -789,6 +827,95 @@ def check_evidence(console: Console, rows: Sequence[EvidenceRow]) -> bool:
     for text, ok in checks:
         console.print(f"[{'green' if ok else 'red'}]{'PASS' if ok else 'FAIL'}[/] {PROBES}: {text}")
     return all(ok for _, ok in checks)
+
+
+# -- issue 21: what a cancelled loser's prefill costs, with and without a prober --------------
+
+#: The probers compared: none, the Hedger's llama.cpp probe (quiet for 1.2 s after a cancel
+#: there), and the same polling on without a quiet window (what a naive prober does).
+CANCEL_PROBERS: dict[str, th.LoadProbe | None] = {
+    "no prober": None,
+    "Hedger's probe (quiet 1.2 s after a cancel)": th.LoadProbe("llama.cpp"),
+    "probe without a quiet window": th.LoadProbe("llama.cpp", cancel_quiet=0.0),
+}
+
+
+def _released(log: Path, offset: int) -> list[int]:
+    """The ``n_tokens`` of every slot released in llama-server's log after byte ``offset``
+    (``slot release: … stop processing: n_tokens = N``): the prompt tokens computed for a
+    request, its own end or the moment it noticed its client was gone."""
+    with open(log, "rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    return [int(m.group(1)) for m in re.finditer(r"stop processing: n_tokens = (\d+)", text)]
+
+
+async def run_cancel_cost(
+    engine: Any, log: Path, words: int, cancel_after: float, repeats: int, console: Console
+) -> list[tuple[str, list[int], int]]:
+    """Per prober: a ``words``-word prompt sent through a one-replica Hedger and cancelled by
+    its caller after ``cancel_after`` s (before its first token: a loser's fate), ``repeats``
+    times; the prompt tokens the engine computed for it (from its log), and the polls."""
+    rng = random.Random(7)
+    out = []
+    async with th.transport.make_client() as client:
+        for label, probe in CANCEL_PROBERS.items():
+            computed, polls = [], 0
+            for _ in range(repeats):
+                text = " ".join(rng.choice(WORDS) for _ in range(words))
+                replica = th.Replica(engine.urls[0], name="r0", probe=probe)
+                config = th.HedgerConfig(hedge_after=None, first_token_timeout=120.0)
+                offset = (await trio.Path(log).stat()).st_size
+                async with th.Hedger([replica], config, client=client) as hedger:
+                    await trio.sleep(0.6)  # the prober has read the engine
+                    request = {"model": "tiny", "messages": [{"role": "user", "content": text}],
+                               "max_tokens": 4}  # fmt: skip
+                    with trio.move_on_after(cancel_after):
+                        async with hedger.stream(request) as stream:
+                            async for _ in stream:
+                                break
+                    # The prober keeps polling (or keeps quiet) while the engine runs on.
+                    await trio.sleep(max(15.0, words / 400))
+                    polls += hedger.statistics().replicas[0].probe_polls
+                released = _released(log, offset)
+                computed.append(released[-1] if released else -1)
+            console.print(f"  {label}: prompt tokens computed {computed}, polls {polls}")
+            out.append((label, computed, polls))
+    return out
+
+
+def main_cancel_cost(args: argparse.Namespace, console: Console) -> int:
+    """``--scenario cancel-cost`` (issue 21): on one llama-server."""
+    from _engines import LLAMA_HOME, missing, started
+
+    why = missing("llama")
+    if why is not None:
+        console.print(f"SKIP: {why}: nothing to measure.")
+        return 0
+    words = 2000 if args.quick else 7800
+    repeats = 1 if args.quick else 3
+    with started("llama", console) as engine:
+        port = engine.urls[0].removesuffix("/v1").rsplit(":", 1)[1]
+        log = LLAMA_HOME / "logs" / f"llama-server-{port}.log"
+        rows = trio.run(run_cancel_cost, engine, log, words, 0.5, repeats, console)
+    table = Table(
+        title=f"A {words}-word prompt cancelled by its caller 0.5 s after it was sent (before "
+        "its first token), on llama-server -np 4: the prompt tokens the engine computed for it"
+    )
+    table.add_column("prober")
+    table.add_column("prompt tokens computed (each run)", justify="right")
+    table.add_column("polls", justify="right")
+    for label, computed, polls in rows:
+        table.add_row(label, ", ".join(map(str, computed)), str(polls))
+    console.print(table)
+    by = {label: computed for label, computed, _ in rows}
+    none_label, ours_label, _ = CANCEL_PROBERS
+    ours, none = by[ours_label], by[none_label]
+    ok = max(ours) <= max(none)
+    console.print(f"[{'green' if ok else 'red'}]{'PASS' if ok else 'FAIL'}[/] the Hedger's probe "
+                  f"costs a cancelled prefill no more tokens than no prober ({max(ours)} vs "
+                  f"{max(none)})")  # fmt: skip
+    return 0 if ok or args.quick else 1
 
 
 # -- main ---------------------------------------------------------------------------------------
@@ -897,11 +1024,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="40 requests, a smoke run")
     parser.add_argument(
         "--scenario",
-        choices=("tail", "evidence"),
+        choices=("tail", "evidence", "cancel-cost"),
         default="tail",
         help="tail: issue 9's mixed schedule on llama-cpp-python (the default); evidence: "
         "issue 21's, other tenants' long prompts on the engines of ../shared/engine2 with "
-        "probes and routers",
+        "probes and routers; cancel-cost: the prefill a cancelled request costs on "
+        "llama-server, with and without a prober",
     )
     parser.add_argument(
         "--engine",
@@ -959,12 +1087,16 @@ def main_evidence(args: argparse.Namespace, console: Console) -> int:
     )
     keys = [n.strip() for n in args.strategies.split(",") if n.strip()]
     if args.strategies == ",".join(STRATEGIES):
-        keys = list(EVIDENCE_STRATEGIES)
+        keys = [k for k in EVIDENCE_STRATEGIES if k != "probes-priority" or kind == "vllm"]
     unknown = [k for k in keys if k not in EVIDENCE_STRATEGIES]
     if unknown:
         console.print(f"unknown strategies {unknown}; choose from {list(EVIDENCE_STRATEGIES)}")
         return 2
     names = [EVIDENCE_STRATEGIES[k] for k in keys]
+    if PROBES_PRIORITY in names and kind == "vllm" and args.replica is None:
+        # vLLM refuses a priority unless it schedules by priority; with every priority 0 the
+        # policy serves in arrival order, as FCFS does, so the other rows are unchanged.
+        os.environ.setdefault("POLICY", "priority")
     console.print(
         f"parameters: {attrs.asdict(p)}, {attrs.asdict(e)}; load average {os.getloadavg()}, "
         f"nproc {os.cpu_count()}"
@@ -1005,9 +1137,10 @@ def main_evidence(args: argparse.Namespace, console: Console) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.scenario == "evidence":
+    if args.scenario != "tail":
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-        return main_evidence(args, Console(width=220))
+        run = main_evidence if args.scenario == "evidence" else main_cancel_cost
+        return run(args, Console(width=220))
     # A kill (SIGTERM) unwinds like Ctrl-C, so the servers this started are stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     console = Console(width=160)

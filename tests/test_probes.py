@@ -25,7 +25,8 @@ import trio_hedge as th
 from trio_hedge import HedgerConfig
 from trio_hedge.events import EventKind, HedgeEvent
 from trio_hedge.hedger import LoadMonitor
-from trio_hedge.policy import OutlierDetection
+from trio_hedge.policy import HedgeBudget, OutlierDetection
+from trio_hedge.policy._load import ProbeState
 from trio_hedge.report import AttemptOutcome as O
 from trio_hedge.sources.probes import (
     LoadProbe,
@@ -718,6 +719,100 @@ async def test_a_vllm_engine_inside_one_long_step_gets_no_primary(
     assert [r.attempts[0].replica for r in (first, second)] == [primary, primary]
     # Stalled since the first poll (at 0): the wait is at least that long.
     assert stats.replicas[0].predicted_wait == (pytest.approx(now) if counter else 0.0)
+
+
+@pytest.mark.parametrize("probed", [True, False])
+async def test_its_own_prompt_on_the_engines_page_is_not_ahead_of_a_request(
+    autojump_clock: trio.testing.MockClock, probed: bool
+) -> None:
+    """Once a poll is taken after the primary started, llama-server's /slots shows the
+    request's own prompt left to prefill (4,000 tokens at 1,000/s here): that is not a queue
+    ahead of it, and the backup goes on the 1 s timer, as without probes (not at the first
+    look, 0.25 s, for its own prefill)."""
+    started: list[float] = []
+
+    def hook(event: HedgeEvent) -> None:
+        if event.kind is EventKind.ATTEMPT_STARTED and not started:
+            started.append(event.time)
+
+    async def own_slot() -> LoadReading:
+        await trio.sleep(0.001)
+        if not started:
+            return IDLE
+        left = max(0, round(4000 - 1000 * (trio.current_time() - started[0])))
+        return LoadReading("llama.cpp", running=1 if left else 0, queued_tokens=left, slots=4)
+
+    probes = {"a": LoadProbe("llama.cpp", reader=own_slot), "b": LoadProbe("llama.cpp",
+              reader=Engine(IDLE).read)}  # fmt: skip
+    fleet = Fleet(["a", "b"], table(Script(ttft=4.0, tokens=3)))
+    config = attrs.evolve(PLAIN, pick="in_order")
+    async with th.Hedger(
+        fleet.sources(), config, probes=probes if probed else None, on_event=[hook]
+    ) as hedger:
+        await trio.sleep(0.01)
+        report = await run(hedger.stream(None, prompt_tokens=4000))
+        assert hedger.statistics().hedges_at_once == 0
+    primary, backup = report.attempts
+    assert primary.started_at is not None and backup.started_at is not None
+    assert (backup.replica, backup.started_at - primary.started_at) == ("b", 1.0)
+
+
+@pytest.mark.parametrize(("probed", "after"), [(True, 0.75), (False, 1.0)])
+async def test_a_backup_the_budget_refuses_on_evidence_is_still_sent_on_the_timer(
+    autojump_clock: trio.testing.MockClock, probed: bool, after: float
+) -> None:
+    """r2's primary is found queued at 3.25 s while the budget (spent by r0 and r1) refuses a
+    backup; r3 adds to the budget at 3.5 s: the backup goes at the next look (3.75 s), and
+    without probes on the timer (4.0 s). Refused early, it was lost for good."""
+    engines = {"a": Engine(IDLE), "b": Engine(IDLE)}
+    fleet = Fleet(["a", "b"], table(FAST, a=SLOW))
+    budget = HedgeBudget(ratio=0.5, min_per_second=0.0)
+    config = attrs.evolve(PLAIN, pick="in_order", budget=budget)
+    reports: dict[str, th.Report] = {}
+    async with th.Hedger(
+        fleet.sources(), config, probes=_probes(engines) if probed else None
+    ) as hedger:
+        await trio.sleep(0.01)
+        t0 = trio.current_time()
+
+        async def send(name: str, at: float, hedge: bool = True) -> None:
+            await trio.sleep_until(t0 + at)
+            reports[name] = await run(hedger.stream(None, request_id=name, hedge=hedge))
+
+        async def tenant() -> None:
+            await trio.sleep_until(t0 + 3.1)
+            engines["a"].reading = PREFILLING
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send, "r0", 0.0)
+            nursery.start_soon(send, "r1", 0.01)
+            nursery.start_soon(send, "r2", 3.0)
+            nursery.start_soon(tenant)
+            nursery.start_soon(send, "r3", 3.5, False)
+    primary, backup = reports["r2"].attempts
+    assert primary.started_at is not None and backup.started_at is not None
+    assert (backup.replica, backup.trigger) == ("b", "hedge")
+    assert backup.started_at - primary.started_at == pytest.approx(after)
+
+
+@pytest.mark.parametrize(
+    ("stall_began", "now", "expected"),
+    [
+        (0.0, 0.2, 0.0),  # within one interval: a decode step may still be running
+        (0.0, 3.0, 3.0),  # a long step: the wait is at least that long
+        (0.0, 10.5, 0.0),  # beyond max_stall (10 s): frozen gauges, no evidence
+    ],
+)
+def test_a_stall_counts_between_one_interval_and_max_stall(
+    stall_began: float, now: float, expected: float
+) -> None:
+    state = ProbeState(LoadProbe("vllm"))
+    state.observed(LoadReading("vllm", running=0, generated=7), stall_began, stall_began)
+    stuck = LoadReading("vllm", running=1, generated=7)
+    state.observed(stuck, stall_began + 0.1, stall_began + 0.1)
+    assert state.stalled_for(stuck, now) == expected
+    # For an attempt started after the stall began (it may be its own prefill): no stall.
+    assert state.stalled_for(stuck, now, before=stall_began + 0.2) == 0.0
 
 
 async def test_a_long_prompt_is_not_queued_behind_itself(

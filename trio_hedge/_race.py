@@ -284,7 +284,7 @@ class _Race:
                 break
             assert ask is not None
             again = ask(number)
-            if again == 0:
+            if again is not None and again <= 0:
                 break
         # A first token due at the very instant the delay ends wins without a hedge, and a
         # failure at that instant is a failover: let the tasks woken in this tick run first

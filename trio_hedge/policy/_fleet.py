@@ -205,6 +205,7 @@ class FleetState:
         count: bool = False,
         request: int | None = None,
         before: float | None = None,
+        own: int | None = None,
     ) -> float | None:
         """The seconds a new request would wait on ``replica`` before its prefill starts,
         from its engine's fresh reading (``inf``: saturated), raised to the age of this
@@ -213,7 +214,8 @@ class FleetState:
         (the caller then uses its own view). ``count``: count the decision in statistics;
         ``request``: the asking request (its own attempts there are not ahead of it);
         ``before``: count only this Hedger's attempts started there before then (those ahead
-        of an attempt started then)."""
+        of an attempt started then), and once a reading taken after then shows the
+        attempt's own ``own`` prompt tokens, they are not ahead of it either."""
         state = self.probes[replica.index]
         if state is None:
             return None
@@ -224,8 +226,8 @@ class FleetState:
             return None
         if count:
             replica.probe_decisions += 1
-        wait = state.predicted_wait(reading, prefill or _no_model, request, before)
-        wait = max(wait, state.stalled_for(reading, now))
+        wait = state.predicted_wait(reading, prefill or _no_model, request, before, own)
+        wait = max(wait, state.stalled_for(reading, now, before))
         if replica.waiting:
             oldest = next(iter(replica.waiting.values()))
             wait = max(wait, now - oldest)

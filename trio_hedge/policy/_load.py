@@ -52,12 +52,14 @@ class ProbeState:
         "read_at",
         "reading",
         "since",
+        "taken_at",
     )
 
     def __init__(self, probe: LoadProbe) -> None:
         self.probe = probe
         self.reading: LoadReading | None = None
         self.read_at = -math.inf
+        self.taken_at = -math.inf  # when the poll that gave ``reading`` started
         self.polls = 0
         self.failures = 0
         self.consecutive_failures = 0
@@ -91,6 +93,7 @@ class ProbeState:
             self.progress_at = taken_at  # idle, or a step ended since: no long step seen
         self.reading = reading
         self.read_at = now
+        self.taken_at = taken_at
         since = self.since
         while since and since[0][0] <= taken_at:  # the engine counted these
             since.popleft()
@@ -131,18 +134,25 @@ class ProbeState:
             return "failing"
         return "stale" if self.reading is not None else "waiting"
 
-    def stalled_for(self, reading: LoadReading, now: float) -> float:
+    def stalled_for(self, reading: LoadReading, now: float, before: float | None = None) -> float:
         """Seconds the engine has been inside one step, when longer than a poll interval:
         requests run and the generated-token count has not moved since ``progress_at`` (a
         decode step takes tens of milliseconds; a long one is a prefill). A lower bound of
         what a new request waits, as the age of an attempt still waiting for its first token
         is (`FleetState.predicted`); 0 when the engine gives no such count. On vLLM the
         gauges of a long prefill show ``running = 1``, like a decode, and nothing else
-        (``../shared/engine2/README.md``)."""
+        (``../shared/engine2/README.md``). ``before``: for an attempt started then, only a
+        stall that was already on when it started (else the stall may be its own prefill).
+        A stall longer than ``LoadProbe.max_stall`` is no evidence: vLLM's gauges freeze
+        when every running request was aborted (vllm-project/vllm#22545), and a frozen page
+        would keep the replica out for every caller."""
         if reading.generated is None or reading.running == 0:
             return 0.0
+        probe = self.probe
+        if before is not None and before - self.progress_at <= probe.interval:
+            return 0.0
         stalled = now - self.progress_at
-        return stalled if stalled > self.probe.interval else 0.0
+        return stalled if probe.interval < stalled <= probe.max_stall else 0.0
 
     def saturated(self, reading: LoadReading) -> bool:
         return reading.kv_usage is not None and reading.kv_usage >= self.probe.kv_limit
@@ -153,17 +163,24 @@ class ProbeState:
         prefill_seconds: Callable[[int], float | None],
         request: int | None = None,
         before: float | None = None,
+        own: int | None = None,
     ) -> float:
         """Seconds a new request waits before its prefill starts, from ``reading``:
         ``prefill_seconds(tokens)`` is the Hedger's prefill model (``None`` or 0 without one:
         ``prefill_rate`` then). ``request``: the asking request's own attempts are not ahead
         of it (a long prompt's own prefill would otherwise make its primary look queued and
         hedge it at once); ``before``: only the attempts started before then count (those
-        ahead of a request started then). Infinite when the KV cache is saturated."""
+        ahead of a request started then); ``own``: that request's prompt tokens, taken off
+        the engine's queued tokens once a reading taken after ``before`` counts them
+        (llama-server's ``/slots`` shows a request's own prompt left to prefill). Infinite
+        when the KV cache is saturated."""
         if self.saturated(reading):
             return math.inf
         probe = self.probe
-        tokens = (reading.queued_tokens or 0) + sum(
+        queued = reading.queued_tokens or 0
+        if own and before is not None and before <= self.taken_at:
+            queued = max(0, queued - own)
+        tokens = queued + sum(
             t
             for at, t, by in self.since
             if (request is None or by != request) and (before is None or at < before)

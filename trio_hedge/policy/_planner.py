@@ -268,7 +268,9 @@ class RequestPlanner:
         only the prompts sent there before it are ahead of it (not its own, nor a later
         request's: a long prompt hedged onto the replica after it is behind it)."""
         started = replica.waiting.get((self, number))
-        return self._fleet.predicted(replica, now, prefill, request=self._probe_key, before=started)
+        return self._fleet.predicted(
+            replica, now, prefill, request=self._probe_key, before=started, own=self._tokens
+        )
 
     def _bind(self, replica: ReplicaState) -> Source:
         source = self._bound.get(replica.index)
@@ -388,7 +390,18 @@ class RequestPlanner:
         saturated = self._saturated
         chosen = self._choose(candidates, now, now, primary=False, hedge=True)[0]
         self._saturated = saturated  # a check, not a refusal
-        return chosen is not None
+        # A backup the budget or throttle would refuse now is left to the timer (asked
+        # again there): refused early, it would have cost the request the hedge the timer
+        # may still be allowed to send.
+        return chosen is not None and self._hedge_allowed(now)
+
+    def _hedge_allowed(self, now: float) -> bool:
+        """Whether the throttle and the budget would let a backup go now (a check: nothing
+        is counted or spent)."""
+        fleet = self._fleet
+        if fleet.throttle is not None and not fleet.throttle.allows:
+            return False
+        return fleet.budget is None or fleet.budget.allows(now, early=self._early(now))
 
     def _fleet_delay(self, number: int, now: float) -> float | None:
         """The delay the fleet would hedge attempt ``number`` at (learned or fixed; ``None``:

@@ -180,6 +180,9 @@ class LoadProbe:
             when the engine gives no token counts. Default 0.25.
         kv_limit: a replica whose KV cache is at least this full is saturated: no backup goes
             to it, and none goes at all when every probed replica is. Default 0.95.
+        max_stall: the longest engine step believed (``LoadReading.generated`` standing
+            still while requests run); a longer stall is no evidence (vLLM's gauges freeze
+            when every running request was aborted, vllm-project/vllm#22545). Default 10.
         reader: an async callable returning a [`LoadReading`][trio_hedge.sources.probes.LoadReading]
             instead of the HTTP read (a Source that is not a ``Replica``, a simulation, a
             test); ``engine`` still sets the defaults. Default ``None``.
@@ -202,6 +205,7 @@ class LoadProbe:
     )
     queued_request_seconds: float = attrs.field(default=0.25, validator=number(0.0), kw_only=True)
     kv_limit: float = attrs.field(default=0.95, validator=number(0.0, open_lo=True), kw_only=True)
+    max_stall: float = attrs.field(default=10.0, validator=number(0.0, open_lo=True), kw_only=True)
     reader: Reader | None = attrs.field(
         default=None, validator=_reader, kw_only=True, eq=False, repr=False
     )
