@@ -87,6 +87,7 @@ from rich.table import Table
 
 import trio_hedge as th
 from trio_hedge.report import AttemptOutcome
+from trio_hedge.sources.probes import LoadProbe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import percentile
@@ -833,10 +834,10 @@ def check_evidence(console: Console, rows: Sequence[EvidenceRow]) -> bool:
 
 #: The probers compared: none, the Hedger's llama.cpp probe (quiet for 1.2 s after a cancel
 #: there), and the same polling on without a quiet window (what a naive prober does).
-CANCEL_PROBERS: dict[str, th.LoadProbe | None] = {
+CANCEL_PROBERS: dict[str, LoadProbe | None] = {
     "no prober": None,
-    "Hedger's probe (quiet 1.2 s after a cancel)": th.LoadProbe("llama.cpp"),
-    "probe without a quiet window": th.LoadProbe("llama.cpp", cancel_quiet=0.0),
+    "Hedger's probe (quiet 1.2 s after a cancel)": LoadProbe("llama.cpp"),
+    "probe without a quiet window": LoadProbe("llama.cpp", cancel_quiet=0.0),
 }
 
 
