@@ -910,12 +910,14 @@ def main_cancel_cost(args: argparse.Namespace, console: Console) -> int:
         table.add_row(label, ", ".join(map(str, computed)), str(polls))
     console.print(table)
     by = {label: computed for label, computed, _ in rows}
-    none_label, ours_label, _ = CANCEL_PROBERS
+    none_label, ours_label, naive_label = CANCEL_PROBERS
     ours, none = by[ours_label], by[none_label]
-    ok = max(ours) <= max(none)
+    # Within 1%: the engine stops at a batch boundary (2,048 tokens), give or take the few
+    # tokens of the slot's own bookkeeping.
+    ok = max(ours) <= 1.01 * max(none)
     console.print(f"[{'green' if ok else 'red'}]{'PASS' if ok else 'FAIL'}[/] the Hedger's probe "
-                  f"costs a cancelled prefill no more tokens than no prober ({max(ours)} vs "
-                  f"{max(none)})")  # fmt: skip
+                  f"costs a cancelled prefill what no prober does, within 1% ({max(ours)} vs "
+                  f"{max(none)}; without the quiet window {max(by[naive_label])})")  # fmt: skip
     return 0 if ok or args.quick else 1
 
 
