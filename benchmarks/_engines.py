@@ -175,11 +175,17 @@ def group_pids(leader: int) -> list[int]:
     return pids
 
 
-def start_replica(kind: str, port: int, console: Console) -> int:
+def start_replica(kind: str, port: int, console: Console, core: int | None = None) -> int:
     """Start one replica of ``kind`` on ``port`` with ``../shared/engine2``'s script (it
-    waits until ``/health`` answers); its server's pid (vLLM's: a process group leader)."""
+    waits until ``/health`` answers); its server's pid (vLLM's: a process group leader).
+    ``core``: vLLM's OpenMP threads bound to that CPU (``$BIND`` wins when set). With the
+    script's ``auto`` two vLLM replicas on this 2-core machine bound to the same cores and
+    one starved the other: another tenant's 4,000-word prefill took 11-25 s on one replica
+    and 1.3 s on the other, in every strategy's row alike."""
     name = "start_llama_server.sh" if kind == "llama" else "start_vllm_cpu.sh"
     env = {**os.environ, "NP": os.environ.get("NP", "4")}
+    if kind == "vllm" and core is not None and "BIND" not in os.environ:
+        env["BIND"] = str(core % (os.cpu_count() or 1))
     done = subprocess.run(["bash", ENGINE_DIR / name, str(port)], env=env, capture_output=True)
     console.print(done.stdout.decode().strip())
     if done.returncode != 0:
@@ -203,9 +209,9 @@ def started(kind: str, console: Console) -> Iterator[Engine]:
     launched: list[int] = []
     try:
         leaders = []
-        for port in ports:  # one at a time: vLLM's start-up takes the CPU for ~35 s
+        for core, port in enumerate(ports):  # one at a time: vLLM's start-up takes ~35 s
             launched.append(port)
-            leaders.append(start_replica(kind, port, console))
+            leaders.append(start_replica(kind, port, console, core))
         pids = [pid for leader in leaders for pid in group_pids(leader)] or leaders
         urls = [f"http://127.0.0.1:{port}/v1" for port in ports]
         yield Engine(kind, urls, pids, leaders=leaders)
