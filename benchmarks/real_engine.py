@@ -971,16 +971,7 @@ async def run_all(
             row = summarize(name, outcomes, cpu)
             rows.append(row)
             if verbose:
-                t0 = min(o.sent_at for o in outcomes)
-                for o in outcomes:
-                    if o.item.long or o.hedged or (o.ttft or math.inf) > verbose:
-                        who = "tenant" if o.item.tenant else "own"
-                        console.print(
-                            f"    #{o.item.index} {who} {o.item.words} words at "
-                            f"{o.sent_at - t0:.2f} s: TTFT "
-                            f"{'-' if o.ttft is None else f'{o.ttft:.3f}'} s, to {o.primary} "
-                            f"(ended {o.ended_at - t0:.2f} s) {o.trace}"
-                        )
+                _show(console, outcomes, verbose)
             if name == NONE:
                 p90 = row.ttft[1]
             extra = ""
