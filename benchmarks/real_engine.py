@@ -648,7 +648,14 @@ async def run_evidence(
     schedule = evidence_schedule(p, e, p.seed)
     urls: list[str] = engine.urls
     pids: list[int] = engine.pids
-    probe = PROBE_ENGINE.get(engine.kind)
+    probe: str | LoadProbe | None = PROBE_ENGINE.get(engine.kind)
+    if probe == "vllm":
+        async with httpx.AsyncClient() as check:
+            root = urls[0].removesuffix("/v1")
+            if (await check.get(root + "/load", timeout=10)).status_code == 200:
+                # --enable-server-load-tracking: requests held before their first step.
+                probe = LoadProbe("vllm", load_path="/load")
+        console.print(f"vLLM probe: {probe!r}")
     rows: list[EvidenceRow] = []
     p90: float | None = None
     async with th.transport.make_client() as client:
@@ -1087,6 +1094,10 @@ def main_evidence(args: argparse.Namespace, console: Console) -> int:
         console.print(f"unknown strategies {unknown}; choose from {list(EVIDENCE_STRATEGIES)}")
         return 2
     names = [EVIDENCE_STRATEGIES[k] for k in keys]
+    if kind == "vllm" and args.replica is None:
+        # /load: the requests vLLM's HTTP front holds, counted as they arrive (a probe reads
+        # them with LoadProbe(load_path="/load")).
+        os.environ.setdefault("EXTRA_ARGS", "--enable-server-load-tracking")
     if PROBES_PRIORITY in names and kind == "vllm" and args.replica is None:
         # vLLM refuses a priority unless it schedules by priority; with every priority 0 the
         # policy serves in arrival order, as FCFS does, so the other rows are unchanged.

@@ -795,6 +795,21 @@ async def test_a_backup_the_budget_refuses_on_evidence_is_still_sent_on_the_time
     assert backup.started_at - primary.started_at == pytest.approx(after)
 
 
+def test_vllm_requests_held_before_their_first_step_are_a_stall() -> None:
+    """During the first step of another tenant's long prefill vLLM's gauges still show the
+    engine idle; its HTTP front (``/load``) already holds the request. Held requests and a
+    generated-token count that stands still are a stall; without the count of held requests
+    the same gauges say nothing."""
+    for in_flight, expected in ((1, 0.5), (None, 0.0)):
+        state = ProbeState(LoadProbe("vllm", load_path="/load"))
+        idle = LoadReading("vllm", generated=7, in_flight=0 if in_flight else None)
+        state.observed(idle, 0.0, 0.0)
+        first_step = LoadReading("vllm", generated=7, in_flight=in_flight)
+        state.observed(first_step, 0.25, 0.25)
+        state.observed(first_step, 0.5, 0.5)
+        assert state.stalled_for(first_step, 0.5) == expected
+
+
 @pytest.mark.parametrize(
     ("stall_began", "now", "expected"),
     [
@@ -902,6 +917,20 @@ async def test_read_load_over_loopback() -> None:
             "sglang", waiting=2, running=4, queued_tokens=5000, kv_usage=0.4
         )
         assert [r.path for r in fake.requests] == ["/metrics", "/slots", "/v1/loads?include=core"]
+        fake.pages["/load"] = EnginePage('{"server_load": 3}')
+        both = LoadProbe("vllm", load_path="/load")
+        assert await read_load(client, both, fake.url) == LoadReading(
+            "vllm", waiting=2, running=1, kv_usage=0.3, in_flight=3
+        )
+        for bad in ('{"server_load": -1}', '{"load": 3}', "[3]", '{"server_load": true}'):
+            fake.pages["/load"] = EnginePage(bad)
+            with pytest.raises(ProbeError, match="server_load"):
+                await read_load(client, both, fake.url)
+        fake.pages["/load"] = EnginePage("{{", status=200)
+        with pytest.raises(ProbeError, match="not JSON"):
+            await read_load(client, both, fake.url)
+        del fake.pages["/load"]
+        fake.requests.clear()
         fake.pages["/v1/loads"] = EnginePage(b'{"loads": [' + b'{"num_running_reqs": 1},' * 50_000)
         with pytest.raises(ProbeError, match="larger than 65536 bytes"):  # a bounded read
             await read_load(client, attrs.evolve(loads, max_body=65536), fake.url)

@@ -38,6 +38,12 @@ __all__ = ["ProbeState"]
 _SINCE = 1024
 
 
+def _busy(reading: LoadReading) -> int:
+    """The requests the engine has, as its gauges say, or its HTTP front when it counts more
+    (``LoadReading.in_flight``: a request is in the gauges only after a step on it ended)."""
+    return max(reading.running + reading.waiting, reading.in_flight or 0)
+
+
 class ProbeState:
     """One probed replica's engine evidence (internal)."""
 
@@ -85,7 +91,7 @@ class ProbeState:
         self.consecutive_failures = 0
         previous = self.reading
         if (
-            reading.running == 0
+            _busy(reading) == 0
             or reading.generated is None
             or previous is None
             or previous.generated != reading.generated
@@ -146,7 +152,7 @@ class ProbeState:
         A stall longer than ``LoadProbe.max_stall`` is no evidence: vLLM's gauges freeze
         when every running request was aborted (vllm-project/vllm#22545), and a frozen page
         would keep the replica out for every caller."""
-        if reading.generated is None or reading.running == 0:
+        if reading.generated is None or _busy(reading) == 0:
             return 0.0
         probe = self.probe
         if before is not None and before - self.progress_at <= probe.interval:

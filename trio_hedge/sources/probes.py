@@ -50,6 +50,7 @@ __all__ = [
     "ProbeError",
     "parse_llama_slots",
     "parse_metrics",
+    "parse_server_load",
     "parse_sglang_loads",
     "read_load",
 ]
@@ -96,6 +97,11 @@ class LoadReading:
             only after each engine step, and a decode step takes tens of milliseconds: a
             count that has not moved between two polls while requests run says the engine
             is inside one long step, a prefill (`ProbeState.stalled_for`).
+        in_flight: the requests the server's HTTP front holds, counted as they arrive (vLLM's
+            ``GET /load`` with ``--enable-server-load-tracking``: ``LoadProbe.load_path``),
+            when read. The engine's gauges show a request only once a step on it has ended,
+            so during the first step of another tenant's long prefill only this count shows
+            it.
 
     Raises:
         TypeError, ValueError: a count that is not an int >= 0, a ``kv_usage`` outside 0..1.
@@ -112,6 +118,9 @@ class LoadReading:
     )
     slots: int | None = attrs.field(default=None, validator=attrs.validators.optional(integer(1)))
     generated: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(integer(0))
+    )
+    in_flight: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(integer(0))
     )
 
@@ -180,6 +189,9 @@ class LoadProbe:
             when the engine gives no token counts. Default 0.25.
         kv_limit: a replica whose KV cache is at least this full is saturated: no backup goes
             to it, and none goes at all when every probed replica is. Default 0.95.
+        load_path: a second path read at each poll for ``LoadReading.in_flight``, when the
+            server has one: ``"/load"`` on vLLM started with ``--enable-server-load-tracking``
+            (its ``{"server_load": N}``); a poll fails if it fails. Default ``None``.
         max_stall: the longest engine step believed (``LoadReading.generated`` standing
             still while requests run); a longer stall is no evidence (vLLM's gauges freeze
             when every running request was aborted, vllm-project/vllm#22545). Default 10.
@@ -206,6 +218,7 @@ class LoadProbe:
     queued_request_seconds: float = attrs.field(default=0.25, validator=number(0.0), kw_only=True)
     kv_limit: float = attrs.field(default=0.95, validator=number(0.0, open_lo=True), kw_only=True)
     max_stall: float = attrs.field(default=10.0, validator=number(0.0, open_lo=True), kw_only=True)
+    load_path: str | None = attrs.field(default=None, validator=_path, kw_only=True)
     reader: Reader | None = attrs.field(
         default=None, validator=_reader, kw_only=True, eq=False, repr=False
     )
@@ -434,8 +447,23 @@ async def read_load(
         httpx.HTTPError: the request failed.
     """
     path = probe.probe_path
-    url = probe_root(base_url) + path
-    async with client.stream("GET", url, headers=headers) as response:
+    body = await _get(client, probe, probe_root(base_url), path, headers)
+    reading = _parse(probe, path, body)
+    if probe.load_path is not None:
+        load = await _get(client, probe, probe_root(base_url), probe.load_path, headers)
+        reading = attrs.evolve(reading, in_flight=parse_server_load(load))
+    return reading
+
+
+async def _get(
+    client: httpx.AsyncClient,
+    probe: LoadProbe,
+    root: str,
+    path: str,
+    headers: dict[str, str] | None,
+) -> bytes:
+    """``GET root + path``: its body, at most ``max_body`` bytes."""
+    async with client.stream("GET", root + path, headers=headers) as response:
         if response.status_code != 200:
             raise ProbeError(f"HTTP {response.status_code} from GET {path}")
         body = bytearray()
@@ -443,11 +471,32 @@ async def read_load(
             body += chunk
             if len(body) > probe.max_body:
                 raise ProbeError(f"GET {path}: page larger than {probe.max_body} bytes")
+    return bytes(body)
+
+
+def parse_server_load(body: bytes | str) -> int:
+    """vLLM's ``GET /load`` (``{"server_load": N}``, with ``--enable-server-load-tracking``):
+    the requests its HTTP front holds.
+
+    Raises:
+        ProbeError: not that JSON object, or a count that is not an int >= 0.
+    """
+    try:
+        page = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProbeError("the /load page is not JSON") from exc
+    count = page.get("server_load") if isinstance(page, dict) else None
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ProbeError("the /load page has no server_load count")
+    return count
+
+
+def _parse(probe: LoadProbe, path: str, body: bytes) -> LoadReading:
     bare = path.split("?", 1)[0]
     if bare.endswith("/slots"):
-        return parse_llama_slots(bytes(body))
+        return parse_llama_slots(body)
     if bare.endswith("/v1/loads"):
-        return parse_sglang_loads(bytes(body))
+        return parse_sglang_loads(body)
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
