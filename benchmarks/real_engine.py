@@ -653,8 +653,10 @@ async def run_evidence(
         async with httpx.AsyncClient() as check:
             root = urls[0].removesuffix("/v1")
             if (await check.get(root + "/load", timeout=10)).status_code == 200:
-                # --enable-server-load-tracking: requests held before their first step.
-                probe = LoadProbe("vllm", load_path="/load")
+                # --enable-server-load-tracking: requests held before their first step;
+                # every 0.1 s (llm-d's picker scrapes every 0.05 s): vLLM stops a cancelled
+                # prefill at its next step whatever is polled, so polling costs no prefill.
+                probe = LoadProbe("vllm", load_path="/load", interval=0.1)
         console.print(f"vLLM probe: {probe!r}")
     rows: list[EvidenceRow] = []
     p90: float | None = None

@@ -826,8 +826,15 @@ def test_a_stall_counts_between_one_interval_and_max_stall(
     stuck = LoadReading("vllm", running=1, generated=7)
     state.observed(stuck, stall_began + 0.1, stall_began + 0.1)
     assert state.stalled_for(stuck, now) == expected
-    # For an attempt started after the stall began (it may be its own prefill): no stall.
-    assert state.stalled_for(stuck, now, before=stall_began + 0.2) == 0.0
+    # For an attempt sent as the stall began, the stall may be its own prefill: a 4,000-token
+    # prompt's (4 s at 1,000 tokens/s) is taken off; a 20-token prompt's hardly changes it.
+    sent = stall_began + 0.2
+    assert state.stalled_for(stuck, now, before=sent, own=4000) == 0.0
+    assert state.stalled_for(stuck, now, before=sent, own=20) == pytest.approx(
+        max(0.0, expected - 0.02) if expected else 0.0
+    )
+    # A stall on long before the attempt was sent is ahead of it, whatever its size.
+    assert state.stalled_for(stuck, now, before=stall_began + 2.0, own=4000) == expected
 
 
 async def test_a_long_prompt_is_not_queued_behind_itself(

@@ -227,7 +227,7 @@ class FleetState:
         if count:
             replica.probe_decisions += 1
         wait = state.predicted_wait(reading, prefill or _no_model, request, before, own)
-        wait = max(wait, state.stalled_for(reading, now, before))
+        wait = max(wait, state.stalled_for(reading, now, before, own))
         if replica.waiting:
             oldest = next(iter(replica.waiting.values()))
             wait = max(wait, now - oldest)

@@ -140,25 +140,35 @@ class ProbeState:
             return "failing"
         return "stale" if self.reading is not None else "waiting"
 
-    def stalled_for(self, reading: LoadReading, now: float, before: float | None = None) -> float:
+    def stalled_for(
+        self,
+        reading: LoadReading,
+        now: float,
+        before: float | None = None,
+        own: int | None = None,
+    ) -> float:
         """Seconds the engine has been inside one step, when longer than a poll interval:
         requests run and the generated-token count has not moved since ``progress_at`` (a
         decode step takes tens of milliseconds; a long one is a prefill). A lower bound of
         what a new request waits, as the age of an attempt still waiting for its first token
         is (`FleetState.predicted`); 0 when the engine gives no such count. On vLLM the
         gauges of a long prefill show ``running = 1``, like a decode, and nothing else
-        (``../shared/engine2/README.md``). ``before``: for an attempt started then, only a
-        stall that was already on when it started (else the stall may be its own prefill).
+        (``../shared/engine2/README.md``). ``before``, ``own``: for an attempt started then,
+        of ``own`` prompt tokens, a stall that began after it was sent may be its own prefill,
+        so that prefill (at ``prefill_rate``) is taken off it: a short prompt's is a few
+        milliseconds, and another tenant's prefill that began just before it still counts.
         A stall longer than ``LoadProbe.max_stall`` is no evidence: vLLM's gauges freeze
         when every running request was aborted (vllm-project/vllm#22545), and a frozen page
         would keep the replica out for every caller."""
         if reading.generated is None or _busy(reading) == 0:
             return 0.0
         probe = self.probe
-        if before is not None and before - self.progress_at <= probe.interval:
-            return 0.0
         stalled = now - self.progress_at
-        return stalled if probe.interval < stalled <= probe.max_stall else 0.0
+        if not probe.interval < stalled <= probe.max_stall:
+            return 0.0
+        if before is not None and self.progress_at >= before - probe.interval:
+            stalled = max(0.0, stalled - (own or 0) / probe.prefill_rate)
+        return stalled
 
     def saturated(self, reading: LoadReading) -> bool:
         return reading.kv_usage is not None and reading.kv_usage >= self.probe.kv_limit
