@@ -341,9 +341,7 @@ class RequestPlanner:
             delay = self._hedge_after  # the caller's own delay for this request, as given
         assert delay is not None  # hedgeable without a delay of its own
         if delay > 0 and self._fleet.probed and self._slow_on_evidence(number, delay):
-            if self._at_once is None:
-                self._at_once = set()
-            self._at_once.add(number)
+            self._mark_at_once(number)
             return 0.0
         return delay
 
@@ -365,11 +363,15 @@ class RequestPlanner:
         if delay is None or delay <= 0:
             return None
         if self._slow_on_evidence(number, delay):
-            if self._at_once is None:
-                self._at_once = set()
-            self._at_once.add(number)
+            self._mark_at_once(number)
             return 0.0
         return fleet.probe_interval
+
+    def _mark_at_once(self, number: int) -> None:
+        """Attempt ``number``'s backup goes before its delay, on the engine's evidence."""
+        if self._at_once is None:
+            self._at_once = set()
+        self._at_once.add(number)
 
     def _slow_on_evidence(self, number: int, delay: float) -> bool:
         """Whether the engine's fresh reading predicts attempt ``number`` waits longer than
@@ -393,15 +395,17 @@ class RequestPlanner:
         # A backup the budget or throttle would refuse now is left to the timer (asked
         # again there): refused early, it would have cost the request the hedge the timer
         # may still be allowed to send.
-        return chosen is not None and self._hedge_allowed(now)
+        return chosen is not None and self._refusal(now) is None
 
-    def _hedge_allowed(self, now: float) -> bool:
-        """Whether the throttle and the budget would let a backup go now (a check: nothing
-        is counted or spent)."""
+    def _refusal(self, now: float) -> str | None:
+        """What would refuse a backup now, ``"throttle"`` or ``"budget"``, or ``None`` (a
+        check: nothing is counted or spent)."""
         fleet = self._fleet
         if fleet.throttle is not None and not fleet.throttle.allows:
-            return False
-        return fleet.budget is None or fleet.budget.allows(now, early=self._early(now))
+            return "throttle"
+        if fleet.budget is not None and not fleet.budget.allows(now, early=self._early(now)):
+            return "budget"
+        return None
 
     def _fleet_delay(self, number: int, now: float) -> float | None:
         """The delay the fleet would hedge attempt ``number`` at (learned or fixed; ``None``:
@@ -472,7 +476,6 @@ class RequestPlanner:
 
     def may_hedge(self) -> bool:
         """Whether a backup may go now. Only checks: the budget is spent when it starts."""
-        fleet = self._fleet
         candidates = self._candidates()
         if not candidates:
             return True  # nothing left to send: next_source ends the plan; not a refusal
@@ -480,11 +483,8 @@ class RequestPlanner:
         if self._choose(candidates, now, now, primary=False, hedge=True)[0] is None:
             # Ejected, cooling or backing off; or (load probes) none predicted sooner.
             return self._refuse("no_replica", now)
-        if fleet.throttle is not None and not fleet.throttle.allows:
-            return self._refuse("throttle", now)
-        if fleet.budget is not None and not fleet.budget.allows(now, early=self._early(now)):
-            return self._refuse("budget", now)
-        return True
+        refusal = self._refusal(now)
+        return True if refusal is None else self._refuse(refusal, now)
 
     def _early(self, now: float) -> bool:
         """Whether a hedge now would go before the fleet's own delay for the attempt it backs
