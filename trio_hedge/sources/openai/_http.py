@@ -436,7 +436,7 @@ class HTTPSource:
         return f"{type(self).__name__}(replica={self._replica!r})"
 
     #: The body's fields that cap an answer's tokens (`Source.token_limit`), the one an
-    #: engine honours first first; none for an API whose end by length is not a chat
+    #: engine honours first, first; none for an API whose end by length is not a chat
     #: ``finish_reason`` (a recovery there replays, and the replay ends by length itself).
     _limit_fields: ClassVar[tuple[str, ...]] = ()
     #: The decoder of one response body (``ChunkDecoder(redact=…)`` for chat completions).
