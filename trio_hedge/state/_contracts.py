@@ -35,7 +35,15 @@ StoreStatus = Literal["local", "ok", "degraded"]
 class Ejection:
     """In fleet ``fleet`` (a gateway group's name; a Hedger's own name), ``replica`` is out
     for ``model`` (``None``: for every model) for ``seconds`` from now, for ``reason`` (an
-    error kind's value, ``"slow"``, ...)."""
+    error kind's value, ``"slow"``, ...).
+
+    Attributes:
+        fleet: the fleet view's name (a gateway group).
+        replica: the replica's configured name.
+        model: the model it is out for; ``None``: every model.
+        seconds: how long from now, in seconds.
+        reason: why, for logs and metrics.
+    """
 
     fleet: str
     replica: str
@@ -47,7 +55,15 @@ class Ejection:
 @attrs.frozen
 class Cooldown:
     """``replica`` takes no attempt for ``model`` for ``seconds`` from now (server pushback:
-    ``Retry-After``, or the bounded default for a 429 without one)."""
+    ``Retry-After``, or the bounded default for a 429 without one).
+
+    Attributes:
+        fleet: the fleet view's name (a gateway group).
+        replica: the replica's configured name.
+        model: the model it cools for.
+        seconds: how long from now, in seconds.
+        reason: why (an error kind's value), for logs and metrics.
+    """
 
     fleet: str
     replica: str
@@ -61,7 +77,18 @@ class DelaySample:
     """One TTFT observation for fleet ``fleet``'s hedge delay learner: ``seconds`` to the
     first token (``observed``) or at least that (a censored sample: cancelled without one),
     ``age`` seconds ago, for a request of learning group ``group`` (by default its model) and
-    ``size_class``, with ``tokens`` prompt tokens (``None``: unknown), on ``replica``."""
+    ``size_class``, with ``tokens`` prompt tokens (``None``: unknown), on ``replica``.
+
+    Attributes:
+        fleet: the fleet view's name (a gateway group).
+        group: the learning group (by default the request's model).
+        size_class: the prompt's size class in the learner.
+        seconds: the TTFT, or its lower bound when censored, in seconds.
+        observed: ``True``: a first token came; ``False``: censored.
+        tokens: the prompt's tokens, ``None`` when unknown.
+        replica: the replica's configured name.
+        age: how long ago it was observed, in seconds. Default 0.
+    """
 
     fleet: str
     group: str
@@ -106,7 +133,14 @@ class FleetStore(Protocol):
 class Quota:
     """One key's limits (``None``: unlimited): requests in flight, a request rate (a token
     bucket of ``burst`` refilled at ``rate`` per second) and tokens per minute (prompt plus
-    completion, a sliding 60 s window)."""
+    completion, a sliding 60 s window).
+
+    Attributes:
+        max_concurrent: requests in flight at once.
+        rate: requests per second, refilling the bucket.
+        burst: requests at once beyond ``rate`` (the bucket's size).
+        tokens_per_minute: prompt plus completion tokens per sliding minute.
+    """
 
     max_concurrent: int | None = None
     rate: float | None = None
@@ -117,16 +151,27 @@ class Quota:
 @attrs.frozen
 class Lease:
     """An admitted request's hold on its key's quota: one concurrency slot, one request of
-    the rate, ``tokens`` reserved of the minute's tokens, until settled or released."""
+    the rate, ``tokens`` reserved of the minute's tokens, until settled or released.
 
-    key: str  # the key's configured name, never the key
+    Attributes:
+        key: the key's configured name, never the key itself.
+        id: this lease, unique in the fleet.
+        tokens: the tokens reserved.
+    """
+
+    key: str
     id: str
     tokens: int
 
 
 @attrs.frozen
 class Refusal:
-    """Why a key's request is not admitted now, and in how many seconds it could be."""
+    """Why a key's request is not admitted now, and in how many seconds it could be.
+
+    Attributes:
+        limit: the limit that refuses it.
+        retry_after: seconds until a retry could be admitted (an estimate, >= 0).
+    """
 
     limit: Literal["concurrency", "rate", "tokens"]
     retry_after: float
