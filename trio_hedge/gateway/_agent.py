@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -88,9 +88,11 @@ def agent_hedgers(
     client: httpx.AsyncClient,
     hooks: Sequence[EventHook],
     probes: LoadMonitor | None = None,
+    hook_for: Callable[[str, str], EventHook] | None = None,
 ) -> dict[str, dict[str, Hedger]]:
     """Per API, one Hedger per group over the group's replicas speaking that API; their
-    probed replicas read from ``probes`` (the gateway's one poller per replica)."""
+    probed replicas read from ``probes`` (the gateway's one poller per replica). Each gets
+    ``hooks``, and ``hook_for(api, group)`` when given (the health log's)."""
     out: dict[str, dict[str, Hedger]] = {}
     for api in APIS:
         out[api] = {
@@ -98,7 +100,7 @@ def agent_hedgers(
                 [as_api(config.replica(name), api) for name in group.replicas],
                 group.hedger,
                 client=client,
-                on_event=list(hooks),
+                on_event=[*hooks, *([] if hook_for is None else [hook_for(api, group.name)])],
                 probes=probes,
             )
             for group in config.groups

@@ -366,7 +366,7 @@ class GatewayApp:
                     worst = max(state, merged.get(replica, state), key=_READY_ORDER.index)
                     merged[replica] = worst
         eligible = any(s == "healthy" for g in groups.values() for s in g.values())
-        draining = self.limiter.draining
+        draining = self.limiter.leaving
         status = "draining" if draining else "ready" if eligible else "no eligible replica"
         data = json.dumps({"status": status, "groups": groups, "apis": apis}).encode()
         await ex.json(200 if status == "ready" else 503, data)

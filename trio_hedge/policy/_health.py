@@ -111,6 +111,7 @@ class ReplicaState:
     ejected_until: float = float("-inf")
     consecutive: int = 0
     ejections: int = 0  # since the last success: drives the growing back-off
+    ejected_reason: str | None = None  # why its last ejection for every model (statistics)
     times_ejected: int = 0  # ever, for statistics
     attempts: int = 0
     wins: int = 0
@@ -217,6 +218,9 @@ class ModelState:
     cooling_until: float = float("-inf")
     ejected_until: float = float("-inf")
     ejections: int = 0  # for this model, since its last success there
+    # Why its last cooldown and its last ejection for this model (the events' ``reason``).
+    cooling_reason: str | None = None
+    ejected_reason: str | None = None
     # The smallest request (estimated prompt tokens plus max_tokens) it answered a
     # context-length error to: its window is smaller (learned, _blame.outgrew).
     too_long_at: float = float("inf")

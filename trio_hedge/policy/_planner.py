@@ -470,9 +470,30 @@ class RequestPlanner:
             )
             fleet.emit(event, self._scopes)
 
-    def _ejected(self, replica: ReplicaState, until: float | None, reason: str, now: float) -> None:
+    def _ejected(
+        self,
+        replica: ReplicaState,
+        until: float | None,
+        reason: str,
+        now: float,
+        *,
+        for_model: bool = False,
+    ) -> None:
         if until is not None:
-            self._emit(EventKind.REPLICA_EJECTED, now, replica.name, reason=reason, until=until)
+            # The event's reason is also what statistics() says (the gateway logs it).
+            model = self._model if for_model else None
+            if model is not None:
+                self._fleet.models.make(replica.index, model).ejected_reason = reason
+            else:
+                replica.ejected_reason = reason
+            self._emit(
+                EventKind.REPLICA_EJECTED,
+                now,
+                replica.name,
+                reason=reason,
+                until=until,
+                model=model,
+            )
 
     def may_hedge(self) -> bool:
         """Whether a backup may go now. Only checks: the budget is spent when it starts."""
@@ -766,19 +787,21 @@ class RequestPlanner:
         """Server pushback: no attempt for this model goes to ``replica`` for ``seconds``."""
         state = self._fleet.models.make(replica.index, self._model)
         state.push_back(now, seconds)
+        state.cooling_reason = error.kind.value
         self._emit(
             EventKind.REPLICA_COOLING,
             now,
             replica.name,
             reason=error.kind.value,
             until=state.cooling_until,
+            model=self._model,
         )
 
     def _misconfigured(self, replica: ReplicaState, error: AttemptError, now: float) -> None:
         """An error that is ``replica``'s own fault for this model: ejected for it at once."""
         replica.failures += 1
         until = self._fleet.eject_for_model(replica, self._model, now)
-        self._ejected(replica, until, error.kind.value, now)
+        self._ejected(replica, until, error.kind.value, now, for_model=True)
 
     def request_finished(self, report: Report) -> None:
         if self._finished:
