@@ -182,6 +182,8 @@ async def _accept_then_drain(
                     config.limits.drain_timeout,
                     _requests(limiter.in_flight),
                 )
+            else:
+                logger.info("listener closed")
             await server.drain(config.limits.drain_timeout, limiter.cancel_all)
             connections.cancel_scope.cancel()
         finally:  # cancelled from outside: nothing may wait on a client
