@@ -95,6 +95,19 @@ def _bearer(value: bytes) -> bytes:
     return value[7:].strip() if value[:7].lower() == b"bearer " else b""
 
 
+def _no_route(path: str) -> str:
+    """The 404 message for ``path``: what to change when a client put ``/v1`` in its base URL
+    and an SDK that adds ``/v1`` itself (the Anthropic SDKs) doubled it."""
+    message = f"no route {path}"
+    if path.startswith("/v1/v1/"):
+        message += (
+            f" (did you mean {path[3:]}? The Anthropic SDKs add /v1 themselves: give them "
+            "base_url='http://HOST:PORT', without /v1; the OpenAI SDKs want "
+            "base_url='http://HOST:PORT/v1')"
+        )
+    return message
+
+
 class GatewayApp:
     """An ASGI 3 application serving one [`GatewayConfig`][trio_hedge.gateway.GatewayConfig].
 
@@ -180,7 +193,7 @@ class GatewayApp:
             return
         wanted = self._routes.get(path)
         if wanted is None:
-            await ex.error(ErrorAnswer(404, f"no route {path}", code="not_found"))
+            await ex.error(ErrorAnswer(404, _no_route(path), code="not_found"))
             return
         if method != wanted:
             answer = ErrorAnswer(405, f"{method} is not allowed on {path}", code="method")
@@ -314,8 +327,10 @@ class GatewayApp:
                 self.metrics.key_in_flight.labels(key).dec()
 
     async def _models(self, ex: Exchange) -> None:
-        """The replicas' own ``/models`` lists, merged (first seen first), and the group
-        model names that are not patterns."""
+        """The models this gateway serves: those the replicas' own ``/models`` lists name
+        (merged, first seen first) that a group takes and races on a replica that listed
+        it, and the group model names that are not patterns. A model a replica lists but
+        no group of it takes would be refused (404): it is left out."""
         found: dict[str, dict[str, Any]] = {}
         lists: list[list[dict[str, Any]]] = [[] for _ in self.config.replicas]
         forwarded = ex.header(b"authorization") if self.config.forward_client_key else None
@@ -338,9 +353,13 @@ class GatewayApp:
         async with trio.open_nursery() as nursery:
             for index, replica in enumerate(self.config.replicas):
                 nursery.start_soon(fetch, index, replica)
-        for models in lists:
+        config = self.config
+        for replica, models in zip(config.replicas, lists, strict=True):
             for model in models:
-                found.setdefault(str(model["id"]), model)
+                name = str(model["id"])
+                group = config.group_for(name)
+                if group is not None and replica.name in group.replicas:
+                    found.setdefault(name, model)
         for group in self.config.groups:
             for name in group.models:
                 if not any(c in name for c in "*?["):
