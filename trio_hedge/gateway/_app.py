@@ -51,6 +51,10 @@ _ROUTES = {
 }
 
 
+#: The ``api`` label of each forwarding route (as the replica-state gauges say it).
+_APIS = {"/v1/chat/completions": "chat", "/v1/messages": "anthropic", "/v1/responses": "responses"}
+
+
 def _content_length(ex: Exchange) -> int | None:
     value = ex.header(b"content-length")
     try:
@@ -172,8 +176,12 @@ class GatewayApp:
             await _answer_defect(ex)
         finally:
             label = path if path in self._routes else "other"
-            status = str(ex.record.status)
+            record = ex.record
+            status = str(record.status)
             self.metrics.requests.labels(label, status).inc()
+            if record.ttft is not None and record.group is not None:
+                api = _APIS.get(path, "chat")
+                self.metrics.observe_ttft(api, record.group, record.model, record.ttft)
             if ex.record.key is not None:
                 self.metrics.key_requests.labels(ex.record.key, status).inc()
             ACCESS_LOGGER.info(ex.record.line())

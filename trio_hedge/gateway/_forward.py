@@ -315,7 +315,7 @@ class ChatForwarder:
             if model is None:
                 message = (
                     'the request has no "model": name one (GET /v1/models lists those this '
-                    'gateway serves; a request without one is served only by a group whose '
+                    "gateway serves; a request without one is served only by a group whose "
                     'models include "*")'
                 )
                 answer = ErrorAnswer(400, message, code="missing_model", param="model")
