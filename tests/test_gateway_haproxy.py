@@ -2,8 +2,10 @@
 processes behind HAProxy (the system's package, started here on loopback; the tests skip
 without it), health-checked on ``/readyz``, as docs/gateway.md's scale-out section configures
 it. The fleet's extra requests stay within each instance's hedge budget, a client leaving is
-seen by the upstream through the balancer, and a SIGTERM'd instance drains its streams while
-the other takes the new ones, out of the balancer's rotation before its streams end."""
+seen by the upstream through the balancer, a SIGTERM'd instance drains its streams while
+the other takes the new ones, out of the balancer's rotation before its streams end, and a
+rolling restart of both (issue 31) loses no request and no stream, even through a balancer
+that does not retry."""
 
 from __future__ import annotations
 
@@ -181,16 +183,21 @@ async def fleet(
             children.append(process)
             return process
 
-        async def gateway(name: str, port: int = 0) -> Instance:
+        async def launch(name: str, port: int = 0) -> Instance:
             log = tmp_path / f"{name}.{len(logs)}.log"
             command = [sys.executable, "-m", "trio_hedge", "serve"]
             command += ["--config", str(config), "--port", str(port)]
-            instance = Instance(name, await start(command, log), log)
+            return Instance(name, await start(command, log), log)
+
+        async def gateway(name: str, port: int = 0) -> Instance:
+            instance = await launch(name, port)
             await instance.wait_listening()
             return instance
 
         try:
-            instances = [await gateway(f"gw{n}") for n in range(1, size + 1)]
+            instances = [await launch(f"gw{n}") for n in range(1, size + 1)]
+            for instance in instances:  # started together, then each waited for
+                await instance.wait_listening()
             port, stats = _free_port(), tmp_path / "haproxy.sock"
             servers = "\n".join(f"    server {i.name} 127.0.0.1:{i.port}" for i in instances)
             cfg = tmp_path / "haproxy.cfg"
