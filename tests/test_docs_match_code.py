@@ -234,5 +234,6 @@ def test_the_readme_names_every_skip_group_and_what_a_good_run_looks_like() -> N
     assert len(groups) >= 7, groups
     for group in groups:
         assert group in section, group
-    assert re.search(r"`\d+ passed, \d+ skipped in [\d.]+s", section), section
+    assert re.search(r"`\d+ passed in [\d.]+s", section), section
+    assert "N skipped" in section
     assert re.search(r"about \d+ minutes", section), section
