@@ -24,11 +24,12 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 
 import trio_hedge as th
-from trio_hedge.testing import Behaviour, RequestRecord, fake_replicas
+from trio_hedge.testing import Behaviour, FakeReplica, fake_replicas
 
 from .test_examples import _load, _serve
 
@@ -183,6 +184,38 @@ def _png_size(data: bytes) -> tuple[int, int]:
     return width, height
 
 
+@attrs.frozen
+class Example:
+    """The example's page served over two fake replicas, and a browser."""
+
+    url: str
+    primary: FakeReplica
+    backup: FakeReplica
+    tools: DevTools
+
+
+@asynccontextmanager
+async def example(
+    primary: Behaviour, backup: Behaviour, hedge_after: float
+) -> AsyncIterator[Example]:
+    """``examples/sse_server.py``'s app over a slow primary and a backup (``pick="in_order"``:
+    the primary first, as a preferred one), and headless Chromium; all stopped on exit."""
+    sse = _load("sse_server")
+    async with (
+        fake_replicas(primary, backup, names=["primary", "backup"]) as (p, b),
+        trio.open_nursery() as nursery,
+    ):
+        replicas = [th.Replica(r.url, name=r.name) for r in (p, b)]
+        config = th.HedgerConfig(hedge_after=hedge_after, pick="in_order")
+        async with th.Hedger(replicas, config) as hedger:
+            url, shutdown = await _serve(sse.App(hedger, "m"), nursery)
+            try:
+                async with chromium() as tools:
+                    yield Example(url, p, b, tools)
+            finally:
+                shutdown.set()
+
+
 async def test_the_page_shows_tokens_as_they_come_and_the_report() -> None:
     """Ask on the page: the answer grows on screen token by token (the page's text read
     while the backup streams, one word every 80 ms), then the report says the backup won,
@@ -192,27 +225,19 @@ async def test_the_page_shows_tokens_as_they_come_and_the_report() -> None:
     words = sse.ANSWER.split(" ")
     primary = Behaviour(ttft=1.0, token_delay=0.02, tokens=sse.ANSWER)
     backup = Behaviour(ttft=0.05, token_delay=0.08, tokens=sse.ANSWER)
-    async with (
-        fake_replicas(primary, backup, names=["primary", "backup"]) as (p, b),
-        trio.open_nursery() as nursery,
-    ):
-        replicas = [th.Replica(r.url, name=r.name) for r in (p, b)]
-        config = th.HedgerConfig(hedge_after=0.3, pick="in_order")
-        async with th.Hedger(replicas, config) as hedger:
-            url, shutdown = await _serve(sse.App(hedger, "m"), nursery)
-            with trio.fail_after(30):
-                async with chromium() as tools:
-                    await _open_tab(tools, url + "/")
-                    await tools.evaluate(ASK)
-                    seen: list[str] = []
-                    while not (report := await tools.evaluate(REPORT)):
-                        text = await tools.evaluate(OUT)
-                        if text and (not seen or text != seen[-1]):
-                            seen.append(text)
-                        await trio.sleep(0.02)  # the page's state, read as a user sees it
-                    final = await tools.evaluate(OUT)
-                    shot = await tools.send("Page.captureScreenshot", format="png")
-            shutdown.set()
+    with trio.fail_after(30):
+        async with example(primary, backup, hedge_after=0.3) as page:
+            tools, p = page.tools, page.primary
+            await _open_tab(tools, page.url + "/")
+            await tools.evaluate(ASK)
+            seen: list[str] = []
+            while not (report := await tools.evaluate(REPORT)):
+                text = await tools.evaluate(OUT)
+                if text and (not seen or text != seen[-1]):
+                    seen.append(text)
+                await trio.sleep(0.02)  # the page's state, read as a user sees it
+            final = await tools.evaluate(OUT)
+            shot = await tools.send("Page.captureScreenshot", format="png")
     assert final == sse.ANSWER
     growing = [s for s in seen if s != sse.ANSWER]
     assert len(growing) >= len(words) // 2, seen  # shown as the tokens came, not at the end
@@ -233,32 +258,20 @@ async def test_closing_the_tab_closes_every_upstream_attempt() -> None:
     """A long answer streaming into the page; the tab is closed: the backup streaming it
     sees its client go within 0.5 s, long before the end (400 tokens, 20 s), and the
     primary, cancelled at the commit, is closed too: no attempt is left open upstream."""
-    sse = _load("sse_server")
-
-    def backup(record: RequestRecord) -> Behaviour:
-        return Behaviour(ttft=0.05, token_delay=0.05, tokens=400)
-
     primary = Behaviour(ttft=5.0, tokens=400)
-    async with (
-        fake_replicas(primary, backup, names=["primary", "backup"]) as (p, b),
-        trio.open_nursery() as nursery,
-    ):
-        replicas = [th.Replica(r.url, name=r.name) for r in (p, b)]
-        config = th.HedgerConfig(hedge_after=0.1, pick="in_order")
-        async with th.Hedger(replicas, config) as hedger:
-            url, shutdown = await _serve(sse.App(hedger, "m"), nursery)
-            with trio.fail_after(30):
-                async with chromium() as tools:
-                    target = await _open_tab(tools, url + "/")
-                    await tools.evaluate(ASK)
-                    while len((await tools.evaluate(OUT) or "").split()) < 5:  # noqa: ASYNC110
-                        await trio.sleep(0.02)
-                    closed_at = trio.current_time()
-                    await tools.send("Target.closeTarget", targetId=target)
-                    with trio.fail_after(2):
-                        gone = await b.wait_disconnected(0)
-                        loser = await p.wait_finished(0)
-            shutdown.set()
+    backup = Behaviour(ttft=0.05, token_delay=0.05, tokens=400)
+    with trio.fail_after(30):
+        async with example(primary, backup, hedge_after=0.1) as page:
+            tools = page.tools
+            target = await _open_tab(tools, page.url + "/")
+            await tools.evaluate(ASK)
+            while len((await tools.evaluate(OUT) or "").split()) < 5:  # noqa: ASYNC110
+                await trio.sleep(0.02)
+            closed_at = trio.current_time()
+            await tools.send("Target.closeTarget", targetId=target)
+            with trio.fail_after(2):
+                gone = await page.backup.wait_disconnected(0)
+                loser = await page.primary.wait_finished(0)
     assert gone.disconnected_at is not None
     assert gone.disconnected_at - closed_at < 0.5
     assert 5 <= gone.tokens_sent < 400

@@ -34,7 +34,7 @@ from ._config import GatewayConfig
 from ._health_log import HealthLog
 from ._limits import Limiter
 from ._metrics import GatewayMetrics
-from ._server import Server, default_max_connections, open_listeners
+from ._server import Server, default_max_connections, open_listeners, requests_text
 
 __all__ = ["serve"]
 
@@ -53,21 +53,17 @@ async def _signals(stop: trio.Event, limiter: Limiter, server: Server) -> None:
                     "%s: shutting down gracefully (%s in flight); a second SIGTERM or "
                     "Ctrl-C stops at once, cancelling the requests in flight",
                     name,
-                    _requests(limiter.in_flight),
+                    requests_text(limiter.in_flight),
                 )
                 stop.set()
             else:
                 logger.info(
                     "second signal (%s): stopping now, cancelling %s in flight",
                     name,
-                    _requests(limiter.in_flight),
+                    requests_text(limiter.in_flight),
                 )
                 limiter.cancel_all()
                 server.hurry()
-
-
-def _requests(n: int) -> str:
-    return f"{n} request" if n == 1 else f"{n} requests"
 
 
 async def serve(
@@ -180,7 +176,7 @@ async def _accept_then_drain(
                 logger.info(
                     "listener closed: waiting up to drain_timeout=%g s for %s in flight",
                     config.limits.drain_timeout,
-                    _requests(limiter.in_flight),
+                    requests_text(limiter.in_flight),
                 )
             else:
                 logger.info("listener closed")

@@ -112,6 +112,7 @@ __all__ = [
     "default_max_connections",
     "open_listeners",
     "raise_fd_limit",
+    "requests_text",
 ]
 
 logger = logging.getLogger("trio_hedge.gateway")
@@ -167,8 +168,8 @@ def default_max_connections() -> int:
     return max(1, (1 << 20 if soft == resource.RLIM_INFINITY else soft) // 2)
 
 
-def _requests(n: int) -> str:
-    """``"1 request"``, ``"2 requests"``."""
+def requests_text(n: int) -> str:
+    """``"1 request"``, ``"2 requests"`` (for the log)."""
     return f"{n} request" if n == 1 else f"{n} requests"
 
 
@@ -692,7 +693,7 @@ class Server:
                 logger.info(
                     "drain_timeout=%g s passed: cancelling %s in flight",
                     drain_timeout,
-                    _requests(self.requests),
+                    requests_text(self.requests),
                 )
             cancel_all()
             with trio.move_on_after(CLOSE_GRACE):
