@@ -691,14 +691,35 @@ def check_targets(console: Console, summaries: Sequence[Summary]) -> bool:
     return all(ok for _, ok in checks)
 
 
-def plot_cdf(results: Sequence[Result], path: Path) -> None:
-    """CDF of caller-visible TTFT per strategy, with a log-scale view of the tail."""
+#: The strategies of the summary picture (``--plot``): the control, what people do, and the
+#: library, its routing alone for contrast.
+SUMMARY = (
+    "no hedging",
+    "timeout + retry",
+    "double send",
+    "whole-response race",
+    "trio_hedge, fixed P90 delay",
+    HEDGER,
+    ROUTING,
+)
+
+
+def plot_cdf(
+    results: Sequence[Result], path: Path, *, names: Sequence[str] | None = None, title: str = ""
+) -> None:
+    """CDF of caller-visible TTFT per strategy (only ``names``, in their order, when given),
+    with a log-scale view of the tail."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if names is not None:
+        by_name = {r.name: r for r in results}
+        results = [by_name[n] for n in names if n in by_name]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    if title:
+        fig.suptitle(title)
     for r in results:
         x = np.sort([o.ttft for o in r.outcomes])
         y = np.arange(1, len(x) + 1) / len(x)
@@ -744,6 +765,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Params, Path, bool]:
         "does not see (others)",
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PNG",
+        help="also draw the summary picture (TTFT CDF and tail of the main strategies) here; "
+        "docs/img/tail-ttft-cdf.png is this run's, with the defaults",
+    )
     args = parser.parse_args(argv)
     p = Params(
         requests=1_000 if args.quick else args.requests,
@@ -754,7 +782,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Params, Path, bool]:
         retry_timeout=args.retry_timeout,
         tenants=args.tenants,
     )
-    return p, args.out, args.quick
+    return p, args.out, args.quick, args.plot
 
 
 def hedger_strategies() -> list[tuple[str, Strategy]]:
@@ -827,7 +855,7 @@ def print_params(console: Console, p: Params, requests: Sequence[Request]) -> No
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p, out, quick = parse_args(argv)
+    p, out, quick, summary = parse_args(argv)
     console = Console(width=150)
     requests = make_requests(p)
     print_params(console, p, requests)
@@ -868,6 +896,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = out / "tail_cdf.png"
     plot_cdf(results, path)
     console.print(f"CDF plot: {path}")
+    if summary is not None:
+        who = "other tenants'" if p.tenants == "others" else "its own"
+        title = (
+            f"Caller-visible TTFT, {p.requests:,} requests, 2 replicas, load {p.load:g}, "
+            f"long prompts: {who} (benchmarks/tail.py, virtual time, seed {p.seed})"
+        )
+        plot_cdf(results, summary, names=SUMMARY, title=title)
+        console.print(f"summary picture: {summary}")
     ok = check_targets(console, summaries)
     if quick:
         console.print(

@@ -23,6 +23,7 @@ FULL = """
 [server]
 host = "0.0.0.0"
 port = 9000
+log_format = "json"
 
 [auth]
 keys_env = ["GW_KEY"]
@@ -35,6 +36,7 @@ drain_timeout = 10
 retry_after = 2
 hedge_after_min = 0.05
 hedge_after_max = 3
+drain_delay = 5
 
 [hedger]
 hedge_after = { percentile = 0.95, fallback = 0.5, classes = { first = 128 } }
@@ -80,7 +82,8 @@ def test_every_section_is_read(tmp_path: Path) -> None:
     config = load_config(path, environ=ENV)
     assert (config.host, config.port) == ("0.0.0.0", 9000)
     assert [(k.name, k.key) for k in config.keys] == [("GW_KEY", "sk-gw-secret")]
-    assert config.limits == Limits(50, 65536, 120.0, 10.0, 2.0, 0.05, 3.0)
+    assert config.limits == Limits(50, 65536, 120.0, 10.0, 2.0, 0.05, 3.0, drain_delay=5.0)
+    assert config.log_format == "json"
     primary, backup = config.replicas
     assert (primary.name, primary.api_key) == ("primary", "sk-primary")
     assert backup.overrides == {"model": "small"}

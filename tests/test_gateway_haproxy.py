@@ -2,8 +2,10 @@
 processes behind HAProxy (the system's package, started here on loopback; the tests skip
 without it), health-checked on ``/readyz``, as docs/gateway.md's scale-out section configures
 it. The fleet's extra requests stay within each instance's hedge budget, a client leaving is
-seen by the upstream through the balancer, and a SIGTERM'd instance drains its streams while
-the other takes the new ones, out of the balancer's rotation before its streams end."""
+seen by the upstream through the balancer, a SIGTERM'd instance drains its streams while
+the other takes the new ones, out of the balancer's rotation before its streams end, and a
+rolling restart of both (issue 31) loses no request and no stream, even through a balancer
+that does not retry."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import shutil
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,7 @@ import httpx
 import pytest
 import trio
 
-from trio_hedge.testing import Behaviour, FakeReplica, fake_replicas
+from trio_hedge.testing import Behaviour, FakeReplica, RequestRecord, fake_replicas
 
 HAPROXY = shutil.which("haproxy") or (
     "/usr/sbin/haproxy" if os.access("/usr/sbin/haproxy", os.X_OK) else None
@@ -105,8 +108,9 @@ def _listening_port(log: Path) -> int:
     return int(text.split(marker, 1)[1].split()[0])
 
 
-def _gateway_toml(replicas: Sequence[FakeReplica], hedger: str) -> str:
-    lines = ["[hedger]", hedger, 'pick = "in_order"', "", "[limits]", "drain_timeout = 20", ""]
+def _gateway_toml(replicas: Sequence[FakeReplica], hedger: str, limits: str = "") -> str:
+    lines = ["[hedger]", hedger, 'pick = "in_order"', "", "[limits]", "drain_timeout = 20"]
+    lines += [limits, ""]
     for r in replicas:
         lines += ["[[replicas]]", f'name = "{r.name}"', f'base_url = "{r.url}"', ""]
     return "\n".join(lines)
@@ -117,6 +121,8 @@ class Fleet:
     url: str  # the balancer's OpenAI base URL
     instances: list[Instance]
     stats: Path
+    #: Start a gateway named ``name`` on ``port`` (a restart: the old one's port).
+    start: Callable[[str, int], Awaitable[Instance]]
 
     def instance(self, name: str) -> Instance:
         return next(i for i in self.instances if i.name == name)
@@ -142,14 +148,26 @@ class Fleet:
             await trio.sleep(0.02)
 
 
+#: HAProxy without retries: a request it sent to an instance that refuses the connection or
+#: answers 503 reaches the client as an error (as through a balancer that cannot retry a
+#: POST safely, or a Kubernetes Service).
+NO_RETRIES = ("retries 2", "option redispatch 1", "retry-on conn-failure empty-response 503")
+
+
 @asynccontextmanager
 async def fleet(
-    tmp_path: Path, replicas: Sequence[FakeReplica], *, hedger: str, size: int = 2
+    tmp_path: Path,
+    replicas: Sequence[FakeReplica],
+    *,
+    hedger: str,
+    size: int = 2,
+    limits: str = "",
+    retries: bool = True,
 ) -> AsyncIterator[Fleet]:
     """``size`` gateways over ``replicas`` behind HAProxy; every child stopped on exit."""
     assert HAPROXY is not None
     config = tmp_path / "gateway.toml"
-    config.write_text(_gateway_toml(replicas, hedger))
+    config.write_text(_gateway_toml(replicas, hedger, limits))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     async with trio.open_nursery() as nursery:
         children: list[trio.Process] = []
@@ -165,23 +183,34 @@ async def fleet(
             children.append(process)
             return process
 
+        async def launch(name: str, port: int = 0) -> Instance:
+            log = tmp_path / f"{name}.{len(logs)}.log"
+            command = [sys.executable, "-m", "trio_hedge", "serve"]
+            command += ["--config", str(config), "--port", str(port)]
+            return Instance(name, await start(command, log), log)
+
+        async def gateway(name: str, port: int = 0) -> Instance:
+            instance = await launch(name, port)
+            await instance.wait_listening()
+            return instance
+
         try:
-            instances = []
-            for n in range(1, size + 1):
-                log = tmp_path / f"gw{n}.log"
-                command = [sys.executable, "-m", "trio_hedge", "serve"]
-                command += ["--config", str(config), "--port", "0"]
-                instances.append(Instance(f"gw{n}", await start(command, log), log))
-            for instance in instances:
+            instances = [await launch(f"gw{n}") for n in range(1, size + 1)]
+            for instance in instances:  # started together, then each waited for
                 await instance.wait_listening()
             port, stats = _free_port(), tmp_path / "haproxy.sock"
             servers = "\n".join(f"    server {i.name} 127.0.0.1:{i.port}" for i in instances)
             cfg = tmp_path / "haproxy.cfg"
-            cfg.write_text(HAPROXY_CONFIG.format(port=port, stats=stats, servers=servers))
+            text = HAPROXY_CONFIG.format(port=port, stats=stats, servers=servers)
+            if not retries:
+                for line in NO_RETRIES:
+                    text = text.replace(f"    {line}\n", "")
+                text = text.replace("defaults\n", "defaults\n    retries 0\n")
+            cfg.write_text(text)
             await start([HAPROXY, "-db", "-f", str(cfg)], tmp_path / "haproxy.log")
             while not stats.exists():  # noqa: ASYNC110 - another process: polled
                 await trio.sleep(0.02)
-            out = Fleet(f"http://127.0.0.1:{port}/v1", instances, stats)
+            out = Fleet(f"http://127.0.0.1:{port}/v1", instances, stats, gateway)
             await out.wait_states({i.name: "UP" for i in instances})
             yield out
         finally:
@@ -304,3 +333,93 @@ async def test_a_sigtermed_instance_drains_while_the_other_takes_new_requests(
                     assert data.count(b'"content":"tok') == 30
                     await stream.aclose()
                 assert await stopped.process.wait() == 0
+
+
+# -- a rolling restart (issue 31, item 3) -----------------------------------------------------
+
+#: Each stream: 40 tokens 50 ms apart (2 s); one starts every 0.2 s (20 over 4 s).
+STREAM_TOKENS, STREAMS, EVERY = 40, 20, 0.2
+
+
+async def _whole_stream(url: str) -> tuple[str, bytes]:
+    """One streaming request through the balancer, read to its end: who served it, and the
+    body."""
+    stream, data = await _open_stream(url)
+    async with stream:
+        while not data.endswith(b"0\r\n\r\n"):
+            chunk = await stream.receive_some()
+            if not chunk:
+                break
+            data += chunk
+    served = data.split(b"x-served-by: ")[1].split(b"\r\n")[0].decode()
+    return served, data
+
+
+async def _restart(f: Fleet, name: str) -> None:
+    """SIGTERM gateway ``name``, start its successor on its port once its listener closes,
+    and wait until HAProxy has the new one in rotation."""
+    old = f.instance(name)
+    old.process.send_signal(signal.SIGTERM)
+    while "listener closed" not in old.log.read_text():  # noqa: ASYNC110 - another process
+        await trio.sleep(0.02)
+    new = await f.start(name, old.port)
+    f.instances[f.instances.index(old)] = new
+    await f.wait_states({i.name: "UP" for i in f.instances})
+    assert await old.process.wait() == 0  # its streams drained whole, then it exited
+
+
+async def test_a_rolling_restart_loses_no_request_and_no_stream(tmp_path: Path) -> None:
+    """Two gateways behind HAProxy, with no retries at the balancer (a request it sends to
+    an instance that refuses it reaches the client as an error), ``drain_delay = 1``: 20
+    streams start through the pair, one every 0.2 s, and short requests go one after
+    another meanwhile; gw1 is SIGTERM'd and restarted on its port, then gw2. Every stream
+    ends whole (40 tokens, ``[DONE]``), every request gets 200, and both old processes exit
+    0. With ``drain_delay = 0`` (c6222d8's behaviour: the listener closed at once) requests
+    sent in the ~100 ms before the balancer's next health check are refused."""
+    short = {"model": "m", "messages": [{"role": "user", "content": "short"}]}
+
+    def paced(record: RequestRecord) -> Behaviour:  # short requests answer at once
+        if record.json and record.json.get("messages") == short["messages"]:
+            return Behaviour(tokens=2)
+        return Behaviour(tokens=STREAM_TOKENS, token_delay=0.05)
+
+    async with FakeReplica(paced, name="r") as replica:
+        with trio.fail_after(DEADLINE):
+            async with fleet(
+                tmp_path,
+                [replica],
+                hedger='hedge_after = "off"',
+                limits="drain_delay = 1",
+                retries=False,
+            ) as f:
+                streams: list[tuple[str, bytes]] = []
+                statuses: list[int] = []
+                done = trio.Event()
+
+                async def requests() -> None:
+                    async with httpx.AsyncClient(timeout=30) as client:
+                        while not done.is_set():
+                            response = await client.post(f"{f.url}/chat/completions", json=short)
+                            statuses.append(response.status_code)
+
+                async def stream() -> None:
+                    streams.append(await _whole_stream(f.url))
+
+                async with trio.open_nursery() as load:
+                    load.start_soon(requests)
+                    async with trio.open_nursery() as all_streams:
+                        for n in range(STREAMS):
+                            all_streams.start_soon(stream)
+                            await trio.sleep(EVERY)
+                            if n == 3:
+                                load.start_soon(_restart, f, "gw1")
+                        while len(streams) < STREAMS // 2:  # noqa: ASYNC110 - polled
+                            await trio.sleep(0.05)
+                        await _restart(f, "gw2")
+                    done.set()
+    assert len(streams) == STREAMS
+    for served, data in streams:
+        assert b"data: [DONE]" in data, (served, data[-300:])
+        assert data.count(b'"content":"tok') == STREAM_TOKENS
+    assert {served for served, _ in streams} == {"gw1", "gw2"}
+    assert len(statuses) > 100 and set(statuses) == {200}, Counter(statuses)

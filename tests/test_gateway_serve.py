@@ -96,7 +96,7 @@ async def test_sigterm_drains_then_cancels(drain: str) -> None:
                 clients.start_soon(_stream, url, out, started)
                 await started.wait()
                 gw.process.send_signal(signal.SIGTERM)
-                await gw.line_with("draining (1 in flight)")
+                await gw.line_with("shutting down gracefully (1 request in flight)")
                 with pytest.raises(httpx.ConnectError):  # no longer accepting
                     async with httpx.AsyncClient() as http:
                         await http.get(url.removesuffix("/v1") + "/healthz")

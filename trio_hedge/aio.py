@@ -70,6 +70,14 @@ DEFAULT_BUFFER = 256
 
 
 def _trio_asyncio_loop() -> Any:
+    if sniffio.current_async_library() == "trio":
+        # Trio code (trio.run, a Trio task under trio-asyncio): there is no asyncio task to
+        # hand the stream to, and trio-asyncio's own error says only "no running event loop".
+        raise RuntimeError(
+            "trio_hedge.aio is the asyncio API, called here from Trio code: use "
+            "trio_hedge.hedged_stream(...) (or trio_hedge.Hedger and hedger.stream(...)) "
+            "directly, with the same arguments"
+        )
     loop: Any = asyncio.get_running_loop()
     if not hasattr(loop, "trio_as_future"):
         raise RuntimeError(
@@ -200,7 +208,8 @@ class AioHedgedStream:
             winner may go past it). Default 256.
 
     Raises:
-        RuntimeError: entered outside a trio-asyncio loop, or twice.
+        RuntimeError: entered from Trio code (use the Trio API there), outside a
+            trio-asyncio loop, or twice.
     """
 
     def __init__(self, stream: HedgedStream, *, buffer: int = DEFAULT_BUFFER) -> None:

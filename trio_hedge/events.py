@@ -154,6 +154,9 @@ class HedgeEvent:
             ``failover_refused``: ``"throttle"`` or ``"no_replica"``; for replica events: why
             (the error kind, or ``"slow"``); else ``None``.
         until: for replica events: Trio time the cooldown or ejection ends.
+        model: for replica events: the model the cooldown or ejection holds for (a cooldown
+            is always for one model); ``None`` for an ejection for every model, and for
+            every other event.
         report: for ``request_finished``: the final [`Report`][trio_hedge.Report].
         request_key: an object unique to the request the event belongs to (compare by
             identity, use as a dict key), or ``None``: two requests may carry the same
@@ -170,6 +173,7 @@ class HedgeEvent:
     reason: str | None = None
     until: float | None = None
     report: Report | None = attrs.field(default=None, eq=False)
+    model: str | None = None
     request_key: object | None = attrs.field(default=None, eq=False, repr=False)
 
 

@@ -40,6 +40,7 @@ from trio_hedge.hedger import LoadMonitor
 from trio_hedge.instrumentation import LoggingHook
 from trio_hedge.policy import (
     Backoff,
+    HealthVerdict,
     HedgeBudget,
     HedgerStatistics,
     OutlierDetection,
@@ -91,6 +92,8 @@ async def one_request() -> str:
 def on_event(event: HedgeEvent) -> None:
     if event.kind is EventKind.COMMITTED and event.record is not None:
         assert_type(event.record.ttft, float | None)
+    if event.kind is EventKind.REPLICA_EJECTED:
+        assert_type(event.model, str | None)  # None: ejected for every model
 
 
 def timed(event: HedgeEvent) -> AbstractContextManager[object] | None:
@@ -147,6 +150,11 @@ async def production() -> None:
         assert_type(stats.hedges_sent, int)
         assert_type(stats.replicas[0].probe_reading, LoadReading | None)
         assert_type(shared.statistics().replicas[2].probe, str)
+        for verdict in stats.replicas[0].verdicts:
+            assert_type(verdict, HealthVerdict)
+            assert_type(verdict.model, str | None)
+            assert_type(verdict.seconds, float)
+        assert_type(stats.replicas[0].probe_error, str | None)
         assert_type(hedger.samples(), list[dict[str, Any]])
 
 

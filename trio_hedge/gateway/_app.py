@@ -52,6 +52,10 @@ _ROUTES = {
 }
 
 
+#: The ``api`` label of each forwarding route (as the replica-state gauges say it).
+_APIS = {"/v1/chat/completions": "chat", "/v1/messages": "anthropic", "/v1/responses": "responses"}
+
+
 def _content_length(ex: Exchange) -> int | None:
     value = ex.header(b"content-length")
     try:
@@ -94,6 +98,19 @@ def _ambiguous(ex: Exchange) -> ErrorAnswer | None:
 def _bearer(value: bytes) -> bytes:
     """The token of an ``Authorization: Bearer`` value (``b""`` for another scheme)."""
     return value[7:].strip() if value[:7].lower() == b"bearer " else b""
+
+
+def _no_route(path: str) -> str:
+    """The 404 message for ``path``: what to change when a client put ``/v1`` in its base URL
+    and an SDK that adds ``/v1`` itself (the Anthropic SDKs) doubled it."""
+    message = f"no route {path}"
+    if path.startswith("/v1/v1/"):
+        message += (
+            f" (did you mean {path[3:]}? The Anthropic SDKs add /v1 themselves: give them "
+            "base_url='http://HOST:PORT', without /v1; the OpenAI SDKs want "
+            "base_url='http://HOST:PORT/v1')"
+        )
+    return message
 
 
 class GatewayApp:
@@ -160,8 +177,12 @@ class GatewayApp:
             await _answer_defect(ex)
         finally:
             label = path if path in self._routes else "other"
-            status = str(ex.record.status)
+            record = ex.record
+            status = str(record.status)
             self.metrics.requests.labels(label, status).inc()
+            if record.ttft is not None and record.group is not None:
+                api = _APIS.get(path, "chat")
+                self.metrics.observe_ttft(api, record.group, record.model, record.ttft)
             if ex.record.key is not None:
                 self.metrics.key_requests.labels(ex.record.key, status).inc()
             ACCESS_LOGGER.info(ex.record.line())
@@ -181,7 +202,7 @@ class GatewayApp:
             return
         wanted = self._routes.get(path)
         if wanted is None:
-            await ex.error(ErrorAnswer(404, f"no route {path}", code="not_found"))
+            await ex.error(ErrorAnswer(404, _no_route(path), code="not_found"))
             return
         if method != wanted:
             answer = ErrorAnswer(405, f"{method} is not allowed on {path}", code="method")
@@ -315,8 +336,10 @@ class GatewayApp:
                 self.metrics.key_in_flight.labels(key).dec()
 
     async def _models(self, ex: Exchange) -> None:
-        """The replicas' own ``/models`` lists, merged (first seen first), and the group
-        model names that are not patterns."""
+        """The models this gateway serves: those the replicas' own ``/models`` lists name
+        (merged, first seen first) that a group takes and races on a replica that listed
+        it, and the group model names that are not patterns. A model a replica lists but
+        no group of it takes would be refused (404): it is left out."""
         found: dict[str, dict[str, Any]] = {}
         lists: list[list[dict[str, Any]]] = [[] for _ in self.config.replicas]
         forwarded = ex.header(b"authorization") if self.config.forward_client_key else None
@@ -339,9 +362,13 @@ class GatewayApp:
         async with trio.open_nursery() as nursery:
             for index, replica in enumerate(self.config.replicas):
                 nursery.start_soon(fetch, index, replica)
-        for models in lists:
+        config = self.config
+        for replica, models in zip(config.replicas, lists, strict=True):
             for model in models:
-                found.setdefault(str(model["id"]), model)
+                name = str(model["id"])
+                group = config.group_for(name)
+                if group is not None and replica.name in group.replicas:
+                    found.setdefault(name, model)
         for group in self.config.groups:
             for name in group.models:
                 if not any(c in name for c in "*?["):
@@ -357,7 +384,7 @@ class GatewayApp:
             api: {name: hedger.statistics().replicas for name, hedger in by_group.items()}
             for api, by_group in self._all.items()
         }
-        status, body = readiness(stats, draining=self.limiter.draining)
+        status, body = readiness(stats, draining=self.limiter.leaving)
         await ex.json(200 if status == "ready" else 503, json.dumps(body).encode())
 
 

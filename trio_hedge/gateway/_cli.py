@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import logging
 import math
 import os
 import signal
@@ -54,9 +53,13 @@ def add_commands(sub: Any) -> None:
         "serve",
         help="an OpenAI-compatible hedging gateway for any client (extra: gateway)",
         description=(
-            "Serve POST /v1/chat/completions (and /v1/models, /healthz, /readyz, /metrics), "
-            "racing the replicas with first-token hedging. Flags override the config file; "
-            "--replica replaces its replicas and groups. Durations are in seconds."
+            "Serve POST /v1/chat/completions, POST /v1/messages (Anthropic Messages: give the "
+            "Anthropic SDKs base_url http://HOST:PORT, without /v1) and POST /v1/responses "
+            "(OpenAI Responses), racing the replicas with first-token hedging; and GET "
+            "/v1/models, /healthz, /readyz, /metrics. Flags override the config file; "
+            "--replica replaces its replicas and groups. Durations are in seconds. On SIGTERM "
+            "or Ctrl-C it drains (--drain-delay, --drain-timeout); a second signal stops at "
+            "once."
         ),
     )
     serve.add_argument(
@@ -120,10 +123,18 @@ def add_commands(sub: Any) -> None:
         "after (default: 600)",
     )
     serve.add_argument(
+        "--drain-delay",
+        type=_seconds,
+        metavar="SECONDS",
+        help="on SIGTERM, how long /readyz answers 503 'draining' while new requests are still "
+        "served, before the listener closes: the time your load balancer needs to take this "
+        "instance out (default: 0)",
+    )
+    serve.add_argument(
         "--drain-timeout",
         type=_seconds,
         metavar="SECONDS",
-        help="on SIGTERM, how long requests in flight may go on (default: 30)",
+        help="then, how long requests in flight may go on before they are cancelled (default: 30)",
     )
     serve.add_argument(
         "--write-timeout",
@@ -142,6 +153,12 @@ def add_commands(sub: Any) -> None:
         default="info",
         choices=("debug", "info", "warning", "error"),
         help="what the gateway logs to stderr (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        help="stderr as text lines or one JSON object per line (config: [server] log_format; "
+        "default: text)",
     )
     serve.add_argument(
         "--gc-threshold",
@@ -236,14 +253,10 @@ def _serve(args: argparse.Namespace) -> int:
         )
         return 2
     from ._config import ConfigError, load_config, with_flags
+    from ._log_format import configure_logging
     from ._serve import serve
     from ._server import ListenError, raise_fd_limit
 
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()), format="%(message)s", stream=sys.stderr
-    )
-    for noisy in ("httpx", "httpcore", "trio_hedge.gateway.server"):  # a line per request
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     api_key = None
     if args.api_key_env:
         api_key = os.environ.get(args.api_key_env)
@@ -255,7 +268,13 @@ def _serve(args: argparse.Namespace) -> int:
         if getattr(args, flag) is not None:
             hedger[flag] = getattr(args, flag)
     limits: dict[str, Any] = {}
-    for flag in ("max_concurrent", "request_timeout", "drain_timeout", "write_timeout"):
+    for flag in (
+        "max_concurrent",
+        "request_timeout",
+        "drain_delay",
+        "drain_timeout",
+        "write_timeout",
+    ):
         if getattr(args, flag) is not None:
             limits[flag] = getattr(args, flag)
     try:
@@ -269,10 +288,12 @@ def _serve(args: argparse.Namespace) -> int:
             hedger=hedger,
             limits=limits,
             http2=False if args.http1_only else None,
+            log_format=args.log_format,
         )
     except (ConfigError, OSError) as exc:
         sys.stderr.write(f"trio-hedge: {exc}\n")
         return 2
+    configure_logging(args.log_level, config.log_format)
     if args.gc_threshold:
         _, gen1, gen2 = gc.get_threshold()
         gc.set_threshold(args.gc_threshold, gen1, gen2)

@@ -106,8 +106,8 @@ class Limits:
         request_timeout: the overall deadline of one chat request, first token to last;
             before the first token it answers 504, after it ends the stream with an in-band
             error. ``None``: no deadline. Default 600.
-        drain_timeout: on SIGTERM, how long in-flight requests may go on before they are
-            cancelled (their upstream attempts closed). Default 30.
+        drain_timeout: after the listener closes, how long in-flight requests may go on
+            before they are cancelled (their upstream attempts closed). Default 30.
         retry_after: the ``Retry-After`` of the gateway's own 503 answers (over the limit,
             draining) and of upstream 503s that gave none. Default 1.
         hedge_after_min: the least a client's ``X-Hedge-After`` is clamped to. Default 0.
@@ -134,6 +134,14 @@ class Limits:
             ``RLIMIT_NOFILE`` when ``serve`` starts; ``trio-hedge serve`` raises it to the
             hard limit first), so that idle connections cannot take the descriptors the
             gateway needs to reach its replicas. Default ``None``.
+        drain_delay: on SIGTERM, how long the gateway goes on serving new requests, its
+            listener open, while ``/readyz`` answers 503 ``draining``: the time a load
+            balancer or Kubernetes needs to see it and stop sending (a health check's
+            interval × the failures it needs, plus the time its routing takes to update).
+            Then the listener closes and the drain (``drain_timeout``) begins. A second
+            signal skips it. Default 0: the listener closes at once (Traefik's
+            ``requestAcceptGraceTimeout``, also 0 by default; Kubernetes users often get the
+            same with a ``preStop`` sleep).
     """
 
     max_concurrent: int = attrs.field(default=1000, validator=_positive_int)
@@ -149,6 +157,7 @@ class Limits:
     write_timeout: float | None = attrs.field(default=30.0, validator=_positive_seconds_or_none)
     body_timeout: float | None = attrs.field(default=30.0, validator=_positive_seconds_or_none)
     max_connections: int | None = attrs.field(default=None, validator=_positive_int_or_none)
+    drain_delay: float = attrs.field(default=0.0, validator=_non_negative_seconds)
 
     def __attrs_post_init__(self) -> None:
         if self.hedge_after_min > self.hedge_after_max:
@@ -276,6 +285,8 @@ class GatewayConfig:
         http2: serve h2c (HTTP/2 without TLS, prior knowledge or ``Upgrade``) besides
             HTTP/1.1 on the same port. ``False``: HTTP/1.1 only (a client's HTTP/2 preface
             is answered 505; an ``Upgrade: h2c`` is ignored). Default ``True``.
+        log_format: how ``trio-hedge serve`` writes its logs to stderr: ``"text"`` or
+            ``"json"`` (one JSON object per line). Default ``"text"``.
     """
 
     replicas: tuple[Replica, ...] = attrs.field(converter=_replicas)
@@ -286,6 +297,7 @@ class GatewayConfig:
     forward_client_key: bool = False
     limits: Limits = attrs.field(factory=Limits)
     http2: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    log_format: str = attrs.field(default="text", validator=attrs.validators.in_(("text", "json")))
 
     @port.validator
     def _check_port(self, _attribute: attrs.Attribute[int], value: object) -> None:
@@ -550,7 +562,7 @@ def parse_config(
     environ = os.environ if environ is None else environ
     _known(document, ("server", "auth", "limits", "hedger", "replicas", "groups"), "config")
     server = _table(document.get("server", {}), "server")
-    _known(server, ("host", "port", "http2"), "server")
+    _known(server, ("host", "port", "http2", "log_format"), "server")
     auth = _table(document.get("auth", {}), "auth")
     _known(auth, ("keys_env", "keys", "forward_client_key"), "auth")
     keys_env = auth.get("keys_env", [])
@@ -613,6 +625,7 @@ def parse_config(
             forward_client_key=auth.get("forward_client_key", False),
             limits=limits,
             http2=server.get("http2", True),
+            log_format=server.get("log_format", "text"),
         )
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"config: {exc}") from None
@@ -645,6 +658,7 @@ def with_flags(
     hedger: Mapping[str, Any] | None = None,
     limits: Mapping[str, Any] | None = None,
     http2: bool | None = None,
+    log_format: str | None = None,
 ) -> GatewayConfig:
     """``config`` (or none) with command-line flags over it: ``replicas`` (URLs) replace the
     file's replicas and groups; ``hedger`` fields apply to every group; ``limits`` fields
@@ -675,6 +689,8 @@ def with_flags(
             changes["port"] = port
         if http2 is not None:
             changes["http2"] = http2
+        if log_format is not None:
+            changes["log_format"] = log_format
         if limits:
             changes["limits"] = attrs.evolve(config.limits, **limits)
         if hedger:

@@ -319,10 +319,19 @@ class ChatForwarder:
         record = ex.record
         record.model = model
         if group is None:
+            if model is None:
+                message = (
+                    'the request has no "model": name one (GET /v1/models lists those this '
+                    "gateway serves; a request without one is served only by a group whose "
+                    'models include "*")'
+                )
+                answer = ErrorAnswer(400, message, code="missing_model", param="model")
+                raise Rejected(answer)
             raise Rejected(
                 ErrorAnswer(
                     404,
-                    f"The model {model!r} is not served by this gateway",
+                    f"The model {model!r} is not served by this gateway (GET /v1/models lists "
+                    "those it serves)",
                     code="model_not_found",
                     param="model",
                 )

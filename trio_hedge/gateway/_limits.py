@@ -33,14 +33,16 @@ class Limiter:
 
     No queue: past ``max_concurrent`` a request is refused at once (503 with
     ``Retry-After``), so a client or load balancer can try another instance instead of
-    waiting behind this one. While draining, new requests are refused and the ones in flight
-    go on until `cancel_all` (the drain timeout) cancels them.
+    waiting behind this one. While leaving (the drain delay) requests are still admitted but
+    ``/readyz`` says ``draining``; while draining, new requests are refused and the ones in
+    flight go on until `cancel_all` (the drain timeout) cancels them.
     """
 
     def __init__(self, max_concurrent: int) -> None:
         self.max_concurrent = max_concurrent
         self.in_flight = 0
-        self.draining = False
+        self.leaving = False  # /readyz answers 503 "draining"
+        self.draining = False  # new requests are refused
         self._scopes: set[trio.CancelScope] = set()
         self._cancelled = False
 
@@ -68,9 +70,13 @@ class Limiter:
         self._scopes.discard(scope)
         self.in_flight -= 1
 
+    def leave(self) -> None:
+        """Say ``draining`` on ``/readyz`` from now on; requests are still admitted."""
+        self.leaving = True
+
     def start_draining(self) -> None:
         """Refuse new requests from now on."""
-        self.draining = True
+        self.leaving = self.draining = True
 
     def cancel_all(self) -> None:
         """Cancel every request in flight (the drain timeout passed)."""

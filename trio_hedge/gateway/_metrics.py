@@ -4,9 +4,11 @@ Metrics live in the gateway's own registry (two gateways in one process, as in t
 collide): the library's [`PrometheusHook`][trio_hedge.instrumentation.PrometheusHook] counters
 (requests, attempts, backups won, hedges refused, replica events, TTFT histogram), the
 gateway's requests by path and status, requests in flight, relayed tokens, refusals by
-reason, and, read from every Hedger's ``statistics()`` at scrape time (each group's, on each
-route: chat completions, Messages, Responses), every replica's state and the learned hedge
-delays, and each probed replica's engine reading: what this instance has learned on its own.
+reason, the TTFT per API, group and model, and, read from every Hedger's ``statistics()`` at
+scrape time (each group's, on each route: chat completions, Messages, Responses), every
+replica's state, the learned hedge delays and the hedge budget's use, and each probed
+replica's engine reading: what this instance has learned on its own. ``deploy/grafana/`` has
+a dashboard of them and ``deploy/prometheus/`` the alert rules.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import attrs
 import trio
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -108,6 +110,12 @@ class _HedgerCollector(Collector):
             "The hedge delay a request gets now, per API, group, model and prompt-size class.",
             labels=["api", "group", "model", "size_class", "learned"],
         )
+        budget = GaugeMetricFamily(
+            "trio_hedge_gateway_hedge_budget_used",
+            "Backups sent over what the hedge budget allows in its window now (1: exhausted), "
+            "per API and group.",
+            labels=["api", "group"],
+        )
         tasks = GaugeMetricFamily("trio_hedge_gateway_trio_tasks", "Trio tasks alive.")
         try:
             trio.lowlevel.current_task()
@@ -132,8 +140,13 @@ class _HedgerCollector(Collector):
                     delays[key] = max(d.delay, delays.get(key, d.delay))
                 for (model, size_class, learned), seconds in delays.items():
                     delay.add_metric([api, group, model, size_class, learned], seconds)
+                config = hedger.config.budget
+                if config is not None and stats.budget_window is not None:
+                    requests, backups = stats.budget_window
+                    allowed = config.ratio * requests + config.min_per_second * config.window
+                    budget.add_metric([api, group], backups / allowed if allowed > 0 else 1.0)
         tasks.add_metric([], _count_tasks())
-        yield from (state, in_flight, delay, tasks)
+        yield from (state, in_flight, delay, budget, tasks)
         yield from _probe_metrics(probed)
 
 
@@ -219,7 +232,18 @@ class GatewayMetrics:
             ["key"],
             **kw,
         )
+        self.ttft = Histogram(
+            "trio_hedge_gateway_ttft_seconds",
+            "Client-visible time to first token (seconds), per API, group and model.",
+            ["api", "group", "model"],
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64),
+            **kw,
+        )
         self.models = ModelLabels(())
+
+    def observe_ttft(self, api: str, group: str, model: str | None, seconds: float) -> None:
+        """One answered request's TTFT (``model`` folded as `ModelLabels` says)."""
+        self.ttft.labels(api, group, self.models.label(model or "default")).observe(seconds)
 
     def watch(
         self, hedgers: Mapping[str, Mapping[str, Hedger]], models: Iterable[str] = ()

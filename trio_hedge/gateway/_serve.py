@@ -3,10 +3,17 @@ long-lived [`Hedger`][trio_hedge.Hedger] per group over one shared connection po
 connections themselves are ``_server.py``'s (hypercorn's protocol code, each connection
 contained and its writes bounded).
 
-Shutdown (SIGTERM or SIGINT, or ``stop.set()``): stop accepting, answer new requests on open
+Shutdown (SIGTERM or SIGINT, or ``stop.set()``): ``/readyz`` answers 503 ``draining`` while
+new requests are still served for ``drain_delay`` seconds (so that load balancers take the
+instance out of rotation first); then stop accepting, answer new requests on open
 connections with 503, let in-flight requests go on for ``drain_timeout`` seconds, then cancel
 them (each ends with an in-band error event, its upstream attempts closed), then close the
-connections and the pool. A second signal cancels at once.
+connections and the pool. A second signal stops at once: no more delay, the requests in
+flight cancelled.
+
+The health log (``_health_log.py``) runs beside the server: each Hedger announces its
+cooldowns and ejections, and a task compares the fleet with what the log has said every
+second.
 """
 
 from __future__ import annotations
@@ -18,14 +25,16 @@ import signal
 import trio
 
 from .. import Hedger
+from ..events import EventHook
 from ..hedger import LoadMonitor
 from ..transport import make_client
 from ._agent import agent_hedgers
 from ._app import GatewayApp
 from ._config import GatewayConfig
+from ._health_log import HealthLog
 from ._limits import Limiter
 from ._metrics import GatewayMetrics
-from ._server import Server, default_max_connections, open_listeners
+from ._server import Server, default_max_connections, open_listeners, requests_text
 
 __all__ = ["serve"]
 
@@ -38,13 +47,21 @@ BACKLOG = 4096
 async def _signals(stop: trio.Event, limiter: Limiter, server: Server) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
+            name = signal.Signals(signum).name
             if not stop.is_set():
                 logger.info(
-                    "%s: draining (%d in flight)", signal.Signals(signum).name, limiter.in_flight
+                    "%s: shutting down gracefully (%s in flight); a second SIGTERM or "
+                    "Ctrl-C stops at once, cancelling the requests in flight",
+                    name,
+                    requests_text(limiter.in_flight),
                 )
                 stop.set()
             else:
-                logger.info("second signal: cancelling %d requests now", limiter.in_flight)
+                logger.info(
+                    "second signal (%s): stopping now, cancelling %s in flight",
+                    name,
+                    requests_text(limiter.in_flight),
+                )
                 limiter.cancel_all()
                 server.hurry()
 
@@ -69,6 +86,7 @@ async def serve(
     stop = trio.Event() if stop is None else stop
     listeners = await open_listeners(config.host, config.port, BACKLOG)
     metrics = GatewayMetrics()
+    health = HealthLog()
     hedgers: dict[str, Hedger] = {}
     by_api: dict[str, dict[str, Hedger]] = {}
     async with make_client() as client:
@@ -78,8 +96,9 @@ async def serve(
         try:
             for group in config.groups:
                 replicas = [config.replica(name) for name in group.replicas]
+                hooks: list[EventHook] = [metrics.hook, health.hook("chat", group.name)]
                 hedgers[group.name] = Hedger(
-                    replicas, group.hedger, client=client, on_event=[metrics.hook], probes=monitor
+                    replicas, group.hedger, client=client, on_event=hooks, probes=monitor
                 )
             # The same groups speaking Anthropic Messages and OpenAI Responses (_agent.py).
             by_api = agent_hedgers(config, client, [metrics.hook], hedgers)
@@ -95,6 +114,9 @@ async def serve(
             )
             async with monitor, trio.open_nursery() as nursery:
                 nursery.start_soon(server.watch)
+                # One fleet view per group, whatever the route (the agent routes' Hedgers
+                # share the chat Hedger's state and hooks): its changes logged once.
+                nursery.start_soon(health.run, {"chat": hedgers})
                 if handle_signals:
                     nursery.start_soon(_signals, stop, limiter, server)
                 await _accept_then_drain(config, server, limiter, listeners, stop, task_status)
@@ -141,8 +163,25 @@ async def _accept_then_drain(
                 )
                 task_status.started(binds)
                 await stop.wait()
+                limits = config.limits
+                if limits.drain_delay > 0 and not server.hurried:
+                    limiter.leave()
+                    logger.info(
+                        "draining: /readyz answers 503 'draining'; new requests are still "
+                        "served for drain_delay=%g s, then the listener closes",
+                        limits.drain_delay,
+                    )
+                    await server.linger(limits.drain_delay)
                 limiter.start_draining()
                 accepting.cancel_scope.cancel()  # the listening sockets close
+            if limiter.in_flight and not server.hurried:
+                logger.info(
+                    "listener closed: waiting up to drain_timeout=%g s for %s in flight",
+                    config.limits.drain_timeout,
+                    requests_text(limiter.in_flight),
+                )
+            else:
+                logger.info("listener closed")
             await server.drain(config.limits.drain_timeout, limiter.cancel_all)
             connections.cancel_scope.cancel()
         finally:  # cancelled from outside: nothing may wait on a client

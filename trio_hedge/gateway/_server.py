@@ -112,6 +112,7 @@ __all__ = [
     "default_max_connections",
     "open_listeners",
     "raise_fd_limit",
+    "requests_text",
 ]
 
 logger = logging.getLogger("trio_hedge.gateway")
@@ -165,6 +166,11 @@ def default_max_connections() -> int:
     connections, the listeners and the logs)."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return max(1, (1 << 20 if soft == resource.RLIM_INFINITY else soft) // 2)
+
+
+def requests_text(n: int) -> str:
+    """``"1 request"``, ``"2 requests"`` (for the log)."""
+    return f"{n} request" if n == 1 else f"{n} requests"
 
 
 def _where(exc: BaseException) -> str:
@@ -658,9 +664,21 @@ class Server:
                         request.cancel()
 
     def hurry(self) -> None:
-        """End the drain's wait for requests now (a second signal)."""
+        """End the drain delay and the drain's wait for requests now (a second signal)."""
         self._hurry = True
         self.changed()
+
+    @property
+    def hurried(self) -> bool:
+        """Whether `hurry` was called."""
+        return self._hurry
+
+    async def linger(self, seconds: float) -> None:
+        """Wait ``seconds`` (the drain delay: the listener still open, requests still
+        served), or until `hurry` is called."""
+        with trio.move_on_after(seconds):
+            while not self._hurry:
+                await self._changed.wait()
 
     async def drain(self, drain_timeout: float, cancel_all: Callable[[], None]) -> None:
         """Let the requests in flight finish for ``drain_timeout`` seconds (idle keep-alive
@@ -671,7 +689,12 @@ class Server:
             while self.requests and not self._hurry:
                 await self._changed.wait()
         if self.requests:
-            logger.info("drain timeout: cancelling %d requests in flight", self.requests)
+            if not self._hurry:  # a second signal said so already, and cancelled them
+                logger.info(
+                    "drain_timeout=%g s passed: cancelling %s in flight",
+                    drain_timeout,
+                    requests_text(self.requests),
+                )
             cancel_all()
             with trio.move_on_after(CLOSE_GRACE):
                 while self.requests:

@@ -68,6 +68,8 @@ class LoggingHook:
             fields["reason"] = event.reason
         if event.until is not None:
             fields["until"] = round(event.until, 6)
+        if event.model is not None:
+            fields["model"] = event.model
         report = event.report
         if report is not None:
             fields.update(

@@ -18,7 +18,8 @@ decision) and [`StaticPlanner`][trio_hedge.policy.StaticPlanner] (a fixed, order
 A [`Hedger`][trio_hedge.Hedger]'s planner is private: it reads the fleet state every request shares.
 
 Statistics (frozen snapshots): [`HedgerStatistics`][trio_hedge.policy.HedgerStatistics],
-[`ReplicaStatistics`][trio_hedge.policy.ReplicaStatistics],
+[`ReplicaStatistics`][trio_hedge.policy.ReplicaStatistics] (with its
+[`HealthVerdict`][trio_hedge.policy.HealthVerdict]s),
 [`DelayStatistics`][trio_hedge.policy.DelayStatistics]. Helpers:
 [`estimate_prompt_tokens`][trio_hedge.policy.estimate_prompt_tokens],
 [`empirical_quantile`][trio_hedge.policy.empirical_quantile],
@@ -44,13 +45,14 @@ from ._prefill import PrefillFit
 from ._quantiles import empirical_quantile, km_quantile
 from ._sizing import SizeClasses, estimate_prompt_tokens
 from ._static import StaticPlanner
-from ._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
+from ._stats import DelayStatistics, HealthVerdict, HedgerStatistics, ReplicaStatistics
 from ._throttle import RetryThrottle
 
 __all__ = [
     "Attribution",
     "Backoff",
     "DelayStatistics",
+    "HealthVerdict",
     "HedgeBudget",
     "HedgePolicy",
     "HedgerConfig",

@@ -35,7 +35,7 @@ from ._delay import DelayModel, LearnedDelay
 from ._health import ModelState, ModelStates, ReplicaState
 from ._load import ProbeState
 from ._quantiles import empirical_quantile
-from ._stats import DelayStatistics, HedgerStatistics, ReplicaStatistics
+from ._stats import DelayStatistics, HealthVerdict, HedgerStatistics, ReplicaStatistics
 from ._throttle import ThrottleState
 
 __all__ = ["FleetCounts", "FleetState"]
@@ -269,6 +269,7 @@ class FleetState:
             "probe_reading": state.reading,
             "probe_polls": state.polls,
             "probe_failures": state.failures,
+            "probe_error": state.last_error if state.consecutive_failures else None,
             "predicted_wait": None if fresh is None else self.predicted(r, now, None),
             "probe_decisions": r.probe_decisions,
             "own_view_decisions": r.own_view_decisions,
@@ -278,13 +279,22 @@ class FleetState:
         cooling_until = ejected_until = -math.inf
         cooling_models: list[str] = []
         ejected_models: list[str] = []
+        verdicts: list[HealthVerdict] = []
         for model, entry in self.models.of(r.index):
             if entry.cooling_until > now:
                 cooling_models.append(model)
                 cooling_until = max(cooling_until, entry.cooling_until)
+                left = entry.cooling_until - now
+                verdicts.append(HealthVerdict("cooling", model, left, entry.cooling_reason))
             if entry.ejected_until > now:
                 ejected_models.append(model)
                 ejected_until = max(ejected_until, entry.ejected_until)
+                left = entry.ejected_until - now
+                verdicts.append(HealthVerdict("ejected", model, left, entry.ejected_reason))
+        verdicts.sort(key=lambda v: (v.model or "", v.state))
+        if r.ejected(now):
+            whole = HealthVerdict("ejected", None, r.ejected_until - now, r.ejected_reason)
+            verdicts.insert(0, whole)
         # The replica's own state is its whole-replica scope: an ejection or cooldown for a
         # model is that model's (``ejected_models``, ``cooling_models``), and a replica
         # serving other models is not out (readiness reads the scopes).
@@ -316,6 +326,7 @@ class FleetState:
             slow_attempts=0 if r.outcomes is None else r.outcomes.counts(now)[1],
             cooling_models=tuple(sorted(cooling_models)),
             ejected_models=tuple(sorted(ejected_models)),
+            verdicts=tuple(verdicts),
             **self._probe_statistics(r, now),  # type: ignore[arg-type]
         )
 

@@ -129,6 +129,7 @@ class ReplicaState:
     ejected_until: float = float("-inf")
     consecutive: int = 0
     ejections: int = 0  # since the last success: drives the growing back-off
+    ejected_reason: str | None = None  # why its last ejection for every model (statistics)
     times_ejected: int = 0  # ever, for statistics
     attempts: int = 0
     wins: int = 0
@@ -155,8 +156,6 @@ class ReplicaState:
     last_commit: float = float("-inf")
     # Its judged attempts (answered first, lost after the fleet's delay, failed) lately.
     outcomes: OutcomeWindow | None = None
-    # Why it was last ejected (whole), for statistics and logs.
-    reason: str = ""
 
     def latency_now(self, now: float, decay: float) -> float:
         """The peak-EWMA TTFT estimate now: the last value, decayed toward zero with time
@@ -245,8 +244,9 @@ class ModelState:
     # Its context window for this model, as a context-length error stated it (tokens), or
     # None: an estimated request size never teaches it (_judge: "context").
     window: int | None = None
-    # Why it last cooled or was ejected for this model, for statistics and logs.
-    reason: str = ""
+    # Why its last cooldown and its last ejection for this model (the events' ``reason``).
+    cooling_reason: str | None = None
+    ejected_reason: str | None = None
 
     def push_back(self, now: float, seconds: float) -> None:
         self.cooling_until = max(self.cooling_until, now + seconds)

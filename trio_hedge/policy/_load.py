@@ -30,7 +30,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 
-from ..sources.probes import LoadProbe, LoadReading
+from ..sources.probes import LoadProbe, LoadReading, ProbeError
 
 __all__ = ["ProbeState"]
 
@@ -69,7 +69,9 @@ class ProbeState:
         self.polls = 0
         self.failures = 0
         self.consecutive_failures = 0
-        self.last_error = ""  # the kind of the last failure (a class name), never a value
+        #: Why the last poll failed: a ``ProbeError``'s own text (the status and the configured
+        #: path, written by this library) or the error's class name, never a server's words.
+        self.last_error = ""
         self.quiet_until = -math.inf
         #: When a poll last saw the engine idle or its generated-token count move.
         self.progress_at = -math.inf
@@ -109,7 +111,7 @@ class ProbeState:
         self.polls += 1
         self.failures += 1
         self.consecutive_failures += 1
-        self.last_error = type(error).__name__
+        self.last_error = str(error) if isinstance(error, ProbeError) else type(error).__name__
         self.reading = None
 
     # -- the Hedger's own traffic -------------------------------------------------------------

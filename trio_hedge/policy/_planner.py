@@ -626,10 +626,16 @@ class RequestPlanner:
         for verdict in verdicts:
             if verdict.effect._name_ in _REMEMBERED:
                 self._remember(verdict, applied)
-        for replica, until, reason, _model in applied.ejected:
-            self._emit(EventKind.REPLICA_EJECTED, now, replica.name, reason=reason, until=until)
-        for replica, until, reason in applied.cooled:
-            self._emit(EventKind.REPLICA_COOLING, now, replica.name, reason=reason, until=until)
+        for replica, until, reason, model in applied.ejected:
+            self._emit(
+                EventKind.REPLICA_EJECTED, now, replica.name, reason=reason, until=until,
+                model=model,
+            )  # fmt: skip
+        for replica, until, reason, model in applied.cooled:
+            self._emit(
+                EventKind.REPLICA_COOLING, now, replica.name, reason=reason, until=until,
+                model=model,
+            )  # fmt: skip
 
     def _remember(self, verdict: Verdict, applied: Applied) -> None:
         evidence = self._evidence

@@ -11,7 +11,7 @@ import attrs
 from ..sources.probes import LoadReading
 from ._prefill import PrefillFit
 
-__all__ = ["DelayStatistics", "HedgerStatistics", "ReplicaStatistics"]
+__all__ = ["DelayStatistics", "HealthVerdict", "HedgerStatistics", "ReplicaStatistics"]
 
 
 @attrs.frozen
@@ -41,6 +41,29 @@ class DelayStatistics:
     learned: bool
 
 
+@attrs.frozen
+class HealthVerdict:
+    """One cooldown or ejection of a replica, in force at the snapshot (what
+    [`ReplicaStatistics.verdicts`][trio_hedge.policy.ReplicaStatistics] lists; the gateway logs
+    each one's start and end).
+
+    Attributes:
+        state: ``"cooling"`` (server pushback for ``model``) or ``"ejected"`` (outlier
+            detection, for ``model`` or for every model).
+        model: the model it holds for; ``None``: every model (an ejection after failures in
+            a row).
+        seconds: how long it still holds, in seconds from the snapshot.
+        reason: why, as the [`HedgeEvent`][trio_hedge.events.HedgeEvent] that began it said
+            (an error kind such as ``"rate_limited"`` or ``"auth"``, or ``"slow"``);
+            ``None`` when unknown.
+    """
+
+    state: str
+    model: str | None
+    seconds: float
+    reason: str | None = None
+
+
 _PROBE_FIELDS = frozenset(
     (
         "probe",
@@ -48,6 +71,7 @@ _PROBE_FIELDS = frozenset(
         "probe_reading",
         "probe_polls",
         "probe_failures",
+        "probe_error",
         "predicted_wait",
         "probe_decisions",
         "own_view_decisions",
@@ -105,6 +129,9 @@ class ReplicaStatistics:
             fresh or stale; ``None`` before the first reading and after a failed poll.
         probe_polls: polls made since the Hedger was entered.
         probe_failures: of those, polls that gave no reading.
+        probe_error: why its last poll failed while it is ``"failing"`` (the library's own
+            words, such as ``"HTTP 404 from GET /metrics"``, or the error's class name such
+            as ``"ConnectError"``; never the server's text); ``None`` otherwise.
         predicted_wait: with a fresh reading, the seconds the engine's queue makes a new
             short request wait before its prefill starts (``inf``: KV cache saturated);
             ``None`` otherwise.
@@ -112,6 +139,10 @@ class ReplicaStatistics:
             reading.
         own_view_decisions: the same, of a Hedger with probes, made from the Hedger's own
             view (no fresh reading).
+        verdicts: every cooldown and ejection in force now, each with its model, the
+            seconds it still holds and its reason
+            ([`HealthVerdict`][trio_hedge.policy.HealthVerdict]): an ejection for every
+            model first, then by model and state.
     """
 
     name: str
@@ -136,9 +167,11 @@ class ReplicaStatistics:
     probe_reading: LoadReading | None = None
     probe_polls: int = 0
     probe_failures: int = 0
+    probe_error: str | None = None
     predicted_wait: float | None = None
     probe_decisions: int = 0
     own_view_decisions: int = 0
+    verdicts: tuple[HealthVerdict, ...] = ()
 
     def __repr__(self) -> str:
         # The probe's fields only for a probed replica: a line per replica stays readable.

@@ -46,8 +46,8 @@ class Applied:
     def __init__(self) -> None:
         #: (replica, until, reason, model or None for the whole replica)
         self.ejected: list[tuple[ReplicaState, float, str, str | None]] = []
-        #: (replica, until, reason)
-        self.cooled: list[tuple[ReplicaState, float, str]] = []
+        #: (replica, until, reason, model)
+        self.cooled: list[tuple[ReplicaState, float, str, str]] = []
         #: A CREDIT verdict: whether the throttle granted it (None: none asked).
         self.credit: bool | None = None
         #: Throttle thousandths taken at once (DEBIT verdicts, a CREDIT refused).
@@ -131,7 +131,7 @@ class FleetWriter:
         replica.failures += 1
         until = self._failure(replica, req.model, now)
         if until is not None:
-            replica.reason = v.reason
+            replica.ejected_reason = v.reason
             self._record().ejected.append((replica, until, v.reason, None))
             self._publish_ejection(replica, None, until - now, v.reason)
 
@@ -150,7 +150,7 @@ class FleetWriter:
             replica.failures += 1
         until = self._eject_for_model(replica, v.model, now, v.seconds if outage else None)
         if until is not None:
-            self.fleet.models.make(replica.index, v.model).reason = v.reason
+            self.fleet.models.make(replica.index, v.model).ejected_reason = v.reason
             self._record().ejected.append((replica, until, v.reason, v.model))
             self._publish_ejection(replica, v.model, until - now, v.reason)
         elif outage:
@@ -166,7 +166,7 @@ class FleetWriter:
         assert replica is not None
         until = self._speed(replica, v.effect is _EFFECT_SLOW, req.model, now)
         if until is not None:
-            replica.reason = "slow"
+            replica.ejected_reason = "slow"
             self._record().ejected.append((replica, until, "slow", None))
             self._publish_ejection(replica, None, until - now, "slow")
 
@@ -210,8 +210,8 @@ class FleetWriter:
         fleet = self.fleet
         state = fleet.models.make(replica.index, model)
         state.push_back(now, seconds)
-        state.reason = reason
-        self._record().cooled.append((replica, state.cooling_until, reason))
+        state.cooling_reason = reason
+        self._record().cooled.append((replica, state.cooling_until, reason, model))
         if self.store is not None:
             self.store.publish(Cooldown(fleet.name, replica.name, model, seconds, reason))
 
@@ -440,16 +440,16 @@ class FleetWriter:
             if change.model is None:
                 if until > replica.ejected_until:
                     replica.ejected_until = until
-                    replica.reason = change.reason
+                    replica.ejected_reason = change.reason
             else:
                 state = fleet.models.make(replica.index, change.model)
                 if until > state.ejected_until:
                     state.ejected_until = until
-                    state.reason = change.reason
+                    state.ejected_reason = change.reason
         elif isinstance(change, Cooldown):
             state = fleet.models.make(replica.index, change.model)
             state.push_back(now, change.seconds)
-            state.reason = change.reason
+            state.cooling_reason = change.reason
         elif fleet.model is not None and isinstance(change, DelaySample):
             fleet.model.observe(
                 change.group,
