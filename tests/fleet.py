@@ -28,6 +28,7 @@ class Fail:
     at: float = 0.1
     kind: ErrorKind = ErrorKind.SERVER_ERROR
     retry_after: float | None = None
+    should_retry: bool | None = None  # the server's x-should-retry
 
 
 Behave = Callable[[str, AttemptInfo], "Script | Fail"]
@@ -44,7 +45,13 @@ class _Failing:
 
     async def __anext__(self) -> str:
         await trio.sleep_until(self._start + self._fail.at)
-        raise AttemptError(self._fail.kind, "scripted failure", retry_after=self._fail.retry_after)
+        fail = self._fail
+        raise AttemptError(
+            fail.kind,
+            "scripted failure",
+            retry_after=fail.retry_after,
+            should_retry=fail.should_retry,
+        )
 
     async def aclose(self) -> None:
         self._ledger.closed.append((self._name, self._info.number, trio.current_time()))

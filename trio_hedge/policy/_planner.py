@@ -64,8 +64,10 @@ class RequestPlanner:
         hedge_after: float | None = None,
         model: str | None = None,
         context_tokens: int | None = None,
+        priority: int = 0,
     ) -> None:
         self._fleet = fleet
+        self._priority = priority  # its class for the hedge budget (_budget: priority_reserve)
         self._make_source = bind
         self._request_id = request_id
         self._serial = fleet.next_serial()  # this request, whatever its id
@@ -398,13 +400,20 @@ class RequestPlanner:
         return chosen is not None and self._refusal(now) is None
 
     def _refusal(self, now: float) -> str | None:
-        """What would refuse a backup now, ``"throttle"`` or ``"budget"``, or ``None`` (a
-        check: nothing is counted or spent)."""
+        """What would refuse a backup now, ``"throttle"``, ``"budget"`` or ``"priority"`` (the
+        budget's share kept for higher classes), or ``None`` (a check: nothing is counted or
+        spent)."""
         fleet = self._fleet
         if fleet.throttle is not None and not fleet.throttle.allows:
             return "throttle"
-        if fleet.budget is not None and not fleet.budget.allows(now, early=self._early(now)):
-            return "budget"
+        budget = fleet.budget
+        if budget is not None:
+            early = self._early(now)
+            if not budget.allows(now, early=early):
+                return "budget"
+            # The part of the budget kept for the higher classes in the window.
+            if not budget.allows(now, early=early, priority=self._priority):
+                return "priority"
         return None
 
     def _fleet_delay(self, number: int, now: float) -> float | None:
@@ -502,7 +511,7 @@ class RequestPlanner:
 
     def _refuse(self, reason: str, now: float, *, failover: bool = False) -> bool:
         """Count and announce a hedge (or failover) not sent, for ``reason``: ``budget``,
-        ``throttle`` or ``no_replica``."""
+        ``priority``, ``throttle`` or ``no_replica``."""
         fleet = self._fleet
         fleet.counts.refused(reason, failover=failover)
         if self._saturated:
@@ -617,7 +626,7 @@ class RequestPlanner:
         if record.number == 1:
             counts.requests += 1
             if fleet.budget is not None:
-                fleet.budget.request(now)
+                fleet.budget.request(now, self._priority)
         if record.trigger == "hedge":
             counts.hedges_sent += 1
             if self._at_once is not None and record.number - 1 in self._at_once:
@@ -712,8 +721,9 @@ class RequestPlanner:
                 self._undecided = []
             self._undecided.append((replica, error))
         index = replica.index
-        if error.replica_fault:
-            self._used[index] = self._per_replica  # it would answer the same: not again
+        if not error.repeatable:
+            # It would answer the same, or said x-should-retry: false: not again.
+            self._used[index] = self._per_replica
         elif self._used[index] < self._per_replica and fleet.config.backoff is not None:
             # It may be tried again by this request: not before its back-off has passed.
             backoff = fleet.config.backoff
