@@ -1,0 +1,401 @@
+"""The admission queue's decisions: plain functions of its state and an event, returning what
+to do (httpcore's pool decides on its state and returns what to close; the I/O happens after,
+in ``_limits.py``). No clock is read here: every call is given ``now``.
+
+What it decides:
+
+* **places**: at most ``max_concurrent + max_queue`` chat requests are in the gateway at once
+  (running, waiting, or reading their body). A request arriving when they are all taken is
+  refused, unless its key has fewer places than the key with the most (by more than one), or
+  a higher class than some waiting request: then that key's newest waiting request of the
+  lowest class is refused instead (longest queue drop), so no key can take every place.
+* **who runs next**: a waiting request may run when the gateway, its group and its key each
+  have a slot. Of those that may, the highest priority class first; within a class, the
+  request whose key has received the fewest weighted tokens (the Virtual Token Counter:
+  prompt tokens charged at admission, ``completion_weight`` times the completion when the
+  answer reports it; a key joining the backlog is lifted to the smallest counter of the keys
+  already waiting, or of the last key admitted, so that spare capacity it did not use earns
+  it nothing; Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024); on a
+  tie, the key with fewer requests running; then arrival order. Work-conserving: a slot is
+  never left idle while a request that may use it waits, whatever its class or key.
+* **Retry-After**: from the queue's drain rate, by Little's law (requests running over the
+  mean time one runs, an EWMA of those that finished): a refused request's place in the
+  order over that rate (``fallback`` seconds before any request has finished).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
+
+import attrs
+
+__all__ = ["AdmissionState", "Capacity", "Outcome", "Waiter"]
+
+#: The weight of the newest finished request in the mean service time (an EWMA).
+SERVICE_WEIGHT = 0.2
+#: The longest Retry-After the queue estimates (seconds).
+MAX_RETRY_AFTER = 3600.0
+#: A key refused by its ledger for concurrency (its slots held by other gateways) is not
+#: tried again for at least this long (seconds).
+MIN_BLOCK = 0.05
+
+
+class Outcome(str, enum.Enum):
+    """Where a request is in the queue."""
+
+    READING = "reading"  # has a place, its body is being read
+    WAITING = "waiting"
+    RUNNING = "running"  # admitted: holds its gateway, group and key slots
+    REFUSED = "refused"  # refused while waiting: ``reason`` says why
+    GONE = "gone"  # left: finished, timed out, cancelled
+
+
+@attrs.define(eq=False, slots=True)
+class Waiter:
+    """One chat request in the gateway (mutable: the state below changes it).
+
+    Attributes:
+        seq: its arrival order (unique).
+        key: its gateway key's name (``""`` without gateway keys).
+        priority: its class, 0 to 9 (higher first).
+        arrived: when it took its place (the caller's clock, seconds).
+        group: its group, once its body is read.
+        tokens: its prompt tokens (estimated), charged to its key's counter at admission.
+        outcome: where it is now.
+        reason: why it was refused (``"queue_full"``, ``"draining"``), or ``None``.
+        retry_after: the estimate given with a refusal, seconds.
+        since: when it began waiting, or was admitted.
+        wake: called (by the caller's layer) when its outcome changes while it waits.
+    """
+
+    seq: int
+    key: str
+    priority: int
+    arrived: float
+    group: str | None = None
+    tokens: int = 0
+    outcome: Outcome = Outcome.READING
+    reason: str | None = None
+    retry_after: float = 0.0
+    since: float = 0.0
+    wake: Callable[[], None] | None = None
+
+
+@attrs.frozen
+class Capacity:
+    """The queue's limits (``None``: none).
+
+    Attributes:
+        max_concurrent: requests running in the gateway.
+        max_queue: places beyond ``max_concurrent``.
+        groups: requests running per group.
+        keys: requests running per key.
+        completion_weight: a completion token's weight in the key counters.
+        fallback: the Retry-After before any request has finished (seconds).
+    """
+
+    max_concurrent: int
+    max_queue: int
+    groups: Mapping[str, int | None] = attrs.field(factory=dict)
+    keys: Mapping[str, int | None] = attrs.field(factory=dict)
+    completion_weight: float = 2.0
+    fallback: float = 1.0
+
+
+class AdmissionState:
+    """The queue (see the module docstring). Each method takes ``now`` and returns the
+    waiters whose outcome it changed besides the one it was called for (admitted, or
+    refused to make room); the caller wakes them."""
+
+    def __init__(self, capacity: Capacity) -> None:
+        self.capacity = capacity
+        self.places = 0
+        self.places_by_key: Counter[str] = Counter()
+        self.running = 0
+        self.running_by_group: Counter[str] = Counter()
+        self.running_by_key: Counter[str] = Counter()
+        # priority class -> key -> its waiting requests, in arrival order
+        self.waiting: dict[int, dict[str, deque[Waiter]]] = {}
+        self.waiting_count = 0
+        self.waiting_by_key: Counter[str] = Counter()
+        #: The Virtual Token Counter of each key (weighted tokens received).
+        self.counters: dict[str, float] = {}
+        self._last_admitted: str | None = None
+        #: The mean time a request runs (seconds), ``None`` before one finished.
+        self.service: float | None = None
+        #: Keys their ledger refused for concurrency, until when.
+        self.blocked: dict[str, float] = {}
+        self.draining = False
+        self._seq = 0
+
+    # -- arriving ------------------------------------------------------------------------------
+
+    def enter(self, key: str, priority: int, now: float) -> tuple[Waiter | None, list[Waiter]]:
+        """A request arrives: ``(its waiter, holding a place, or None: refused; the waiters
+        refused to make room for it)``."""
+        self._seq += 1
+        waiter = Waiter(self._seq, key, priority, now, since=now)
+        cap = self.capacity
+        if self.draining:
+            return None, []
+        if self.places < cap.max_concurrent + cap.max_queue:
+            self._take_place(waiter)
+            return waiter, []
+        victim = self._victim()
+        if victim is None or not self._outranks(waiter, victim):
+            return None, []
+        self._refuse(victim, "queue_full", now)
+        self._take_place(waiter)
+        return waiter, [victim]
+
+    def _take_place(self, waiter: Waiter) -> None:
+        self.places += 1
+        self.places_by_key[waiter.key] += 1
+
+    def _victim(self) -> Waiter | None:
+        """The waiting request to refuse first: of the lowest class waiting, the newest of
+        the key holding the most places."""
+        if not self.waiting_count:
+            return None
+        lowest = min(p for p, by_key in self.waiting.items() if by_key)
+        by_key = self.waiting[lowest]
+        key = max(by_key, key=lambda k: (self.places_by_key[k], by_key[k][-1].seq))
+        return by_key[key][-1]
+
+    def _outranks(self, arrival: Waiter, victim: Waiter) -> bool:
+        if arrival.priority != victim.priority:
+            return arrival.priority > victim.priority
+        # Its key would still hold fewer places than the victim's after the swap.
+        return self.places_by_key[arrival.key] + 1 < self.places_by_key[victim.key]
+
+    def wait(self, waiter: Waiter, group: str, tokens: int, now: float) -> list[Waiter]:
+        """``waiter``'s body is read (it is for ``group``, ``tokens`` prompt tokens): it joins
+        the queue, and every request that may run now is admitted (it may be one)."""
+        waiter.group = group
+        waiter.tokens = tokens
+        self._join(waiter, now)
+        return self.dispatch(now)
+
+    def _join(self, waiter: Waiter, now: float) -> None:
+        key = waiter.key
+        if not self.waiting_by_key[key]:
+            self._lift(key)
+        by_key = self.waiting.setdefault(waiter.priority, {})
+        queue = by_key.get(key)
+        if queue is None:
+            queue = by_key[key] = deque()
+        if queue and queue[-1].seq > waiter.seq:  # back in (its ledger refused it): in order
+            index = next(i for i, w in enumerate(queue) if w.seq > waiter.seq)
+            queue.insert(index, waiter)
+        else:
+            queue.append(waiter)
+        self.waiting_count += 1
+        self.waiting_by_key[key] += 1
+        waiter.outcome = Outcome.WAITING
+        waiter.since = now
+
+    def _lift(self, key: str) -> None:
+        """VTC's counter lift: a key joining the backlog starts from the smallest counter of
+        the keys waiting (else of the last key admitted), never from below."""
+        counters = self.counters
+        others = [counters.get(k, 0.0) for k, n in self.waiting_by_key.items() if n and k != key]
+        if others:
+            floor = min(others)
+        elif self._last_admitted is not None:
+            floor = counters.get(self._last_admitted, 0.0)
+        else:
+            floor = 0.0
+        counters[key] = max(counters.get(key, 0.0), floor)
+
+    # -- choosing ------------------------------------------------------------------------------
+
+    def choose(self, now: float) -> Waiter | None:
+        """The waiting request to admit next, or ``None`` (none may run now)."""
+        cap = self.capacity
+        if self.running >= cap.max_concurrent or not self.waiting_count:
+            return None
+        counters = self.counters
+        for priority in sorted(self.waiting, reverse=True):
+            best: Waiter | None = None
+            best_rank: tuple[float, int, int] = (math.inf, 0, 0)
+            for key, queue in self.waiting[priority].items():
+                if not queue or not self._key_has_room(key, now):
+                    continue
+                for waiter in queue:  # its oldest request whose group has room
+                    if self._group_has_room(waiter.group):
+                        # Ties (a key just lifted to another's counter): the key with fewer
+                        # requests running first, then arrival.
+                        rank = (counters.get(key, 0.0), self.running_by_key[key], waiter.seq)
+                        if rank < best_rank:
+                            best, best_rank = waiter, rank
+                        break
+            if best is not None:
+                return best
+        return None
+
+    def _key_has_room(self, key: str, now: float) -> bool:
+        until = self.blocked.get(key)
+        if until is not None:
+            if until > now:
+                return False
+            del self.blocked[key]
+        limit = self.capacity.keys.get(key)
+        return limit is None or self.running_by_key[key] < limit
+
+    def _group_has_room(self, group: str | None) -> bool:
+        limit = self.capacity.groups.get(group or "")
+        return limit is None or self.running_by_group[group or ""] < limit
+
+    def dispatch(self, now: float) -> list[Waiter]:
+        """Admit every waiting request that may run now, best first."""
+        admitted: list[Waiter] = []
+        while True:
+            waiter = self.choose(now)
+            if waiter is None:
+                return admitted
+            self._unqueue(waiter)
+            self._admit(waiter, now)
+            admitted.append(waiter)
+
+    def _admit(self, waiter: Waiter, now: float) -> None:
+        self.running += 1
+        self.running_by_group[waiter.group or ""] += 1
+        self.running_by_key[waiter.key] += 1
+        self.counters[waiter.key] = self.counters.get(waiter.key, 0.0) + waiter.tokens
+        self._last_admitted = waiter.key
+        waiter.outcome = Outcome.RUNNING
+        waiter.since = now
+
+    def _unqueue(self, waiter: Waiter) -> None:
+        by_key = self.waiting[waiter.priority]
+        queue = by_key[waiter.key]
+        queue.remove(waiter)
+        if not queue:
+            del by_key[waiter.key]
+            if not by_key:
+                del self.waiting[waiter.priority]
+        self.waiting_count -= 1
+        self.waiting_by_key[waiter.key] -= 1
+        if not self.waiting_by_key[waiter.key]:
+            del self.waiting_by_key[waiter.key]
+
+    # -- leaving -------------------------------------------------------------------------------
+
+    def unadmit(self, waiter: Waiter, retry_in: float, now: float) -> list[Waiter]:
+        """``waiter`` was admitted but its key's ledger refused it for concurrency (other
+        gateways hold its slots): back in the queue in its arrival order, its key blocked for
+        ``retry_in`` seconds (at least `MIN_BLOCK`); the slot goes to another request."""
+        self._free_slot(waiter)
+        self.counters[waiter.key] -= waiter.tokens
+        self.blocked[waiter.key] = now + max(retry_in, MIN_BLOCK)
+        self._join(waiter, now)
+        return self.dispatch(now)
+
+    def refuse_running(self, waiter: Waiter, now: float) -> list[Waiter]:
+        """``waiter`` was admitted but its key's ledger refused it (its rate, its tokens per
+        minute): it leaves, uncharged, and its slot goes to another request."""
+        self._free_slot(waiter)
+        self.counters[waiter.key] -= waiter.tokens
+        self._free_place(waiter)
+        waiter.outcome = Outcome.REFUSED
+        waiter.reason = "ledger"
+        return self.dispatch(now)
+
+    def finish(
+        self,
+        waiter: Waiter,
+        now: float,
+        *,
+        prompt: int | None = None,
+        completion: int | None = None,
+    ) -> list[Waiter]:
+        """``waiter`` leaves, whatever its state. One that ran is charged what its answer
+        reported (``prompt`` in place of the estimate charged at admission, ``completion``
+        times ``completion_weight``), and its time running feeds the mean service time."""
+        if waiter.outcome is Outcome.RUNNING:
+            self._free_slot(waiter)
+            ran = now - waiter.since
+            service = self.service
+            self.service = ran if service is None else service + SERVICE_WEIGHT * (ran - service)
+            extra = 0.0
+            if prompt is not None:
+                extra += prompt - waiter.tokens
+            if completion is not None:
+                extra += self.capacity.completion_weight * completion
+            if extra:
+                self.counters[waiter.key] = self.counters.get(waiter.key, 0.0) + extra
+        elif waiter.outcome is Outcome.WAITING:
+            self._unqueue(waiter)
+        if waiter.outcome is not Outcome.GONE and waiter.outcome is not Outcome.REFUSED:
+            self._free_place(waiter)
+        waiter.outcome = Outcome.GONE
+        return self.dispatch(now)
+
+    def _free_slot(self, waiter: Waiter) -> None:
+        self.running -= 1
+        self.running_by_group[waiter.group or ""] -= 1
+        self.running_by_key[waiter.key] -= 1
+
+    def _free_place(self, waiter: Waiter) -> None:
+        self.places -= 1
+        self.places_by_key[waiter.key] -= 1
+        if not self.places_by_key[waiter.key]:
+            del self.places_by_key[waiter.key]
+
+    def _refuse(self, waiter: Waiter, reason: str, now: float) -> None:
+        waiter.retry_after = self.retry_after(waiter, now) if reason == "queue_full" else 0.0
+        self._unqueue(waiter)
+        self._free_place(waiter)
+        waiter.outcome = Outcome.REFUSED
+        waiter.reason = reason
+
+    def drain(self, now: float) -> list[Waiter]:
+        """The gateway is shutting down: no more places, every waiting request refused."""
+        self.draining = True
+        refused = [w for by_key in self.waiting.values() for q in by_key.values() for w in q]
+        for waiter in refused:
+            self._refuse(waiter, "draining", now)
+        return refused
+
+    # -- estimates -----------------------------------------------------------------------------
+
+    def retry_after(self, waiter: Waiter | None, now: float) -> float:
+        """Seconds until ``waiter`` (``None``: a request arriving now) could run, by the drain
+        rate of the limit that holds it: its place among the requests waiting on that limit
+        (by class, then arrival) over the requests running under it divided by the mean time
+        one runs. ``capacity.fallback`` before any request has finished; a key its ledger
+        blocks, until the block ends."""
+        cap = self.capacity
+        service = self.service
+        if waiter is None or self.running >= cap.max_concurrent:
+            running, peers = self.running, self._waiting_where(lambda w: True)
+        elif not self._group_has_room(waiter.group):
+            group = waiter.group
+            running = self.running_by_group[group or ""]
+            peers = self._waiting_where(lambda w: w.group == group)
+        elif not self._key_has_room(waiter.key, now):
+            if waiter.key in self.blocked:
+                return min(MAX_RETRY_AFTER, max(0.0, self.blocked[waiter.key] - now))
+            key = waiter.key
+            running, peers = self.running_by_key[key], self._waiting_where(lambda w: w.key == key)
+        else:
+            return cap.fallback
+        if service is None or running <= 0:
+            return cap.fallback
+        if waiter is None:
+            ahead = len(peers) + 1
+        else:
+            ahead = 1 + sum(
+                1
+                for w in peers
+                if w is not waiter and (w.priority, -w.seq) > (waiter.priority, -waiter.seq)
+            )
+        return min(MAX_RETRY_AFTER, ahead * service / running)
+
+    def _waiting_where(self, keep: Callable[[Waiter], bool]) -> list[Waiter]:
+        return [
+            w for by_key in self.waiting.values() for q in by_key.values() for w in q if keep(w)
+        ]
