@@ -198,7 +198,7 @@ def test_the_queue_decides(name: str) -> None:
 
 def test_retry_after_follows_the_drain_rate() -> None:
     """Little's law: 2 running, each ~1 s; the n-th waiting request runs in about n / 2 s.
-    Before any request finished: the fallback. A higher class is ahead of everyone."""
+    Before any request finished: the fallback."""
     state = AdmissionState(Capacity(max_concurrent=2, max_queue=100, fallback=1.0))
     waiters = []
     for _ in range(5):
@@ -215,7 +215,12 @@ def test_retry_after_follows_the_drain_rate() -> None:
     top, _ = state.enter("b", 5, 1.0)
     assert top is not None
     state.wait(top, "g", 10, 1.0)
-    assert [state.retry_after(w, 1.0) for w in (top, *waiters[3:])] == [0.5, 1.0, 1.5]
+    # A higher class is placed ahead of everyone; the others keep the place in line they
+    # joined with (an estimate: a class that came after is not counted).
+    assert [state.retry_after(w, 1.0) for w in (top, *waiters[3:])] == [0.5, 0.5, 1.0]
+    # A cohort leaving together is told a spread: each its own place, not "first" in turn.
+    state.finish(waiters[3], 1.0)
+    assert state.retry_after(waiters[4], 1.0) == 1.0
     state.finish(waiters[1], 3.0)  # ran 3 s: the mean moves a fifth of the way
     assert state.service == pytest.approx(1.4)
 
@@ -294,9 +299,9 @@ async def test_the_queue_waits_then_refuses_with_the_drain_rate(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """2 slots, 1 s per request, 6 requests 10 ms apart, queue_wait 1.5 s: two run at once,
-    two when those end, the last two time out with the drain estimate: first in line when
-    it leaves (the other left just before), over 2 slots of 1 s: 0.5 s (they would have run
-    0.46 s later)."""
+    two when those end, the last two time out with the drain estimate: their places in line
+    (1st, 2nd) over 2 slots of 1 s, 0.5 and 1.0 s (both would have run 0.46 s later: the
+    estimate is within one request's time)."""
     limiter = Limiter(_config(max_concurrent=2, queue_wait=1.5))
     out: dict[str, Any] = {}
     async with trio.open_nursery() as nursery:
@@ -309,7 +314,7 @@ async def test_the_queue_waits_then_refuses_with_the_drain_rate(
         "r2": (1.0, pytest.approx(0.98)),
         "r3": (1.01, pytest.approx(0.98)),
         "r4": ("queue_timeout", 0.5),
-        "r5": ("queue_timeout", 0.5),
+        "r5": ("queue_timeout", 1.0),
     }
     assert (limiter.state.places, limiter.in_flight, limiter.queued) == (0, 0, 0)
 

@@ -29,8 +29,11 @@ import enum
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import attrs
+
+_T = TypeVar("_T")
 
 __all__ = ["AdmissionState", "Capacity", "Outcome", "Waiter"]
 
@@ -41,6 +44,13 @@ MAX_RETRY_AFTER = 3600.0
 #: A key refused by its ledger for concurrency (its slots held by other gateways) is not
 #: tried again for at least this long (seconds).
 MIN_BLOCK = 0.05
+
+
+def _down(counter: Counter[_T], name: _T) -> None:
+    """One less of ``name``; none left, no entry (the counters stay as small as the queue)."""
+    counter[name] -= 1
+    if not counter[name]:
+        del counter[name]
 
 
 class Outcome(str, enum.Enum):
@@ -69,6 +79,8 @@ class Waiter:
         retry_after: the estimate given with a refusal, seconds.
         since: when it began waiting, or was admitted.
         wake: called (by the caller's layer) when its outcome changes while it waits.
+        mark: when it first joined the queue: the requests waiting ahead of it on the
+            gateway, its group and its key, and those admitted under each until then.
     """
 
     seq: int
@@ -82,6 +94,7 @@ class Waiter:
     retry_after: float = 0.0
     since: float = 0.0
     wake: Callable[[], None] | None = None
+    mark: tuple[int, int, int, int, int, int] | None = None
 
 
 @attrs.frozen
@@ -126,6 +139,12 @@ class AdmissionState:
         self._last_admitted: str | None = None
         #: The mean time a request runs (seconds), ``None`` before one finished.
         self.service: float | None = None
+        #: Requests admitted, in all, per group and per key (for the drain estimates).
+        self.admitted = 0
+        self.admitted_by_group: Counter[str] = Counter()
+        self.admitted_by_key: Counter[str] = Counter()
+        self.waiting_by_group: Counter[str] = Counter()
+        self.waiting_by_priority: Counter[int] = Counter()
         #: Keys their ledger refused for concurrency, until when.
         self.blocked: dict[str, float] = {}
         self.draining = False
@@ -192,8 +211,20 @@ class AdmissionState:
             queue.insert(index, waiter)
         else:
             queue.append(waiter)
+        if waiter.mark is None:  # its place in line when it first joined (the estimates')
+            group = waiter.group or ""
+            waiter.mark = (
+                sum(n for p, n in self.waiting_by_priority.items() if p >= waiter.priority),
+                self.waiting_by_group[group],
+                self.waiting_by_key[key],
+                self.admitted,
+                self.admitted_by_group[group],
+                self.admitted_by_key[key],
+            )
         self.waiting_count += 1
         self.waiting_by_key[key] += 1
+        self.waiting_by_group[waiter.group or ""] += 1
+        self.waiting_by_priority[waiter.priority] += 1
         waiter.outcome = Outcome.WAITING
         waiter.since = now
 
@@ -266,6 +297,9 @@ class AdmissionState:
         self.running_by_key[waiter.key] += 1
         self.counters[waiter.key] = self.counters.get(waiter.key, 0.0) + waiter.tokens
         self._last_admitted = waiter.key
+        self.admitted += 1
+        self.admitted_by_group[waiter.group or ""] += 1
+        self.admitted_by_key[waiter.key] += 1
         waiter.outcome = Outcome.RUNNING
         waiter.since = now
 
@@ -278,9 +312,9 @@ class AdmissionState:
             if not by_key:
                 del self.waiting[waiter.priority]
         self.waiting_count -= 1
-        self.waiting_by_key[waiter.key] -= 1
-        if not self.waiting_by_key[waiter.key]:
-            del self.waiting_by_key[waiter.key]
+        _down(self.waiting_by_key, waiter.key)
+        _down(self.waiting_by_group, waiter.group or "")
+        _down(self.waiting_by_priority, waiter.priority)
 
     # -- leaving -------------------------------------------------------------------------------
 
@@ -363,39 +397,35 @@ class AdmissionState:
     # -- estimates -----------------------------------------------------------------------------
 
     def retry_after(self, waiter: Waiter | None, now: float) -> float:
-        """Seconds until ``waiter`` (``None``: a request arriving now) could run, by the drain
-        rate of the limit that holds it: its place among the requests waiting on that limit
-        (by class, then arrival) over the requests running under it divided by the mean time
-        one runs. ``capacity.fallback`` before any request has finished; a key its ledger
-        blocks, until the block ends."""
+        """Seconds until ``waiter`` (``None``: a request arriving now, behind every waiting
+        one) could run, by the drain rate of the limit that holds it (the gateway's, its
+        group's or its key's): its place in line when it joined (the requests of its class or
+        a higher one waiting on that limit, then), less the requests admitted under it since,
+        over the requests running under it divided by the mean time one runs. A cohort timing
+        out together is so told a spread of times, each its own place. ``capacity.fallback``
+        before any request has finished; a key its ledger blocks, until the block ends."""
         cap = self.capacity
-        service = self.service
-        if waiter is None or self.running >= cap.max_concurrent:
-            running, peers = self.running, self._waiting_where(lambda w: True)
-        elif not self._group_has_room(waiter.group):
-            group = waiter.group
-            running = self.running_by_group[group or ""]
-            peers = self._waiting_where(lambda w: w.group == group)
-        elif not self._key_has_room(waiter.key, now):
-            if waiter.key in self.blocked:
-                return min(MAX_RETRY_AFTER, max(0.0, self.blocked[waiter.key] - now))
-            key = waiter.key
-            running, peers = self.running_by_key[key], self._waiting_where(lambda w: w.key == key)
+        if waiter is None:
+            scope, running, remaining = 0, self.running, self.waiting_count + 1
         else:
-            return cap.fallback
+            group, key = waiter.group or "", waiter.key
+            if self.running >= cap.max_concurrent:
+                scope, running, admitted = 0, self.running, self.admitted
+            elif not self._group_has_room(group):
+                scope, running = 1, self.running_by_group[group]
+                admitted = self.admitted_by_group[group]
+            elif not self._key_has_room(key, now):
+                if key in self.blocked:
+                    return min(MAX_RETRY_AFTER, max(0.0, self.blocked[key] - now))
+                scope, running = 2, self.running_by_key[key]
+                admitted = self.admitted_by_key[key]
+            else:
+                return cap.fallback
+            mark = waiter.mark
+            assert mark is not None  # it joined the queue
+            ahead, since = mark[scope], mark[3 + scope]
+            remaining = max(1, ahead + 1 - (admitted - since))
+        service = self.service
         if service is None or running <= 0:
             return cap.fallback
-        if waiter is None:
-            ahead = len(peers) + 1
-        else:
-            ahead = 1 + sum(
-                1
-                for w in peers
-                if w is not waiter and (w.priority, -w.seq) > (waiter.priority, -waiter.seq)
-            )
-        return min(MAX_RETRY_AFTER, ahead * service / running)
-
-    def _waiting_where(self, keep: Callable[[Waiter], bool]) -> list[Waiter]:
-        return [
-            w for by_key in self.waiting.values() for q in by_key.values() for w in q if keep(w)
-        ]
+        return min(MAX_RETRY_AFTER, remaining * service / running)
