@@ -9,6 +9,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -69,6 +70,7 @@ def play(capacity: Capacity, steps: Sequence[Step]) -> list[str]:
 
 
 ONE = Capacity(max_concurrent=1, max_queue=100)
+THREE = Capacity(max_concurrent=3, max_queue=100)
 
 
 def arrive(at: float, name: str, priority: int = 0, group: str = "g", tokens: int = 100) -> Step:
@@ -91,24 +93,46 @@ SCENARIOS: dict[str, tuple[Capacity, list[Step], list[str]]] = {
         [arrive(0, "a1"), arrive(1, "b1", 0), arrive(2, "c1", 5), finish(3, "a1"), finish(4, "c1")],
         ["a1 runs", "b1 waits", "c1 waits", "c1 runs", "b1 runs"],
     ),
-    # Token-fair (VTC): h queued 4 requests first; l's one goes next, as it received fewer
-    # tokens (h: 100 charged at h1's admission; l lifted to h's 100, then h2 admitted first
-    # on the tie by arrival, 200 > 100).
+    # Token-fair: h queued 3 requests first; l's goes next, as it received fewer tokens
+    # recently (h: 100 charged at h1's admission, l: none).
     "the key with fewer tokens goes first": (
         ONE,
         [
-            arrive(0, "h1"), arrive(0.1, "h2"), arrive(0.2, "h3"), arrive(0.3, "h4"),
-            arrive(0.5, "l1"), finish(1, "h1"), finish(2, "h2"), finish(3, "l1"),
+            arrive(0, "h1"), arrive(0.1, "h2"), arrive(0.2, "h3"), arrive(0.5, "l1"),
+            finish(1, "h1"), finish(2, "l1"),
+        ],
+        ["h1 runs", "h2 waits", "h3 waits", "l1 waits", "l1 runs", "h2 runs"],
+    ),
+    # A key sending far below its share goes first with every request of a burst: h has
+    # received 300 tokens (decaying), l 100 after l1.
+    "a key below its share goes first in every burst": (
+        THREE,
+        [
+            arrive(0, "h1"), arrive(0, "h2"), arrive(0, "h3"), arrive(0, "h4"), arrive(0, "h5"),
+            arrive(0.1, "l1"), arrive(0.2, "l2"), finish(1, "h1"), finish(1.1, "h2"),
         ],
         [
-            "h1 runs", "h2 waits", "h3 waits", "h4 waits", "l1 waits", "h2 runs", "l1 runs",
-            "h3 runs",
+            "h1 runs", "h2 runs", "h3 runs", "h4 waits", "h5 waits", "l1 waits", "l2 waits",
+            "l1 runs", "l2 runs",
+        ],
+    ),
+    # VTC's lift (every token counted): l joining the backlog levels with h (300), goes first
+    # on the tie (fewer running), then waits behind h for its second request.
+    "with VTC's lift, a burst alternates with the flood": (
+        attrs.evolve(THREE, horizon=None),
+        [
+            arrive(0, "h1"), arrive(0, "h2"), arrive(0, "h3"), arrive(0, "h4"), arrive(0, "h5"),
+            arrive(0.1, "l1"), arrive(0.2, "l2"), finish(1, "h1"), finish(1.1, "h2"),
+        ],
+        [
+            "h1 runs", "h2 runs", "h3 runs", "h4 waits", "h5 waits", "l1 waits", "l2 waits",
+            "l1 runs", "h4 runs",
         ],
     ),
     # The lift: h ran 10 requests alone (1,000 tokens); l joining the backlog starts from
     # h's counter, so it gets no credit for capacity it did not use: they alternate.
-    "no credit for capacity a key did not use": (
-        ONE,
+    "with VTC's lift, no credit for capacity a key did not use": (
+        attrs.evolve(ONE, horizon=None),
         [
             *[s for i in range(10) for s in (arrive(i, f"h{i}"), finish(i + 0.5, f"h{i}"))],
             arrive(20, "hA"), arrive(20.1, "hB"), arrive(20.2, "hC"), arrive(20.3, "l1"),
@@ -118,6 +142,19 @@ SCENARIOS: dict[str, tuple[Capacity, list[Step], list[str]]] = {
         [
             *[f"h{i} runs" for i in range(10)], "hA runs", "hB waits", "hC waits", "l1 waits",
             "l2 waits", "l3 waits", "hB runs", "l1 runs", "hC runs", "l2 runs",
+        ],
+    ),
+    # Decayed, 10 s later h's 1,000 tokens count for nothing: the keys share as equals.
+    "recently: old tokens count for nothing": (
+        ONE,
+        [
+            *[s for i in range(10) for s in (arrive(i, f"h{i}"), finish(i + 0.5, f"h{i}"))],
+            arrive(40, "hA"), arrive(40.1, "hB"), arrive(40.2, "l1"), arrive(40.3, "l2"),
+            finish(41, "hA"), finish(42, "l1"), finish(43, "hB"),
+        ],
+        [
+            *[f"h{i} runs" for i in range(10)], "hA runs", "hB waits", "l1 waits", "l2 waits",
+            "l1 runs", "hB runs", "l2 runs",
         ],
     ),
     # The answer's reported usage: a's 50 completion tokens weigh 2 each (VTC's 2:1), so a
@@ -234,7 +271,7 @@ def test_a_key_its_ledger_refused_waits_its_block() -> None:
     assert a is not None and b is not None
     assert state.wait(a, "g", 10, 0.0) == [a]
     assert state.unadmit(a, 0.5, 0.0) == []  # back in line; a blocked until 0.5
-    assert a.outcome is Outcome.WAITING and state.counters["a"] == 0
+    assert a.outcome is Outcome.WAITING and state.tokens.get("a", 0.0) == 0
     assert state.retry_after(a, 0.1) == 0.4
     assert state.wait(b, "g", 10, 0.1) == [b]
     assert state.dispatch(0.4) == []

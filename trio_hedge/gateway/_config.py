@@ -135,6 +135,12 @@ class Limits:
             token-fair order (VTC: the waiting request of the key that received the fewest
             weighted tokens recently goes first; Sheng et al., OSDI 2024, weigh output 2:1).
             In ``(0, 100]``. Default 2.0.
+        fairness_horizon: how recent the tokens counted in that order are, in seconds: each
+            key's count decays exponentially with this time constant (``_queue.py`` says why
+            rather than VTC's counter lift). ``None`` (``false`` in TOML): every token
+            counted, with VTC's lift (a key back from idle gets no head start, but a key
+            sending below its share waits behind the flood for every other request of its
+            bursts). Default 2.
         completion_reserve: the completion tokens a request that sets no ``max_tokens``
             (``max_completion_tokens``, ``max_output_tokens``) reserves of its key's
             ``tokens_per_minute``; its reported usage is charged when it ends. Default
@@ -207,6 +213,7 @@ class Limits:
     max_queue: int = attrs.field(default=256, validator=_non_negative_int)
     queue_wait: float = attrs.field(default=10.0, validator=_non_negative_seconds)
     completion_weight: float = attrs.field(default=2.0)
+    fairness_horizon: float | None = attrs.field(default=2.0, validator=_positive_seconds_or_none)
     completion_reserve: int = attrs.field(default=1024, validator=_positive_int)
     priority: int = attrs.field(default=0, validator=_priority)
     max_priority: int | None = attrs.field(default=None, validator=_priority_or_none)

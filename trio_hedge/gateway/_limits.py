@@ -115,6 +115,7 @@ class Limiter:
                 keys={name: q.max_concurrent for name, q in self.quotas.items()},
                 completion_weight=limits.completion_weight,
                 fallback=limits.retry_after,
+                horizon=limits.fairness_horizon,
             )
         )
         self.draining = False

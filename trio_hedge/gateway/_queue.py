@@ -11,13 +11,22 @@ What it decides:
   lowest class is refused instead (longest queue drop), so no key can take every place.
 * **who runs next**: a waiting request may run when the gateway, its group and its key each
   have a slot. Of those that may, the highest priority class first; within a class, the
-  request whose key has received the fewest weighted tokens (the Virtual Token Counter:
-  prompt tokens charged at admission, ``completion_weight`` times the completion when the
-  answer reports it; a key joining the backlog is lifted to the smallest counter of the keys
-  already waiting, or of the last key admitted, so that spare capacity it did not use earns
-  it nothing; Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024); on a
-  tie, the key with fewer requests running; then arrival order. Work-conserving: a slot is
-  never left idle while a request that may use it waits, whatever its class or key.
+  request whose key has received the fewest weighted tokens recently (the Virtual Token
+  Counter of Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024: prompt
+  tokens charged at admission, ``completion_weight`` times the completion when the answer
+  reports it); on a tie, the key with fewer requests running; then arrival order.
+  Work-conserving: a slot is never left idle while a request that may use it waits, whatever
+  its class or key.
+
+  "Recently": each key's count decays exponentially (``horizon`` seconds), where VTC lifts a
+  key joining the backlog to the smallest counter of the keys already waiting. The lift
+  gives a key back from idle no credit at all, but it also puts a key sending far below its
+  share level with the flood whenever it has a request waiting: each second request of its
+  bursts waits behind one of the flood's (``benchmarks/fairness.py --virtual``: the light
+  key's P99 wait 0.32-0.35 s with the lift, 0.20-0.26 s, the next slot to free, with the
+  decay). The decay's price: a key back from idle goes first until its count catches up,
+  about 0.6 × ``horizon`` of the fleet if it floods (1.2 s at the default 2 s; measured
+  with two flooding keys). ``horizon=None`` restores the lift and every token counted.
 * **Retry-After**: from the queue's drain rate, by Little's law (requests running over the
   mean time one runs, an EWMA of those that finished): a refused request's place in the
   order over that rate (``fallback`` seconds before any request has finished).
@@ -51,6 +60,38 @@ def _down(counter: Counter[_T], name: _T) -> None:
     counter[name] -= 1
     if not counter[name]:
         del counter[name]
+
+
+class TokenCounters:
+    """Each key's weighted tokens received. With a ``horizon`` (seconds), recent ones: a token
+    received ``t`` seconds ago counts ``exp(-t / horizon)`` (exponential decay, so a key's
+    count is about its tokens per second times ``horizon``); without one, every token ever
+    (VTC's counters, which need its lift)."""
+
+    __slots__ = ("_horizon", "_values")
+
+    def __init__(self, horizon: float | None) -> None:
+        self._horizon = horizon
+        self._values: dict[str, tuple[float, float]] = {}  # key -> (count, as of when)
+
+    def get(self, key: str, now: float) -> float:
+        found = self._values.get(key)
+        if found is None:
+            return 0.0
+        value, at = found
+        horizon = self._horizon
+        if horizon is None or now <= at:
+            return value
+        return value * math.exp((at - now) / horizon)
+
+    def set(self, key: str, value: float, now: float) -> None:
+        self._values[key] = (value, now)
+
+    def add(self, key: str, tokens: float, now: float) -> None:
+        self._values[key] = (self.get(key, now) + tokens, now)
+
+    def items(self, now: float) -> dict[str, float]:
+        return {key: self.get(key, now) for key in self._values}
 
 
 class Outcome(str, enum.Enum):
@@ -108,6 +149,10 @@ class Capacity:
         keys: requests running per key.
         completion_weight: a completion token's weight in the key counters.
         fallback: the Retry-After before any request has finished (seconds).
+        fair: ``False``: arrival order within a class, the key counters not looked at
+            (first come, first served: ``benchmarks/fairness.py``'s control).
+        horizon: how recent the tokens the order counts are (seconds, the decay's time
+            constant); ``None``: every token, with VTC's counter lift.
     """
 
     max_concurrent: int
@@ -116,6 +161,8 @@ class Capacity:
     keys: Mapping[str, int | None] = attrs.field(factory=dict)
     completion_weight: float = 2.0
     fallback: float = 1.0
+    fair: bool = True
+    horizon: float | None = 2.0
 
 
 class AdmissionState:
@@ -135,7 +182,7 @@ class AdmissionState:
         self.waiting_count = 0
         self.waiting_by_key: Counter[str] = Counter()
         #: The Virtual Token Counter of each key (weighted tokens received).
-        self.counters: dict[str, float] = {}
+        self.tokens = TokenCounters(capacity.horizon)
         self._last_admitted: str | None = None
         #: The mean time a request runs (seconds), ``None`` before one finished.
         self.service: float | None = None
@@ -200,8 +247,8 @@ class AdmissionState:
 
     def _join(self, waiter: Waiter, now: float) -> None:
         key = waiter.key
-        if not self.waiting_by_key[key]:
-            self._lift(key)
+        if not self.waiting_by_key[key] and self.capacity.horizon is None:
+            self._lift(key, now)
         by_key = self.waiting.setdefault(waiter.priority, {})
         queue = by_key.get(key)
         if queue is None:
@@ -228,18 +275,19 @@ class AdmissionState:
         waiter.outcome = Outcome.WAITING
         waiter.since = now
 
-    def _lift(self, key: str) -> None:
-        """VTC's counter lift: a key joining the backlog starts from the smallest counter of
-        the keys waiting (else of the last key admitted), never from below."""
-        counters = self.counters
-        others = [counters.get(k, 0.0) for k, n in self.waiting_by_key.items() if n and k != key]
+    def _lift(self, key: str, now: float) -> None:
+        """VTC's counter lift (counting every token): a key joining the backlog starts from
+        the smallest counter of the keys waiting (else of the last key admitted), so that
+        capacity it did not use earns it nothing."""
+        tokens = self.tokens
+        others = [tokens.get(k, now) for k, n in self.waiting_by_key.items() if n and k != key]
         if others:
             floor = min(others)
         elif self._last_admitted is not None:
-            floor = counters.get(self._last_admitted, 0.0)
+            floor = tokens.get(self._last_admitted, now)
         else:
             floor = 0.0
-        counters[key] = max(counters.get(key, 0.0), floor)
+        tokens.set(key, max(tokens.get(key, now), floor), now)
 
     # -- choosing ------------------------------------------------------------------------------
 
@@ -248,7 +296,7 @@ class AdmissionState:
         cap = self.capacity
         if self.running >= cap.max_concurrent or not self.waiting_count:
             return None
-        counters = self.counters
+        tokens = self.tokens
         for priority in sorted(self.waiting, reverse=True):
             best: Waiter | None = None
             best_rank: tuple[float, int, int] = (math.inf, 0, 0)
@@ -259,7 +307,11 @@ class AdmissionState:
                     if self._group_has_room(waiter.group):
                         # Ties (a key just lifted to another's counter): the key with fewer
                         # requests running first, then arrival.
-                        rank = (counters.get(key, 0.0), self.running_by_key[key], waiter.seq)
+                        rank = (
+                            (tokens.get(key, now), self.running_by_key[key], waiter.seq)
+                            if cap.fair
+                            else (0.0, 0, waiter.seq)
+                        )
                         if rank < best_rank:
                             best, best_rank = waiter, rank
                         break
@@ -295,7 +347,7 @@ class AdmissionState:
         self.running += 1
         self.running_by_group[waiter.group or ""] += 1
         self.running_by_key[waiter.key] += 1
-        self.counters[waiter.key] = self.counters.get(waiter.key, 0.0) + waiter.tokens
+        self.tokens.add(waiter.key, waiter.tokens, now)
         self._last_admitted = waiter.key
         self.admitted += 1
         self.admitted_by_group[waiter.group or ""] += 1
@@ -323,7 +375,7 @@ class AdmissionState:
         gateways hold its slots): back in the queue in its arrival order, its key blocked for
         ``retry_in`` seconds (at least `MIN_BLOCK`); the slot goes to another request."""
         self._free_slot(waiter)
-        self.counters[waiter.key] -= waiter.tokens
+        self.tokens.add(waiter.key, -waiter.tokens, now)
         self.blocked[waiter.key] = now + max(retry_in, MIN_BLOCK)
         self._join(waiter, now)
         return self.dispatch(now)
@@ -332,7 +384,7 @@ class AdmissionState:
         """``waiter`` was admitted but its key's ledger refused it (its rate, its tokens per
         minute): it leaves, uncharged, and its slot goes to another request."""
         self._free_slot(waiter)
-        self.counters[waiter.key] -= waiter.tokens
+        self.tokens.add(waiter.key, -waiter.tokens, now)
         self._free_place(waiter)
         waiter.outcome = Outcome.REFUSED
         waiter.reason = "ledger"
@@ -360,7 +412,7 @@ class AdmissionState:
             if completion is not None:
                 extra += self.capacity.completion_weight * completion
             if extra:
-                self.counters[waiter.key] = self.counters.get(waiter.key, 0.0) + extra
+                self.tokens.add(waiter.key, extra, now)
         elif waiter.outcome is Outcome.WAITING:
             self._unqueue(waiter)
         if waiter.outcome is not Outcome.GONE and waiter.outcome is not Outcome.REFUSED:
