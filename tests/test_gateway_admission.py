@@ -153,6 +153,23 @@ async def test_a_full_queue_with_a_short_retry_after_says_retry() -> None:
     assert len(a.requests) == 2
 
 
+async def test_the_messages_route_shares_the_queue_and_answers_in_its_shape() -> None:
+    """A chat request holds the only slot: a Messages request is refused as Anthropic
+    clients expect a full server (529 overloaded, their error shape), and says a retry can
+    help."""
+    held = Behaviour(ttft=0.0, token_delay=0.02, tokens=20)
+    limits = Limits(max_concurrent=1, max_queue=0, drain_timeout=1.0)
+    async with FakeReplica(held, name="a") as a:
+        async with Gateway(config_for([a], limits=limits)) as gw, httpx.AsyncClient() as http:
+            chat = {**CHAT, "stream": True}
+            async with http.stream("POST", f"{gw.url}/chat/completions", json=chat):
+                body = {"model": "m", "max_tokens": 8, "messages": CHAT["messages"]}
+                busy = await http.post(f"{gw.url}/messages", json=body)
+    assert busy.status_code == 529
+    assert busy.json()["type"] == "error" and busy.json()["error"]["type"] == "overloaded_error"
+    assert busy.headers["x-should-retry"] == "true"
+
+
 # -- the retry contract ----------------------------------------------------------------------
 
 
