@@ -461,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_gateway(json.loads(args.gateway))
         return 0
     if args.quick:
-        args.runs, args.seconds, args.warmup, args.virtual_seconds = 1, 10.0, 3.0, 60.0
+        args.runs, args.seconds, args.warmup, args.virtual_seconds = 1, 6.0, 2.0, 60.0
     console = Console(width=160)
     service = args.ttft + args.tokens * args.pace / 1000
     capacity = args.slots / service
