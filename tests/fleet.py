@@ -28,6 +28,7 @@ class Fail:
     at: float = 0.1
     kind: ErrorKind = ErrorKind.SERVER_ERROR
     retry_after: float | None = None
+    status: int | None = None  # the HTTP status it stands for (a 500: a query of death?)
     should_retry: bool | None = None  # the server's x-should-retry
 
 
@@ -50,6 +51,7 @@ class _Failing:
             fail.kind,
             "scripted failure",
             retry_after=fail.retry_after,
+            status_code=fail.status,
             should_retry=fail.should_retry,
         )
 

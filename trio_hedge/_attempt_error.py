@@ -114,6 +114,10 @@ class AttemptError(Exception):
             tried again by the same request (another may be: a gateway in front of a fleet
             says so once it has tried every replica it may); ``True``, the error is
             retryable whatever its status; ``None`` (default): not said.
+        context_window: for a context-length error, the window (tokens) the server stated
+            (``maximum context length is 4096 tokens``, llama-server's ``n_ctx``), or
+            ``None``: a window is learned only from a size the server states, never from
+            the request's estimated size.
     """
 
     def __init__(
@@ -127,8 +131,10 @@ class AttemptError(Exception):
         replica: str | None = None,
         hint: str | None = None,
         should_retry: bool | None = None,
+        context_window: int | None = None,
     ) -> None:
         super().__init__(message)
+        self.context_window = context_window
         self.kind = kind
         self.message = message
         self.hint = hint
