@@ -6,6 +6,7 @@ spends the budget; a client's priority is clamped to its key's range."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import statistics
@@ -151,6 +152,36 @@ async def test_a_full_queue_with_a_short_retry_after_says_retry() -> None:
     assert busy.headers["x-should-retry"] == "true" and busy.headers["retry-after"] == "1"
     assert second.choices[0].message.content
     assert len(a.requests) == 2
+
+
+async def test_a_client_that_leaves_while_queued_gives_its_place_back_at_once() -> None:
+    """One slot, held ~1.5 s, and one place in the queue; a second request waits there and
+    its client leaves: the place is free at once (a third request takes it, where a 503
+    queue_full would say the gone client still held it until its turn), and the second
+    never reaches the replica."""
+    held = Behaviour(ttft=0.0, token_delay=0.02, tokens=75)
+    limits = Limits(max_concurrent=1, max_queue=1, queue_wait=30.0, drain_timeout=1.0)
+    async with FakeReplica(held, name="a") as a:
+        async with Gateway(config_for([a], limits=limits)) as gw, httpx.AsyncClient() as http:
+            url = f"{gw.url}/chat/completions"
+            metrics_url = f"{gw.base_url}/metrics"
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(functools.partial(http.post, url, json=CHAT))
+                await a.wait_request(0)
+                with trio.move_on_after(0.2):  # the second client gives up while it waits
+                    await http.post(url, json=CHAT)
+                left = trio.current_time()
+                with trio.fail_after(0.5):  # the gateway's own state, read as an operator would
+                    while "trio_hedge_gateway_queued 0.0" not in (await http.get(metrics_url)).text:  # noqa: ASYNC110
+                        await trio.sleep(0.01)
+                freed = trio.current_time() - left
+                third = await http.post(url, json=CHAT)  # waits in the place the second left
+            metrics = (await http.get(metrics_url)).text
+    assert freed < 0.5 and third.status_code == 200
+    assert len(a.requests) == 2  # the first and the third: the second never went upstream
+    assert 'trio_hedge_gateway_requests_total{path="/v1/chat/completions",status="499"} 1.0' in (
+        metrics
+    )
 
 
 async def test_the_messages_route_shares_the_queue_and_answers_in_its_shape() -> None:

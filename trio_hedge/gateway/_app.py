@@ -29,7 +29,13 @@ from ..state import KeyLedger
 from ._agent import agent_forwarder
 from ._config import GatewayConfig, GatewayKey
 from ._errors import ErrorAnswer, short
-from ._forward import ChatForwarder, Rejected, completion_allowance, prompt_estimate
+from ._forward import (
+    ChatForwarder,
+    Rejected,
+    _watch_disconnect,
+    completion_allowance,
+    prompt_estimate,
+)
 from ._http import Exchange, Receive, Scope, Send
 from ._input import priority_from
 from ._limits import BodyTooLarge, ClientGone, Draining, Limiter, Refused, Ticket, read_body
@@ -344,12 +350,20 @@ class GatewayApp:
             answer = ErrorAnswer(429, message, code="tokens_limit_exceeded")
             await ex.error(forwarder._style(answer))
             return
+        refusal = None
         try:
             with trio.move_on_at(deadline_at) as waiting:
-                await self.limiter.admit(ticket, group.name, prompt, reserve)
+                if self.limiter.join(ticket, group.name, prompt):
+                    await self.limiter.admit(ticket, group.name, prompt, reserve)
+                else:
+                    refusal = await self._wait_in_queue(ex, ticket, group.name, prompt, reserve)
             if waiting.cancelled_caught:
-                raise Refused("queue_timeout", None)
-        except Refused as refusal:
+                refusal = Refused("queue_timeout", None)
+        except Refused as refused_now:
+            refusal = refused_now
+        if ex.record.status == 499:  # the client left while it waited: nothing went upstream
+            return
+        if refusal is not None:
             refused.labels(refusal.reason).inc()
             await ex.error(forwarder._style(self._queue_refusal(refusal)))
             return
@@ -374,6 +388,22 @@ class GatewayApp:
         finally:
             if key is not None:
                 metrics.key_in_flight.labels(key).dec()
+
+    async def _wait_in_queue(
+        self, ex: Exchange, ticket: Ticket, group: str, prompt: int, reserve: int
+    ) -> Refused | None:
+        """`Limiter.admit` for a request that waits, watching its client: one that leaves
+        gives its place back at once (status 499), not when its turn or ``queue_wait``
+        comes."""
+        refusal = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_disconnect, ex, nursery.cancel_scope)
+            try:
+                await self.limiter.admit(ticket, group, prompt, reserve)
+            except Refused as refused:
+                refusal = refused
+            nursery.cancel_scope.cancel()
+        return refusal
 
     async def _done(self, ex: Exchange, ticket: Ticket) -> None:
         """Give back what the request held; charge its key what it was served."""

@@ -85,6 +85,8 @@ class Ticket:
     lease: Lease | None = None
     waited: float = 0.0
     reserved: int = 0
+    joined: float | None = None  # when it joined the queue (its body read)
+    arrived: trio.Event = attrs.Factory(trio.Event)  # set when its outcome changes
 
 
 def _wake(waiters: list[Waiter]) -> None:
@@ -183,11 +185,25 @@ class Limiter:
         limit = None if quota is None else quota.tokens_per_minute
         return limit if limit is not None and tokens > limit else None
 
+    def join(self, ticket: Ticket, group: str, prompt: int) -> bool:
+        """``ticket``'s body is read (for ``group``, ``prompt`` tokens, charged to its key's
+        count when it is admitted): it joins the queue. Whether it was admitted at once
+        (`admit` then only reserves its lease)."""
+        waiter = ticket.waiter
+        ticket.joined = trio.current_time()
+
+        def wake() -> None:
+            ticket.arrived.set()
+
+        waiter.wake = wake
+        _wake(self.state.wait(waiter, group, prompt, ticket.joined))
+        return waiter.outcome is Outcome.RUNNING
+
     async def admit(self, ticket: Ticket, group: str, prompt: int, reserve: int) -> None:
-        """Wait for a slot (gateway, ``group``, key) for at most ``queue_wait`` seconds, in the
-        queue's order, then reserve the key's lease of ``reserve`` tokens (``prompt``: the
-        prompt's estimate, charged to the key's counter). On return the request runs:
-        ``ticket.scope`` is its drain scope.
+        """Wait for a slot (gateway, ``group``, key) for at most ``queue_wait`` seconds from
+        `join` (joined here if it has not), in the queue's order, then reserve the key's
+        lease of ``reserve`` tokens (``prompt``: the prompt's estimate, charged to the key's
+        count). On return the request runs: ``ticket.scope`` is its drain scope.
 
         Raises:
             Refused: ``queue_timeout`` (with the drain-rate estimate), ``queue_full``
@@ -198,21 +214,17 @@ class Limiter:
         waiter = ticket.waiter
         key = waiter.key
         quota = self.quotas.get(key)
-        start = trio.current_time()
+        if ticket.joined is None:
+            self.join(ticket, group, prompt)
+        assert ticket.joined is not None
+        start = ticket.joined
         deadline = start + self.limits.queue_wait
-        arrived = trio.Event()
-
-        def wake() -> None:
-            arrived.set()
-
-        waiter.wake = wake
-        _wake(state.wait(waiter, group, prompt, start))
         while True:
             if waiter.outcome is Outcome.WAITING:
                 blocked = state.blocked.get(key)
                 with trio.move_on_at(deadline if blocked is None else min(deadline, blocked)):
-                    await arrived.wait()
-                arrived = trio.Event()
+                    await ticket.arrived.wait()
+                ticket.arrived = trio.Event()
                 now = trio.current_time()
                 if waiter.outcome is Outcome.WAITING:
                     if now >= deadline:
