@@ -29,6 +29,7 @@ class Fail:
     kind: ErrorKind = ErrorKind.SERVER_ERROR
     retry_after: float | None = None
     status: int | None = None  # the HTTP status it stands for (a 500: a query of death?)
+    should_retry: bool | None = None  # the server's x-should-retry
 
 
 Behave = Callable[[str, AttemptInfo], "Script | Fail"]
@@ -45,11 +46,13 @@ class _Failing:
 
     async def __anext__(self) -> str:
         await trio.sleep_until(self._start + self._fail.at)
+        fail = self._fail
         raise AttemptError(
-            self._fail.kind,
+            fail.kind,
             "scripted failure",
-            retry_after=self._fail.retry_after,
-            status_code=self._fail.status,
+            retry_after=fail.retry_after,
+            status_code=fail.status,
+            should_retry=fail.should_retry,
         )
 
     async def aclose(self) -> None:

@@ -434,7 +434,7 @@ async def test_routes_methods_and_models() -> None:
 
 
 async def test_body_size_and_concurrency_limits() -> None:
-    limits = Limits(max_body_bytes=2000, max_concurrent=1, drain_timeout=1.0)
+    limits = Limits(max_body_bytes=2000, max_concurrent=1, max_queue=0, drain_timeout=1.0)
     held = Behaviour(ttft=0.0, token_delay=0.02, tokens=1000)
     async with FakeReplica(held, name="a") as a:
         async with Gateway(config_for([a], limits=limits)) as gw, httpx.AsyncClient() as http:
@@ -457,6 +457,8 @@ async def test_body_size_and_concurrency_limits() -> None:
     assert too_big.json()["error"]["code"] == "request_too_large"
     assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
     assert busy.json()["error"]["type"] == "server_error"
+    assert busy.json()["error"]["code"] == "queue_full"  # max_queue=0: no queue at all
+    assert busy.headers["x-should-retry"] == "true"  # a short Retry-After: a retry can help
     assert len(a.requests) == 1  # nothing refused went upstream
 
 

@@ -166,6 +166,26 @@ def test_defaults_one_group_and_the_gateway_first_token_rule() -> None:
         ({"limits": {"key_rate": 1.0}}, "per-key limits (limits.key_*) need gateway keys"),
         ({"limits": {"key_max_concurrent": 0}}, "limits: key_max_concurrent must be >= 1"),
         ({"limits": {"key_rate": "fast"}}, "limits: key_rate must be requests per second"),
+        ({"limits": {"key_tokens_per_minute": 5}}, "per-key limits (limits.key_*) need gateway"),
+        ({"limits": {"max_queue": -1}}, "limits: max_queue must be >= 0"),
+        ({"limits": {"queue_wait": -1}}, "limits: queue_wait must be finite seconds >= 0"),
+        ({"limits": {"priority": 10}}, "limits: priority must be from 0 to 9"),
+        ({"limits": {"priority": -1}}, "limits: priority must be from 0 to 9"),
+        ({"limits": {"priority": 3, "max_priority": 2}}, "max_priority (2) must be >= priority"),
+        ({"limits": {"completion_weight": 0}}, "completion_weight must be in (0, 100]"),
+        ({"limits": {"completion_weight": 101}}, "completion_weight must be in (0, 100]"),
+        ({"limits": {"completion_reserve": 0}}, "completion_reserve must be >= 1"),
+        ({"limits": {"fairness_horizon": 0}}, "fairness_horizon must be > 0 seconds"),
+        ({"limits": {"priority_header": "yes"}}, "priority_header"),
+        ({"groups": [{"max_concurrent": 0}]}, "groups[0]: max_concurrent must be >= 1"),
+        (
+            {"auth": {"keys": [{"key_env": "GW_KEY", "priority": 4, "max_priority": 2}]}},
+            "gateway key 'GW_KEY': max_priority (2) must be >= its priority (4)",
+        ),
+        (
+            {"auth": {"keys": [{"key_env": "GW_KEY", "tokens_per_minute": 0}]}},
+            "auth.keys[0]: tokens_per_minute must be >= 1",
+        ),
     ],
 )
 def test_mistakes_are_named(document: dict[str, Any], message: str) -> None:
@@ -211,11 +231,12 @@ def test_the_operator_turns_recovery_off() -> None:
 def test_false_stands_for_none() -> None:
     document = {
         "replicas": [{"base_url": "http://a/v1"}],
-        "limits": {"request_timeout": False},
+        "limits": {"request_timeout": False, "fairness_horizon": False, "max_priority": False},
         "hedger": {"max_attempts": False, "first_token_timeout": False, "budget": False},
     }
     config = parse_config(document, environ={})
     assert config.limits.request_timeout is None
+    assert config.limits.fairness_horizon is None and config.limits.max_priority is None
     hedger = config.groups[0].hedger
     assert (hedger.max_attempts, hedger.first_token_timeout, hedger.budget) == (None, None, None)
     learned = (
@@ -318,7 +339,19 @@ def test_the_documented_example_is_valid(tmp_path: Path) -> None:
         ("GATEWAY_KEY", None, None, None),
         ("team-a", 20, 5.0, 10),
     ]
+    team_a = config.keys[1]
+    assert (team_a.tokens_per_minute, team_a.priority, team_a.max_priority) == (200000, 2, 5)
+    assert config.priorities(team_a) == (2, 5) and config.priorities(config.keys[0]) == (0, 0)
+    limits = config.limits
+    assert (limits.max_queue, limits.queue_wait, limits.fairness_horizon) == (256, 10, 2.0)
+    assert (limits.priority_header, limits.max_priority, limits.key_tokens_per_minute) == (
+        False,
+        None,
+        None,
+    )
     (group,) = config.groups
+    assert group.max_concurrent == 200
+    assert group.hedger.budget is not None and group.hedger.budget.priority_reserve == 0.5
     assert group.hedger.max_pushback_wait == 10 and group.hedger.hedge_after == 0.5
     assert [r.name for r in config.replicas] == ["primary", "backup"]
 

@@ -26,7 +26,6 @@ from trio_hedge.gateway import GatewayKey, Limits
 from trio_hedge.gateway import _metrics as gateway_metrics
 from trio_hedge.gateway._forward import ChatForwarder
 from trio_hedge.gateway._input import MAX_MODEL_CHARS
-from trio_hedge.gateway._limits import KeyLimiter
 from trio_hedge.testing import Behaviour, FakeReplica, fake_replicas
 
 from .gateway_support import CHAT, HEDGER, Gateway, config_for
@@ -313,7 +312,7 @@ async def test_one_key_cannot_take_every_slot_or_every_request(
 ) -> None:
     caplog.set_level(logging.INFO, logger="trio_hedge.gateway.access")
     team_a, team_b = KEYS
-    limits = Limits(max_concurrent=3, drain_timeout=1.0)
+    limits = Limits(max_concurrent=3, queue_wait=0.2, drain_timeout=1.0)
     async with fake_replicas(HELD, FAST, names=["held", "fast"]) as (held, fast):
         config = config_for([held], keys=KEYS, limits=limits)
         async with Gateway(config) as gw, httpx.AsyncClient() as http:
@@ -321,7 +320,8 @@ async def test_one_key_cannot_take_every_slot_or_every_request(
             body = {**CHAT, "stream": True}
             async with http.stream("POST", url, json=body, headers=bearer(team_a)) as first:
                 first_pieces = await first_token(first)
-                # team-a has its one stream: refused at once; team-b is served meanwhile.
+                # team-a has its one stream: its next waits for its own slot, queue_wait,
+                # then 503; team-b is served meanwhile.
                 with trio.fail_after(10):  # without the limit: a second endless stream
                     second = await http.post(url, json=body, headers=bearer(team_a))
                 async with http.stream("POST", url, json=body, headers=bearer(team_b)) as other:
@@ -332,66 +332,42 @@ async def test_one_key_cannot_take_every_slot_or_every_request(
             with trio.fail_after(5):
                 await held.wait_disconnected(0)
                 await held.wait_disconnected(1)
-            # team-a's rate: a burst of 3 (the stream, the refused one, this), then 429.
+            # team-a's rate: a burst of 3 (the stream admitted, these two), then 429; the
+            # request that timed out in the queue was never admitted, so never counted.
             third = await http.get(f"{gw.url}/models", headers=bearer(team_a))
             fourth = await http.get(f"{gw.url}/models", headers=bearer(team_a))
+            fifth = await http.get(f"{gw.url}/models", headers=bearer(team_a))
             b_after = [
                 (await http.get(f"{gw.url}/models", headers=bearer(team_b))).status_code
                 for _ in range(5)
             ]
             metrics = (await http.get(f"{gw.base_url}/metrics")).text
     assert first.status_code == 200 and other.status_code == 200
-    assert second.status_code == 429
-    assert second.json()["error"]["code"] == "concurrency_limit_exceeded"
-    assert second.headers["retry-after"] == "1"
-    assert third.status_code == 200
-    assert fourth.status_code == 429 and fourth.json()["error"]["code"] == "rate_limit_exceeded"
-    assert 99 <= int(fourth.headers["retry-after"]) <= 100  # one request per 100 s
+    assert second.status_code == 503
+    assert second.json()["error"]["code"] == "queue_timeout"
+    assert second.headers["x-should-retry"] == "false"  # it waited as long as allowed
+    assert second.headers["retry-after"] == "1"  # nothing finished yet: limits.retry_after
+    assert third.status_code == fourth.status_code == 200
+    assert fifth.status_code == 429 and fifth.json()["error"]["code"] == "rate_limit_exceeded"
+    assert 99 <= int(fifth.headers["retry-after"]) <= 100  # one request per 100 s
+    assert fifth.headers["x-should-retry"] == "false"  # too long to be worth waiting for
     assert b_after == [200] * 5
     assert 'trio_hedge_gateway_key_in_flight{key="team-a"} 1.0' in metrics_during
     assert 'trio_hedge_gateway_key_in_flight{key="team-b"} 1.0' in metrics_during
     for line in (
-        'trio_hedge_gateway_key_requests_total{key="team-a",status="429"} 2.0',
+        'trio_hedge_gateway_key_requests_total{key="team-a",status="429"} 1.0',
+        'trio_hedge_gateway_key_requests_total{key="team-a",status="503"} 1.0',
         'trio_hedge_gateway_key_requests_total{key="team-b",status="200"} 5.0',
         'trio_hedge_gateway_key_in_flight{key="team-a"} 0.0',
-        'trio_hedge_gateway_refused_total{reason="key_concurrency"} 1.0',
+        'trio_hedge_gateway_refused_total{reason="queue_timeout"} 1.0',
         'trio_hedge_gateway_refused_total{reason="key_rate"} 1.0',
+        "trio_hedge_gateway_queued 0.0",
     ):
         assert line in metrics
     for key in KEYS:
         assert key.key not in metrics and key.key not in caplog.text
     assert {line.get("key") for line in access_lines(caplog)} == {"team-a", "team-b", None}
     assert fast.requests == []
-
-
-def test_the_key_rate_is_a_token_bucket(autojump_clock: trio.testing.MockClock) -> None:
-    """Exact refusals and waits in virtual time: a burst of 3, then one request per 0.5 s;
-    a key's concurrency counts its own requests only."""
-    keys = (GatewayKey("sk-a", "a", rate=2.0, burst=3), GatewayKey("sk-b", "b", rate=2.0))
-    limits = Limits(key_max_concurrent=2)
-
-    async def scenario() -> list[Any]:
-        limiter = KeyLimiter(keys, limits)
-        seen: list[Any] = [limiter.take("a") for _ in range(4)]  # the burst, then a wait
-        await trio.sleep(0.25)
-        seen.append(limiter.take("a"))  # half a token: still 0.25 s to go
-        await trio.sleep(0.25)
-        seen += [limiter.take("a"), limiter.take("a")]
-        seen += [limiter.take("b"), limiter.take("b"), limiter.take("b")]  # burst: rate 2 -> 2
-        seen += [limiter.admit("a"), limiter.admit("a"), limiter.admit("a"), limiter.admit("b")]
-        limiter.release("a")
-        seen.append(limiter.admit("a"))
-        return seen
-
-    seen = trio.run(scenario, clock=autojump_clock)
-    assert seen == [
-        None, None, None, 0.5,
-        0.25,
-        None, 0.5,
-        None, None, 0.5,
-        True, True, False, True,
-        True,
-    ]  # fmt: skip
 
 
 async def test_a_defect_is_answered_500_and_counted(

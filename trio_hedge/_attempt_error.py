@@ -109,6 +109,11 @@ class AttemptError(Exception):
         message: a human-readable description; never contains credentials.
         hint: a short way to fix a misconfiguration (``"base_url usually ends in /v1"``),
             which the request's one-line summary carries too, or ``None``.
+        should_retry: what the server said of retrying (its ``x-should-retry`` header, as
+            the official openai and anthropic SDKs read it): ``False``, this replica is not
+            tried again by the same request (another may be: a gateway in front of a fleet
+            says so once it has tried every replica it may); ``True``, the error is
+            retryable whatever its status; ``None`` (default): not said.
         context_window: for a context-length error, the window (tokens) the server stated
             (``maximum context length is 4096 tokens``, llama-server's ``n_ctx``), or
             ``None``: a window is learned only from a size the server states, never from
@@ -125,6 +130,7 @@ class AttemptError(Exception):
         status_code: int | None = None,
         replica: str | None = None,
         hint: str | None = None,
+        should_retry: bool | None = None,
         context_window: int | None = None,
     ) -> None:
         super().__init__(message)
@@ -132,7 +138,10 @@ class AttemptError(Exception):
         self.kind = kind
         self.message = message
         self.hint = hint
-        self.retryable = kind in RETRYABLE_KINDS if retryable is None else retryable
+        self.should_retry = should_retry
+        if retryable is None:
+            retryable = kind in RETRYABLE_KINDS or should_retry is True
+        self.retryable = retryable
         self.retry_after = retry_after
         self.status_code = status_code
         self.replica = replica
@@ -142,6 +151,13 @@ class AttemptError(Exception):
         """Whether the error is the replica's fault (`REPLICA_KINDS`): the replica is
         misconfigured for this request, another replica may still answer."""
         return self.kind in REPLICA_KINDS
+
+    @property
+    def repeatable(self) -> bool:
+        """Whether the same request may try this replica again: not when the error is the
+        replica's fault (it would answer the same), nor when the server said
+        ``x-should-retry: false``."""
+        return self.kind not in REPLICA_KINDS and self.should_retry is not False
 
     def brief(self) -> str:
         """``"rate_limit (HTTP 429, retry after 2 s) at replica"``: the error without its
@@ -166,7 +182,8 @@ class AttemptError(Exception):
         return (
             f"AttemptError(kind={self.kind.value!r}, message={self.message!r}, "
             f"retryable={self.retryable!r}, retry_after={self.retry_after!r}, "
-            f"status_code={self.status_code!r}, replica={self.replica!r}, hint={self.hint!r})"
+            f"status_code={self.status_code!r}, replica={self.replica!r}, hint={self.hint!r}, "
+            f"should_retry={self.should_retry!r})"
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -178,6 +195,7 @@ class AttemptError(Exception):
             "retry_after": self.retry_after,
             "status_code": self.status_code,
             "replica": self.replica,
+            "should_retry": self.should_retry,
         }
 
 

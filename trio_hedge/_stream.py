@@ -86,6 +86,7 @@ class HedgedStream:
         owned_client: AsyncCloseable | None = None,
         prompt_tokens: int | None = None,
         idempotency_key: str | None = None,
+        queue_wait: float | None = None,
     ) -> None:
         self._planner = planner
         self._policy = policy
@@ -94,6 +95,7 @@ class HedgedStream:
             request_id=request_id or str(uuid.uuid4()),
             prompt_tokens=prompt_tokens,
             idempotency_key=idempotency_key,
+            queue_wait=queue_wait,
         )
         self._planner_told = False
         self._nursery_manager: AbstractAsyncContextManager[trio.Nursery] | None = None

@@ -33,12 +33,15 @@ from typing import Any
 import attrs
 
 __all__ = [
+    "MAX_PRIORITY",
     "Validator",
     "check_api_key",
     "check_header_name",
     "check_header_value",
     "check_headers",
     "check_json_body",
+    "check_priority",
+    "check_queued",
     "check_request_headers",
     "check_request_hedge_after",
     "check_request_id",
@@ -310,6 +313,30 @@ def check_request_hedge_after(value: object) -> float | None:
         raise TypeError(f"hedge_after must be seconds (a number) or None, not {value!r}")
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"hedge_after must be finite seconds >= 0, not {value!r}")
+    return float(value)
+
+
+#: Priority classes run from 0 (the default, the lowest) to this (the highest).
+MAX_PRIORITY = 9
+
+
+def check_priority(value: object, name: str = "priority") -> int:
+    """A priority class: an int (not a bool) from 0 to `MAX_PRIORITY`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {value!r}")
+    if not 0 <= value <= MAX_PRIORITY:
+        raise ValueError(f"{name} must be from 0 to {MAX_PRIORITY}, not {value!r}")
+    return value
+
+
+def check_queued(value: object) -> float | None:
+    """Seconds a request waited before its race: ``None`` or finite seconds >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"queued must be seconds (a number) or None, not {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"queued must be finite seconds >= 0, not {value!r}")
     return float(value)
 
 

@@ -127,7 +127,8 @@ class EventKind(str, enum.Enum):
     """an attempt was cancelled: it lost the race, a fatal error ended the request, or the
     caller left."""
     HEDGE_REFUSED = "hedge_refused"
-    """the hedge delay passed but no backup was sent (budget, throttle, or no usable replica)."""
+    """the hedge delay passed but no backup was sent (budget, the budget's share kept for
+    higher priority classes, throttle, or no usable replica)."""
     FAILOVER_REFUSED = "failover_refused"
     """an attempt failed but no failover was sent (throttle, or no usable replica)."""
     REPLICA_COOLING = "replica_cooling"
@@ -150,7 +151,8 @@ class HedgeEvent:
         replica: the replica concerned, or ``None``.
         record: the attempt's [`AttemptRecord`][trio_hedge.report.AttemptRecord] (attempt events),
             or ``None``.
-        reason: for ``hedge_refused``: ``"budget"``, ``"throttle"`` or ``"no_replica"``; for
+        reason: for ``hedge_refused``: ``"budget"``, ``"priority"`` (the budget's share kept
+            for requests of a higher class), ``"throttle"`` or ``"no_replica"``; for
             ``failover_refused``: ``"throttle"`` or ``"no_replica"``; for replica events: why
             (the error kind, or ``"slow"``); else ``None``.
         until: for replica events: Trio time the cooldown or ejection ends.

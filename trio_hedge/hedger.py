@@ -60,6 +60,8 @@ from ._source import Source
 from ._stream import HedgedStream, require_trio
 from ._validate import (
     check_header_value,
+    check_priority,
+    check_queued,
     check_request_headers,
     check_request_hedge_after,
     check_request_id,
@@ -293,6 +295,8 @@ class Hedger:
         request_id: str | None = None,
         hedge_after: float | None = None,
         headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+        queued: float | None = None,
     ) -> HedgedStream:
         """Open one hedged request: ``async with hedger.stream(body) as s: async for t in s``.
 
@@ -327,6 +331,15 @@ class Hedger:
                 the request's own ``extra_headers`` (a replica's key still wins over an
                 ``Authorization`` given here).
                 Values are never shown in reprs or reports. Default none.
+            priority: the request's class for the hedge budget, an int from 0 (the default,
+                the lowest) to 9: while the budget's window has seen a higher class, a
+                request may spend it only down to ``HedgeBudget.priority_reserve`` of its
+                capacity (the rest is kept for the higher classes; a backup refused so is a
+                ``hedge_refused`` event with reason ``"priority"``). Failovers are not
+                affected. Default 0.
+            queued: seconds the request already waited before this call (a gateway's
+                admission queue), finite and >= 0: reported as ``Report.queue_wait``, never
+                part of a TTFT. Default ``None``.
 
         Returns:
             The request's stream (see [`HedgedStream`][trio_hedge.HedgedStream] for what it
@@ -351,6 +364,9 @@ class Hedger:
         if idempotency_key is not None:  # sent as a header on every attempt
             check_header_value(idempotency_key, "idempotency_key", allow_empty=False)
         request_delay = None if hedge_after is None else check_request_hedge_after(hedge_after)
+        if type(priority) is not int or priority:  # (the default 0 needs no check)
+            check_priority(priority)
+        queue_wait = None if queued is None else check_queued(queued)
         extra_headers = None if headers is None else check_request_headers(headers)
         if prompt_tokens is not None:
             if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int):
@@ -416,6 +432,7 @@ class Hedger:
             hedge_after=request_delay,
             model=model,
             context_tokens=context_tokens,
+            priority=priority,
         )
         return HedgedStream(
             planner,
@@ -423,6 +440,7 @@ class Hedger:
             request_id=request_id,
             prompt_tokens=tokens,
             idempotency_key=idempotency_key,
+            queue_wait=queue_wait,
         )
 
     def hedge_delay(self, *, prompt_tokens: int = 0, group: str = "default") -> float | None:

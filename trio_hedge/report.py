@@ -144,6 +144,9 @@ class Report:
         prompt_tokens: the request's prompt size in tokens (given by the caller or estimated
             at ~4 characters per token), when known; used for cost accounting.
         idempotency_key: the idempotency key every attempt carried, or ``None``.
+        queue_wait: seconds the request waited before its race began (a gateway's admission
+            queue: ``Hedger.stream(queued=...)``), or ``None`` when not given. Not part of
+            ``ttft``, ``total`` nor any attempt's times, which start with the race.
     """
 
     request_id: str
@@ -162,6 +165,7 @@ class Report:
     error: BaseException | None = attrs.field(default=None, eq=False)
     prompt_tokens: int | None = None
     idempotency_key: str | None = None
+    queue_wait: float | None = None
 
     @property
     def attempts_sent(self) -> int:
@@ -239,6 +243,7 @@ class Report:
             "prompt_tokens": self.prompt_tokens,
             "prompt_tokens_resent": self.prompt_tokens_resent,
             "idempotency_key": self.idempotency_key,
+            "queue_wait": self.queue_wait,
             "finished": self.finished,
             "completed": self.completed,
             "text": self.text,
@@ -297,6 +302,7 @@ class _Recorder:
     completed: bool = False
     prompt_tokens: int | None = None
     idempotency_key: str | None = None
+    queue_wait: float | None = None
 
     def attempt(self, number: int) -> _AttemptState:
         return self.attempts[number - 1]
@@ -324,4 +330,5 @@ class _Recorder:
             error=self.error,
             prompt_tokens=self.prompt_tokens,
             idempotency_key=self.idempotency_key,
+            queue_wait=self.queue_wait,
         )

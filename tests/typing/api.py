@@ -273,3 +273,22 @@ async def with_agent_apis() -> None:
     assert_type(MessagesDecoder().feed(b""), list[Delta])
     assert_type(ResponsesDecoder().response_id, str | None)
     assert_type(ResponsesSource, type[ResponsesSource])
+
+
+async def many_tenants(hedger: Hedger, request: dict[str, Any]) -> float | None:
+    """Priority classes, a wait reported, and a key ledger as the gateway keeps one."""
+    from trio_hedge.state import KeyLedger, Lease, LocalKeyLedger, Quota, Refusal
+
+    async with hedger.stream(request, priority=5, queued=0.25) as stream:
+        async for _ in stream:
+            pass
+    wait = stream.report.queue_wait
+    assert_type(wait, float | None)
+    ledger: KeyLedger = LocalKeyLedger()
+    lease = await ledger.reserve("team-a", Quota(max_concurrent=2, tokens_per_minute=1000), 300)
+    if isinstance(lease, Refusal):
+        assert_type(lease.retry_after, float)
+        return None
+    assert_type(lease, Lease)
+    await ledger.settle(lease, 120)
+    return wait

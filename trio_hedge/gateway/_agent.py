@@ -48,6 +48,7 @@ from ._forward import (
     RequestOptions,
     _hedge_headers,
     check_stream_and_model,
+    note_usage,
     parse_object,
 )
 from ._http import Exchange
@@ -337,14 +338,7 @@ class AgentForwarder(ChatForwarder):
         return self._completion_class()
 
     def _style(self, answer: ErrorAnswer) -> ErrorAnswer:
-        return self._answer(
-            answer.status,
-            answer.message,
-            answer.type,
-            answer.code,
-            answer.param,
-            answer.retry_after,
-        )
+        return self._answer(**attrs.asdict(answer, recurse=False))
 
     def _synthesize(self, delta: Delta, first: bool) -> bytes:
         """Events for a delta with no wire form of its own (an upstream that answered
@@ -359,12 +353,13 @@ class AgentForwarder(ChatForwarder):
         first = True
         batches = stream.batches()
         opening = last = None  # the first and the latest events relayed (before any recovery)
+        final: Sequence[Delta] = ()
         async for batch in batches:
             if stream.recovered:  # another replica goes on: one answer (``_continued``)
                 go_on = functools.partial(
                     self._continued, head=event_of(opening), tail=event_of(last)
                 )
-                await relay_recovered(ex, batch, batches, go_on)
+                final = await relay_recovered(ex, batch, batches, go_on)
                 break
             out = []
             for delta in batch:
@@ -373,6 +368,8 @@ class AgentForwarder(ChatForwarder):
                 first = False
             await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
             opening, last = opening or batch[0], batch[-1]
+            final = batch
+        note_usage(ex.record, final)
         await ex.body(b"", more=False)
 
     def _continued(self, delta: Delta, head: dict[str, Any], tail: dict[str, Any]) -> bytes:
@@ -388,7 +385,7 @@ class MessagesForwarder(AgentForwarder):
     _forwarded = (b"anthropic-version", b"anthropic-beta")
 
     def _style(self, answer: ErrorAnswer) -> ErrorAnswer:
-        if answer.status == 503 and answer.code == "overloaded":
+        if answer.status == 503 and answer.code in ("overloaded", "queue_full", "queue_timeout"):
             answer = attrs.evolve(answer, status=529)  # Anthropic's overloaded status
         return super()._style(answer)
 

@@ -25,12 +25,20 @@ import trio
 
 from .. import Hedger, Replica
 from ..policy import ReplicaStatistics
+from ..state import KeyLedger
 from ._agent import agent_forwarder
 from ._config import GatewayConfig, GatewayKey
-from ._errors import ErrorAnswer
-from ._forward import ChatForwarder, Rejected
+from ._errors import ErrorAnswer, short
+from ._forward import (
+    ChatForwarder,
+    Rejected,
+    _watch_disconnect,
+    completion_allowance,
+    prompt_estimate,
+)
 from ._http import Exchange, Receive, Scope, Send
-from ._limits import BodyTooLarge, ClientGone, Draining, KeyLimiter, Limiter, read_body
+from ._input import priority_from
+from ._limits import BodyTooLarge, ClientGone, Draining, Limiter, Refused, Ticket, read_body
 from ._metrics import ACCESS_LOGGER, GatewayMetrics
 
 __all__ = ["GatewayApp"]
@@ -124,8 +132,13 @@ class GatewayApp:
         agent_hedgers: per API (``"anthropic"``, ``"responses"``), one Hedger per group over
             the same replicas speaking that API (``_agent.py``); an API without them has no
             route (404).
+        ledger: where each gateway key's leases are kept (concurrency, rate, tokens per
+            minute): a [`KeyLedger`][trio_hedge.state.KeyLedger], shared by a fleet of
+            gateways; default a [`LocalKeyLedger`][trio_hedge.state.LocalKeyLedger] (this
+            process only). The admission queue itself stays in the process.
 
-    The caller owns the Hedgers and the client (``serve()`` opens and closes them).
+    The caller owns the Hedgers, the client and the ledger (``serve()`` opens and closes
+    them).
     """
 
     def __init__(
@@ -135,16 +148,18 @@ class GatewayApp:
         client: httpx.AsyncClient,
         metrics: GatewayMetrics,
         agent_hedgers: Mapping[str, Mapping[str, Hedger]] | None = None,
+        ledger: KeyLedger | None = None,
     ) -> None:
         self.config = config
-        self.limiter = Limiter(config.limits.max_concurrent)
+        self.limiter = Limiter(config, ledger)
         self.metrics = metrics
+        metrics.queued.set_function(lambda: self.limiter.queued)
         self._hedgers = hedgers
         #: Every Hedger, by API ("chat" for chat completions) and group: /readyz, /metrics.
         self._all: dict[str, Mapping[str, Hedger]] = {"chat": hedgers, **(agent_hedgers or {})}
         self._client = client
-        self.keys = KeyLimiter(config.keys, config.limits)
         self._keys = tuple((k.key.encode(), k) for k in config.keys)
+        self._by_name = {k.name: k for k in config.keys}
         secrets = [k.key for k in config.keys]
         self._chat = ChatForwarder(config, hedgers, metrics, secrets)
         self._forwarders: dict[str, ChatForwarder] = {"/v1/chat/completions": self._chat}
@@ -220,17 +235,12 @@ class GatewayApp:
                 await ex.error(answer, [(b"www-authenticate", b"Bearer")])
                 return
             ex.record.key = key.name
-            wait = self.keys.take(key.name)
-            if wait is not None:
-                self.metrics.refused.labels("key_rate").inc()
-                answer = ErrorAnswer(
-                    429,
-                    f"this gateway key's request rate is used up: retry in {wait:.3g} s",
-                    code="rate_limit_exceeded",
-                    retry_after=wait,
-                )
-                await ex.error(answer)
-                return
+            if path not in self._forwarders:  # a chat request counts at its admission
+                over = await self.limiter.take_rate(key.name)
+                if over is not None:
+                    self.metrics.refused.labels("key_rate").inc()
+                    await ex.error(_key_refusal("key_rate", over.retry_after))
+                    return
         forwarder = self._forwarders.get(path)
         if forwarder is not None:
             await self._forward(ex, forwarder)
@@ -255,85 +265,208 @@ class GatewayApp:
                 found = key
         return found
 
+    def _priority(self, ex: Exchange, forwarder: ChatForwarder) -> int:
+        """The request's class: its key's (or the limits') default, or ``X-Priority`` when
+        the operator allows it, clamped to the key's range (never below its default).
+
+        Raises:
+            Rejected: 400 for an ``X-Priority`` that is not an integer.
+        """
+        key = self._by_name.get(ex.record.key or "")
+        low, high = self.config.priorities(key)
+        if not self.config.limits.priority_header:
+            return low
+        priority = priority_from(ex.header(b"x-priority"), low, high)
+        if priority is None:
+            answer = ErrorAnswer(
+                400, "X-Priority must be an integer", code="invalid_request", param="X-Priority"
+            )
+            raise Rejected(forwarder._style(answer))
+        return priority
+
     async def _forward(self, ex: Exchange, forwarder: ChatForwarder) -> None:
+        """A chat request (every API's): a place in the gateway, its body, its slot from the
+        admission queue and its key's lease, the race, then everything given back."""
         limits = self.config.limits
         refused = self.metrics.refused
         declared = _content_length(ex)
         try:
-            admitted = self.limiter.admit()
+            priority = self._priority(ex, forwarder)
+        except Rejected as rejected:
+            refused.labels("invalid").inc()
+            await ex.error(rejected.answer, [(b"connection", b"close")])
+            return
+        try:
+            ticket = self.limiter.enter(ex.record.key, priority)
         except Draining:
             refused.labels("draining").inc()
-            answer = ErrorAnswer(
-                503, "the gateway is shutting down", code="shutdown", retry_after=limits.retry_after
-            )
-            await ex.error(answer, [(b"connection", b"close")])
+            await ex.error(forwarder._style(_draining(limits.retry_after)), _CLOSE)
             return
-        except trio.WouldBlock:
-            refused.labels("concurrency").inc()
-            answer = ErrorAnswer(
-                503,
-                f"too many requests in flight (max_concurrent={limits.max_concurrent})",
-                code="overloaded",
-                retry_after=limits.retry_after,
-            )
-            await ex.error(answer)
+        except Refused as full:
+            refused.labels(full.reason).inc()
+            await ex.error(forwarder._style(self._queue_refusal(full)))
             return
-        key = ex.record.key
-        if key is not None and not self.keys.admit(key):
-            self.limiter.release(admitted)
-            refused.labels("key_concurrency").inc()
-            answer = ErrorAnswer(
-                429,
-                "too many requests in flight for this gateway key",
-                code="concurrency_limit_exceeded",
-                retry_after=limits.retry_after,
-            )
-            await ex.error(answer)
-            return
-        if key is not None:
-            self.metrics.key_in_flight.labels(key).inc()
+        ex.record.priority = priority
         timeout = limits.request_timeout
         deadline_at = math.inf if timeout is None else trio.current_time() + timeout
         try:
-            try:
-                body = None
-                # A client trickling its body holds a slot: it has body_timeout for it.
-                body_by = min(deadline_at, trio.current_time() + (limits.body_timeout or math.inf))
-                with trio.move_on_at(body_by):
-                    body = await read_body(ex.receive, limits.max_body_bytes, declared)
-                if body is None:
-                    name, limit = (
-                        ("request_timeout", timeout)
-                        if body_by == deadline_at
-                        else ("body_timeout", limits.body_timeout)
-                    )
-                    message = f"the request body took longer than {name}={limit} s"
-                    # Closed: the rest of the body may still come, and is not a request.
-                    await ex.error(
-                        ErrorAnswer(408, message, code="request_timeout"),
-                        [(b"connection", b"close")],
-                    )
-                    return
-                request, group, options, streaming = forwarder.prepare(ex, body)
-                del body  # parsed: its bytes are not held for the whole request
-            except BodyTooLarge:
-                refused.labels("body_size").inc()
-                message = f"the request body is larger than max_body_bytes={limits.max_body_bytes}"
-                await ex.error(ErrorAnswer(413, message, code="request_too_large"))
-                return
-            except Rejected as rejected:
-                refused.labels("invalid").inc()
-                await ex.error(rejected.answer)
-                return
-            except ClientGone:
-                ex.record.status, ex.record.error = 499, "client_disconnected"
-                return
-            await forwarder.handle(ex, request, group, options, streaming, admitted, deadline_at)
+            await self._admitted(ex, forwarder, ticket, declared, deadline_at)
         finally:
-            self.limiter.release(admitted)
+            await self._done(ex, ticket)
+
+    async def _admitted(
+        self,
+        ex: Exchange,
+        forwarder: ChatForwarder,
+        ticket: Ticket,
+        declared: int | None,
+        deadline_at: float,
+    ) -> None:
+        limits = self.config.limits
+        refused = self.metrics.refused
+        try:
+            body = None
+            # A client trickling its body holds a place: it has body_timeout for it.
+            body_by = min(deadline_at, trio.current_time() + (limits.body_timeout or math.inf))
+            with trio.move_on_at(body_by):
+                body = await read_body(ex.receive, limits.max_body_bytes, declared)
+            if body is None:
+                name, limit = (
+                    ("request_timeout", limits.request_timeout)
+                    if body_by == deadline_at
+                    else ("body_timeout", limits.body_timeout)
+                )
+                message = f"the request body took longer than {name}={limit} s"
+                # Closed: the rest of the body may still come, and is not a request.
+                await ex.error(
+                    forwarder._style(ErrorAnswer(408, message, code="request_timeout")), _CLOSE
+                )
+                return
+            request, group, options, streaming = forwarder.prepare(ex, body)
+            del body  # parsed: its bytes are not held for the whole request
+        except BodyTooLarge:
+            refused.labels("body_size").inc()
+            message = f"the request body is larger than max_body_bytes={limits.max_body_bytes}"
+            await ex.error(forwarder._style(ErrorAnswer(413, message, code="request_too_large")))
+            return
+        except Rejected as rejected:
+            refused.labels("invalid").inc()
+            await ex.error(rejected.answer)
+            return
+        except ClientGone:
+            ex.record.status, ex.record.error = 499, "client_disconnected"
+            return
+        prompt = prompt_estimate(request, group.hedger.chars_per_token)
+        reserve = prompt + completion_allowance(request, limits.completion_reserve)
+        ex.record.prompt_tokens = prompt  # until the answer reports its own
+        key = ex.record.key
+        limit = self.limiter.too_many_tokens(key, reserve)
+        if limit is not None:
+            refused.labels("key_tokens").inc()
+            message = (
+                f"this request may use {reserve} tokens (its prompt, estimated, and its "
+                f"max_tokens), more than this gateway key's tokens_per_minute={limit}: "
+                "lower max_tokens"
+            )
+            answer = ErrorAnswer(429, message, code="tokens_limit_exceeded")
+            await ex.error(forwarder._style(answer))
+            return
+        refusal = None
+        try:
+            with trio.move_on_at(deadline_at) as waiting:
+                if self.limiter.join(ticket, group.name, prompt):
+                    await self.limiter.admit(ticket, group.name, prompt, reserve)
+                else:
+                    refusal = await self._wait_in_queue(ex, ticket, group.name, prompt, reserve)
+            if waiting.cancelled_caught:
+                refusal = Refused("queue_timeout", None)
+        except Refused as refused_now:
+            refusal = refused_now
+        if ex.record.status == 499:  # the client left while it waited: nothing went upstream
+            return
+        if refusal is not None:
+            refused.labels(refusal.reason).inc()
+            await ex.error(forwarder._style(self._queue_refusal(refusal)))
+            return
+        assert ticket.scope is not None
+        metrics = self.metrics
+        ex.record.queue_wait = ticket.waited
+        metrics.queue_wait.labels(str(ticket.priority)).observe(ticket.waited)
+        if key is not None:
+            metrics.key_in_flight.labels(key).inc()
+        try:
+            await forwarder.handle(
+                ex,
+                request,
+                group,
+                options,
+                streaming,
+                ticket.scope,
+                deadline_at,
+                priority=ticket.priority,
+                queued=ticket.waited,
+            )
+        finally:
             if key is not None:
-                self.keys.release(key)
-                self.metrics.key_in_flight.labels(key).dec()
+                metrics.key_in_flight.labels(key).dec()
+
+    async def _wait_in_queue(
+        self, ex: Exchange, ticket: Ticket, group: str, prompt: int, reserve: int
+    ) -> Refused | None:
+        """`Limiter.admit` for a request that waits, watching its client: one that leaves
+        gives its place back at once (status 499), not when its turn or ``queue_wait``
+        comes."""
+        refusal = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_disconnect, ex, nursery.cancel_scope)
+            try:
+                await self.limiter.admit(ticket, group, prompt, reserve)
+            except Refused as refused:
+                refusal = refused
+            nursery.cancel_scope.cancel()
+        return refusal
+
+    async def _done(self, ex: Exchange, ticket: Ticket) -> None:
+        """Give back what the request held; charge its key what it was served."""
+        record = ex.record
+        served = record.winner is not None or bool(record.tokens)
+        prompt = completion = None
+        if served:
+            prompt = record.prompt_tokens or 0
+            completion = record.completion_tokens
+            if completion is None:  # no usage reported: the content tokens relayed
+                completion = record.tokens or 0
+            if record.key is not None:
+                self.metrics.key_tokens.labels(record.key).inc(prompt + completion)
+        await self.limiter.done(ticket, served=served, prompt=prompt, completion=completion)
+
+    def _queue_refusal(self, refusal: Refused) -> ErrorAnswer:
+        """The answer for a request the queue or its key's ledger did not admit."""
+        limits = self.config.limits
+        retry_after = refusal.retry_after
+        reason = refusal.reason
+        if reason in ("key_rate", "key_tokens"):
+            return _key_refusal(reason, retry_after)
+        if reason == "draining":
+            return _draining(limits.retry_after)
+        if retry_after is None:
+            retry_after = limits.retry_after
+        if reason == "queue_full":
+            message = (
+                f"the gateway is full: {limits.max_concurrent} requests running and "
+                f"{limits.max_queue} places in its queue taken"
+            )
+            # Waiting that long, then retrying, is what the queue would have done.
+            return ErrorAnswer(
+                503,
+                message,
+                code="queue_full",
+                retry_after=retry_after,
+                should_retry=short(retry_after),
+            )
+        message = f"no slot for this request within queue_wait={limits.queue_wait} s"
+        # It waited as long as the operator allows: a retry would only queue it again.
+        return ErrorAnswer(503, message, code="queue_timeout", retry_after=retry_after)
 
     async def _models(self, ex: Exchange) -> None:
         """The models this gateway serves: those the replicas' own ``/models`` lists name
@@ -427,6 +560,34 @@ def readiness(
             eligible = True
     status = "draining" if draining else "ready" if eligible else "no eligible replica"
     return status, {"status": status, "groups": groups, "apis": apis}
+
+
+_CLOSE = [(b"connection", b"close")]
+
+
+def _draining(retry_after: float) -> ErrorAnswer:
+    # Another instance can take it: the one answer where a retry surely helps.
+    return ErrorAnswer(
+        503,
+        "the gateway is shutting down",
+        code="shutdown",
+        retry_after=retry_after,
+        should_retry=True,
+    )
+
+
+def _key_refusal(reason: str, retry_after: float | None) -> ErrorAnswer:
+    """429 for a key over its request rate or its tokens per minute."""
+    what = "request rate" if reason == "key_rate" else "tokens per minute"
+    code = "rate_limit_exceeded" if reason == "key_rate" else "tokens_limit_exceeded"
+    wait = "" if retry_after is None else f": retry in {retry_after:.3g} s"
+    return ErrorAnswer(
+        429,
+        f"this gateway key's {what} is used up{wait}",
+        code=code,
+        retry_after=retry_after,
+        should_retry=short(retry_after),
+    )
 
 
 #: A replica's states, best first: its worst over the routes is its /readyz state.

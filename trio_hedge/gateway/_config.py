@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 
 from .. import HedgerConfig, LearnedDelay, Replica
+from .._validate import MAX_PRIORITY
 from ..events import FirstToken
 from ..policy import Attribution
 from ..sources.probes import ENGINES, LoadProbe
@@ -85,6 +86,25 @@ def _positive_int_or_none(inst: object, attribute: attrs.Attribute[Any], value: 
         _positive_int(inst, attribute, value)
 
 
+def _non_negative_int(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{attribute.name} must be an int, not {value!r}")
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, not {value!r}")
+
+
+def _priority(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{attribute.name} must be an int, not {value!r}")
+    if not 0 <= value <= MAX_PRIORITY:
+        raise ValueError(f"{attribute.name} must be from 0 to {MAX_PRIORITY}, not {value!r}")
+
+
+def _priority_or_none(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None:
+        _priority(inst, attribute, value)
+
+
 def _positive_rate_or_none(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is None:
         return
@@ -99,17 +119,50 @@ class Limits:
     """What protects the fleet. Durations in seconds.
 
     Attributes:
-        max_concurrent: chat requests handled at once; beyond it the answer is 503 with
-            ``Retry-After`` (no queue: a client or load balancer retries elsewhere).
-            Default 1000.
+        max_concurrent: chat requests (every API's) running at once; beyond it a request
+            waits in the admission queue (``max_queue``, ``queue_wait``). Default 1000.
+        max_queue: chat requests that may wait for a slot besides the ones running: at
+            most ``max_concurrent + max_queue`` are in the gateway at once (running,
+            waiting, or reading their body), which bounds the memory requests hold. Beyond
+            it, 503 ``queue_full`` with a ``Retry-After`` from the queue's drain rate (or,
+            when the arrival's key has fewer requests in the gateway than the key with the
+            most, that key's newest waiting request gets it instead: no key can take every
+            place). 0: no queue, 503 at once. Default 256.
+        queue_wait: the longest a request waits in the queue for a slot (gateway, group and
+            key), in seconds; then 503 ``queue_timeout`` with a ``Retry-After`` from the
+            drain rate. 0: no waiting. Default 10.
+        completion_weight: what one completion token weighs against a prompt token in the
+            token-fair order (VTC: the waiting request of the key that received the fewest
+            weighted tokens recently goes first; Sheng et al., OSDI 2024, weigh output 2:1).
+            In ``(0, 100]``. Default 2.0.
+        fairness_horizon: how recent the tokens counted in that order are, in seconds: each
+            key's count decays exponentially with this time constant (``_queue.py`` says why
+            rather than VTC's counter lift). ``None`` (``false`` in TOML): every token
+            counted, with VTC's lift (a key back from idle gets no head start, but a key
+            sending below its share waits behind the flood for every other request of its
+            bursts). Default 2.
+        completion_reserve: the completion tokens a request that sets no ``max_tokens``
+            (``max_completion_tokens``, ``max_output_tokens``) reserves of its key's
+            ``tokens_per_minute``; its reported usage is charged when it ends. Default
+            1024.
+        priority: the priority class (0, the default and lowest, to 9) of requests whose
+            key has none of its own (and of every request without gateway keys).
+            Default 0.
+        max_priority: the highest class a request may ask for with ``X-Priority`` when
+            ``priority_header`` is on (each key's own ``max_priority`` over it); ``None``:
+            ``priority`` (the header cannot raise it). Default ``None``.
+        priority_header: read ``X-Priority: <int>`` from clients, clamped to their key's
+            range ``[priority, max_priority]`` (never below the key's default). Default
+            ``False``: the header is ignored.
         max_body_bytes: the largest request body; beyond it 413. Default 4 MiB.
         request_timeout: the overall deadline of one chat request, first token to last;
             before the first token it answers 504, after it ends the stream with an in-band
             error. ``None``: no deadline. Default 600.
         drain_timeout: after the listener closes, how long in-flight requests may go on
             before they are cancelled (their upstream attempts closed). Default 30.
-        retry_after: the ``Retry-After`` of the gateway's own 503 answers (over the limit,
-            draining) and of upstream 503s that gave none. Default 1.
+        retry_after: the ``Retry-After`` of the gateway's own 503 answers when it has no
+            better estimate (draining; the queue before any request has finished) and of
+            upstream 503s that gave none. Default 1.
         hedge_after_min: the least a client's ``X-Hedge-After`` is clamped to. Default 0.
         hedge_after_max: the most a client's ``X-Hedge-After`` is clamped to. Default 10.
         key_max_concurrent: chat requests one gateway key may have in flight at once (the
@@ -120,6 +173,12 @@ class Limits:
             ``None``: no limit. Default ``None``.
         key_burst: requests a key may make at once beyond ``key_rate`` (the bucket's size).
             ``None``: ``key_rate`` rounded up (at least 1). Default ``None``.
+        key_tokens_per_minute: tokens (prompt plus completion) one gateway key may use per
+            sliding minute: each request reserves its estimate at admission (prompt plus
+            its ``max_tokens``, else ``completion_reserve``) and is charged the usage its
+            answer reports, so requests running together cannot overrun it; beyond it 429
+            ``tokens_limit_exceeded`` with ``Retry-After``. ``None``: no limit. Default
+            ``None``.
         write_timeout: seconds a write to a client may make no progress (a client that
             stopped reading) before its connection is closed, ending its requests (their
             upstream attempts closed, their slots freed); over HTTP/2, also how long a
@@ -158,12 +217,33 @@ class Limits:
     body_timeout: float | None = attrs.field(default=30.0, validator=_positive_seconds_or_none)
     max_connections: int | None = attrs.field(default=None, validator=_positive_int_or_none)
     drain_delay: float = attrs.field(default=0.0, validator=_non_negative_seconds)
+    # The admission queue: after the fields above, so Limits(...) by position still works.
+    key_tokens_per_minute: int | None = attrs.field(default=None, validator=_positive_int_or_none)
+    max_queue: int = attrs.field(default=256, validator=_non_negative_int)
+    queue_wait: float = attrs.field(default=10.0, validator=_non_negative_seconds)
+    completion_weight: float = attrs.field(default=2.0)
+    fairness_horizon: float | None = attrs.field(default=2.0, validator=_positive_seconds_or_none)
+    completion_reserve: int = attrs.field(default=1024, validator=_positive_int)
+    priority: int = attrs.field(default=0, validator=_priority)
+    max_priority: int | None = attrs.field(default=None, validator=_priority_or_none)
+    priority_header: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+    @completion_weight.validator
+    def _check_weight(self, attribute: attrs.Attribute[float], value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"completion_weight must be a number, not {value!r}")
+        if not (math.isfinite(value) and 0 < value <= 100):
+            raise ValueError(f"completion_weight must be in (0, 100], not {value!r}")
 
     def __attrs_post_init__(self) -> None:
         if self.hedge_after_min > self.hedge_after_max:
             raise ValueError(
                 f"hedge_after_min ({self.hedge_after_min}) must be <= hedge_after_max "
                 f"({self.hedge_after_max})"
+            )
+        if self.max_priority is not None and self.max_priority < self.priority:
+            raise ValueError(
+                f"max_priority ({self.max_priority}) must be >= priority ({self.priority})"
             )
 
 
@@ -198,6 +278,9 @@ class Group:
         hedger: the [`HedgerConfig`][trio_hedge.HedgerConfig] of the group's Hedger.
         side_effects: the group's requests act besides generating text: hedged on time only
             when the client sends an ``Idempotency-Key``. Default ``False``.
+        max_concurrent: the group's requests running at once (every API's); beyond it they
+            wait in the admission queue. ``None``: only the gateway's ``max_concurrent``.
+            Default ``None``.
     """
 
     name: str = attrs.field(validator=attrs.validators.instance_of(str))
@@ -207,6 +290,7 @@ class Group:
         default=DEFAULT_HEDGER, validator=attrs.validators.instance_of(HedgerConfig)
     )
     side_effects: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    max_concurrent: int | None = attrs.field(default=None, validator=_positive_int_or_none)
 
     def matches(self, model: str | None) -> bool:
         """Whether a request for ``model`` belongs here."""
@@ -229,6 +313,13 @@ class GatewayKey:
             Default ``None``.
         burst: its requests at once beyond ``rate``; ``None``: ``Limits.key_burst``.
             Default ``None``.
+        tokens_per_minute: its tokens per sliding minute; ``None``:
+            ``Limits.key_tokens_per_minute``. Default ``None``.
+        priority: its requests' priority class (0 to 9, higher first, in the admission
+            queue and for the hedge budget); ``None``: ``Limits.priority``. Default ``None``.
+        max_priority: the highest class its requests may ask for with ``X-Priority`` (when
+            ``Limits.priority_header`` is on); ``None``: ``Limits.max_priority``, else its
+            ``priority``. Default ``None``.
 
     Raises:
         TypeError, ValueError: a field of the wrong type or out of range (named, never the
@@ -240,6 +331,9 @@ class GatewayKey:
     max_concurrent: int | None = attrs.field(default=None, validator=_positive_int_or_none)
     rate: float | None = attrs.field(default=None, validator=_positive_rate_or_none)
     burst: int | None = attrs.field(default=None, validator=_positive_int_or_none)
+    tokens_per_minute: int | None = attrs.field(default=None, validator=_positive_int_or_none)
+    priority: int | None = attrs.field(default=None, validator=_priority_or_none)
+    max_priority: int | None = attrs.field(default=None, validator=_priority_or_none)
 
     @key.validator
     def _check_key(self, _attribute: attrs.Attribute[str], value: object) -> None:
@@ -332,14 +426,39 @@ class GatewayConfig:
         if len({k.key for k in self.keys}) != len(self.keys):
             raise ValueError("two gateway keys are the same key")
         limits = self.limits
-        per_key = (limits.key_max_concurrent, limits.key_rate, limits.key_burst)
+        per_key = (
+            limits.key_max_concurrent,
+            limits.key_rate,
+            limits.key_burst,
+            limits.key_tokens_per_minute,
+        )
         if not self.keys and any(v is not None for v in per_key):
             raise ValueError("per-key limits (limits.key_*) need gateway keys (auth)")
+        for key in self.keys:
+            low, high = self.priorities(key)
+            if high < low:
+                raise ValueError(
+                    f"gateway key {key.name!r}: max_priority ({high}) must be >= its "
+                    f"priority ({low})"
+                )
         if self.keys and self.forward_client_key:
             raise ValueError(
                 "forward_client_key cannot be used with gateway keys: clients send the "
                 "gateway's key, not their own"
             )
+
+    def priorities(self, key: GatewayKey | None) -> tuple[int, int]:
+        """``(default, highest)`` priority class of ``key``'s requests (``None``: requests
+        without a gateway key): its own, else the ``limits``'."""
+        limits = self.limits
+        low = limits.priority if key is None or key.priority is None else key.priority
+        if key is not None and key.max_priority is not None:
+            high = key.max_priority  # checked: not below its own default
+        elif limits.max_priority is not None:
+            high = max(limits.max_priority, low)
+        else:
+            high = low
+        return low, high
 
     def replica(self, name: str) -> Replica:
         """The replica called ``name``."""
@@ -537,12 +656,17 @@ def _replica(table: Mapping[str, Any], where: str, environ: Mapping[str, str]) -
         raise ConfigError(f"{where}: {exc}") from None
 
 
+#: A ``[[auth.keys]]`` table's limits (the `GatewayKey` fields of the same names).
+_KEY_FIELDS = ("max_concurrent", "rate", "burst", "tokens_per_minute", "priority", "max_priority")
+
+
 def _key(table: Mapping[str, Any], where: str, environ: Mapping[str, str]) -> GatewayKey:
-    _known(table, ("name", "key_env", "max_concurrent", "rate", "burst"), where)
+    fields = _KEY_FIELDS
+    _known(table, ("name", "key_env", *fields), where)
     if "key_env" not in table:
         raise ConfigError(f"{where}.key_env is required")
     key = _env(table["key_env"], f"{where}.key_env", environ)
-    limits = {n: table[n] for n in ("max_concurrent", "rate", "burst") if n in table}
+    limits: dict[str, Any] = {n: _none_for_false(table[n], None) for n in fields if n in table}
     try:
         return GatewayKey(key, table.get("name", table["key_env"]), **limits)
     except (TypeError, ValueError) as exc:
@@ -599,7 +723,9 @@ def parse_config(
     for i, raw in enumerate(raw_groups):
         where = f"groups[{i}]"
         table = _table(raw, where)
-        _known(table, ("name", "replicas", "models", "hedger", "side_effects"), where)
+        _known(
+            table, ("name", "replicas", "models", "hedger", "side_effects", "max_concurrent"), where
+        )
         hedger = hedger_config(_table(table.get("hedger", {}), f"{where}.hedger"), base, where)
         try:
             groups.append(
@@ -609,6 +735,7 @@ def parse_config(
                     models=table.get("models", ["*"]),
                     hedger=hedger,
                     side_effects=table.get("side_effects", False),
+                    max_concurrent=_none_for_false(table.get("max_concurrent"), None),  # type: ignore[arg-type]
                 )
             )
         except (TypeError, ValueError) as exc:

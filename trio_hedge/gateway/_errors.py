@@ -6,6 +6,13 @@ the official SDKs turn into their own typed exceptions (``BadRequestError``,
 ``AuthenticationError``, ``RateLimitError``, ``InternalServerError``…). After the commit the
 status line is gone: the stream ends with the same body as an in-band ``data:`` event, and no
 ``[DONE]``.
+
+Every error answer says whether a retry can help (``x-should-retry``, read by the official
+openai and anthropic SDKs before their own status rules): ``false`` on errors the gateway
+produced after trying every replica it may, and on the request's own faults, so a client's
+default retries do not send an exhausted request to the fleet again; ``true`` only where a
+retry can help (draining, a full queue or a key's rate with a short ``Retry-After``: at most
+`SHORT_RETRY_AFTER`).
 """
 
 from __future__ import annotations
@@ -19,7 +26,18 @@ import attrs
 from .. import AttemptError, HedgeError, ReplicasCooling, RequestFailed, StreamInterrupted
 from ..errors import ErrorKind
 
-__all__ = ["ErrorAnswer", "answer_for", "mask"]
+__all__ = ["SHORT_RETRY_AFTER", "ErrorAnswer", "answer_for", "mask", "short"]
+
+#: The longest ``Retry-After`` (seconds) after which the gateway says a retry can help: the
+#: openai SDK waits up to 120 s and refuses longer; older ones (and other clients) 60 s, and
+#: the anthropic SDK waits however long it is told.
+SHORT_RETRY_AFTER = 60.0
+
+
+def short(retry_after: float | None) -> bool:
+    """Whether a client waiting ``retry_after`` seconds, then retrying, is worth telling to."""
+    return retry_after is not None and retry_after <= SHORT_RETRY_AFTER
+
 
 #: The status an upstream error without one stands for.
 _KIND_STATUS = {
@@ -67,7 +85,8 @@ def mask(text: str, secrets: Sequence[str]) -> str:
 
 @attrs.frozen
 class ErrorAnswer:
-    """One error answer: status, OpenAI error fields, and ``Retry-After`` (seconds)."""
+    """One error answer: status, OpenAI error fields, ``Retry-After`` (seconds), and whether
+    a retry can help (``x-should-retry``; default ``False``)."""
 
     status: int
     message: str
@@ -75,6 +94,7 @@ class ErrorAnswer:
     code: str | None = None
     param: str | None = None
     retry_after: float | None = None
+    should_retry: bool = False
 
     def body(self) -> bytes:
         """``{"error": {"message", "type", "param", "code"}}`` as JSON bytes."""
@@ -91,10 +111,17 @@ class ErrorAnswer:
         return b"data: " + self.body() + b"\n\n"
 
     def headers(self) -> list[tuple[bytes, bytes]]:
-        """``content-type``, and ``retry-after`` in whole seconds (RFC 9110) when set."""
-        out = [(b"content-type", b"application/json")]
+        """``content-type``, ``x-should-retry``, and ``retry-after`` in whole seconds (RFC
+        9110) with ``retry-after-ms`` (milliseconds, which the openai SDK reads first) when
+        set."""
+        out = [
+            (b"content-type", b"application/json"),
+            (b"x-should-retry", b"true" if self.should_retry else b"false"),
+        ]
         if self.retry_after is not None:
-            out.append((b"retry-after", str(max(0, math.ceil(self.retry_after))).encode()))
+            seconds = max(0.0, self.retry_after)
+            out.append((b"retry-after", str(math.ceil(seconds)).encode()))
+            out.append((b"retry-after-ms", str(math.ceil(seconds * 1000)).encode()))
         return out
 
 
@@ -151,10 +178,19 @@ def answer_for(
       carries one.
 
     ``secrets`` (a client's forwarded key, the gateway's keys) are masked in the message.
+    Every answer but ``ReplicasCooling``'s (``x-should-retry: true`` when its ``Retry-After``
+    is short) says ``x-should-retry: false``: the Hedger tried every replica it may.
     """
     answer: ErrorAnswer
     if isinstance(exc, ReplicasCooling):
-        answer = ErrorAnswer(503, str(exc), code="replicas_cooling", retry_after=exc.retry_in)
+        # Nothing was sent: once the first replica takes requests again, a retry can help.
+        answer = ErrorAnswer(
+            503,
+            str(exc),
+            code="replicas_cooling",
+            retry_after=exc.retry_in,
+            should_retry=short(exc.retry_in),
+        )
     elif isinstance(exc, StreamInterrupted):
         error = exc.error
         answer = ErrorAnswer(

@@ -25,6 +25,7 @@ import trio
 
 from .. import HedgedStream, HedgeError, Hedger, Report
 from ..events import Delta
+from ..policy import estimate_prompt_tokens
 from ..sources.openai import merge_tool_calls
 from ._config import GatewayConfig, Group
 from ._errors import ErrorAnswer, answer_for
@@ -33,7 +34,16 @@ from ._input import MAX_MODEL_CHARS, BadJSON, load_json
 from ._metrics import AccessRecord, GatewayMetrics
 from ._recovered import ChunkRewriter, head_of, recount, relay_recovered
 
-__all__ = ["ChatForwarder", "Completion", "Rejected", "RequestOptions", "parse_chat"]
+__all__ = [
+    "ChatForwarder",
+    "Completion",
+    "Rejected",
+    "RequestOptions",
+    "completion_allowance",
+    "note_usage",
+    "parse_chat",
+    "prompt_estimate",
+]
 
 _SSE_HEADERS = (
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -41,6 +51,61 @@ _SSE_HEADERS = (
     (b"x-accel-buffering", b"no"),  # tell nginx-style proxies not to buffer the stream
 )
 _DONE = b"data: [DONE]\n\n"
+
+
+def _int_tokens(value: object) -> int | None:
+    return value if type(value) is int and value >= 0 else None
+
+
+def note_usage(record: AccessRecord, deltas: Sequence[Delta]) -> None:
+    """The usage the answer reported (the last of ``deltas`` that carries one: chat's
+    ``prompt_tokens``/``completion_tokens``, Messages' and Responses' ``input_tokens``/
+    ``output_tokens``) into ``record``."""
+    for delta in reversed(deltas):
+        usage = delta.usage
+        if usage is not None:
+            prompt = _int_tokens(usage.get("prompt_tokens", usage.get("input_tokens")))
+            completion = _int_tokens(usage.get("completion_tokens", usage.get("output_tokens")))
+            if prompt is not None:
+                record.prompt_tokens = prompt
+            if completion is not None:
+                record.completion_tokens = completion
+            return
+
+
+def _text_chars(value: object) -> int:
+    """Characters of text in a ``system`` or ``input`` field (a string, or parts / items
+    whose ``text`` or ``content`` is)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        total = 0
+        for part in value:
+            if isinstance(part, dict):
+                total += _text_chars(part.get("text")) + _text_chars(part.get("content"))
+            else:
+                total += _text_chars(part)
+        return total
+    return 0
+
+
+def prompt_estimate(request: Mapping[str, Any], chars_per_token: float) -> int:
+    """The prompt's tokens, estimated (every API's body: ``messages``, Anthropic's
+    ``system``, the Responses API's ``input`` and ``instructions``)."""
+    extra = sum(_text_chars(request.get(f)) for f in ("system", "input", "instructions"))
+    return estimate_prompt_tokens(request, chars_per_token=chars_per_token) + math.ceil(
+        extra / chars_per_token
+    )
+
+
+def completion_allowance(request: Mapping[str, Any], default: int) -> int:
+    """The completion tokens a request may ask for (``max_completion_tokens``,
+    ``max_tokens``, ``max_output_tokens``), else ``default``."""
+    for field in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        value = request.get(field)
+        if type(value) is int and value > 0:
+            return value
+    return default
 
 
 class Rejected(Exception):
@@ -278,6 +343,8 @@ def _hedge_headers(report: Report) -> list[tuple[bytes, bytes]]:
         headers.append((b"x-hedge-replica", winner.encode()))
     if report.ttft is not None:
         headers.append((b"x-hedge-ttft", f"{report.ttft:.6f}".encode()))
+    if report.queue_wait is not None:
+        headers.append((b"x-hedge-queue-wait", f"{report.queue_wait:.6f}".encode()))
     return headers
 
 
@@ -378,9 +445,13 @@ class ChatForwarder:
         streaming: bool,
         admitted: trio.CancelScope,
         deadline_at: float,
+        *,
+        priority: int = 0,
+        queued: float | None = None,
     ) -> None:
         """Race and relay one admitted request (see the module docstring) until
-        ``deadline_at`` (Trio time: its admission plus ``request_timeout``)."""
+        ``deadline_at`` (Trio time: its arrival plus ``request_timeout``); ``priority``: its
+        class for the hedge budget, ``queued``: the seconds it waited for its slot."""
         hedger = self._hedgers[group.name]
         limits = self._config.limits
         timeout = limits.request_timeout
@@ -392,7 +463,9 @@ class ChatForwarder:
                 with admitted:
                     deadline = trio.CancelScope(deadline=deadline_at)
                     with deadline:
-                        await self._race(ex, hedger, request, group, options, streaming)
+                        await self._race(
+                            ex, hedger, request, group, options, streaming, priority, queued
+                        )
                     if deadline.cancelled_caught:
                         ex.record.error = "request_timeout"
                         message = f"the request took longer than request_timeout={timeout} s"
@@ -423,6 +496,8 @@ class ChatForwarder:
         group: Group,
         options: RequestOptions,
         streaming: bool,
+        priority: int = 0,
+        queued: float | None = None,
     ) -> None:
         record = ex.record
         try:
@@ -434,6 +509,8 @@ class ChatForwarder:
                 request_id=record.request_id,
                 hedge_after=options.hedge_after,
                 headers=options.headers,
+                priority=priority,
+                queued=queued,
             )
         except (TypeError, ValueError) as exc:
             await ex.error(self._style(ErrorAnswer(400, str(exc), code="invalid_request")))
@@ -468,6 +545,7 @@ class ChatForwarder:
             return
         if completion is not None:
             assert report is not None
+            note_usage(record, completion.deltas)
             if stream.recovered:
                 recount(completion.deltas, report)
             data = completion.body(record.request_id, request.get("model"))
@@ -495,13 +573,16 @@ class ChatForwarder:
                 }
             )
             break
+        last: Sequence[Delta] = () if first is None else (first,)
         async for batch in batches:
             if stream.recovered:  # another replica goes on: one completion (``_recovered``)
                 rewriter = ChunkRewriter(head_of(first), encoder.chunk, stream)
-                await relay_recovered(ex, batch, batches, rewriter.encode)
+                last = await relay_recovered(ex, batch, batches, rewriter.encode)
                 break
             data = encode(batch[0]) if len(batch) == 1 else b"".join(map(encode, batch))
             await send({"type": "http.response.body", "body": data, "more_body": True})
+            last = batch
+        note_usage(ex.record, last)  # the usage chunk comes last: no look at every event
         await ex.body(_DONE, more=False)
 
 

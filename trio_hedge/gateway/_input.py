@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = [
     "clip",
     "duplicated",
     "load_json",
+    "priority_from",
 ]
 
 #: The longest ``model`` a request may name (characters; longer: 400). It keys learned
@@ -50,9 +52,29 @@ READ_HEADERS = (
     b"idempotency-key",
     b"x-hedge",
     b"x-hedge-after",
+    b"x-priority",
     b"x-request-id",
     b"x-api-key",  # the gateway key too, as Anthropic clients send it
 )
+
+#: The most digits of an ``X-Priority`` read as a number; a longer one is out of range and
+#: clamped by its sign (``int()`` of a long digit string costs quadratic time).
+MAX_PRIORITY_DIGITS = 4
+_PRIORITY = re.compile(r"[+-]?[0-9]+")
+
+
+def priority_from(text: str | None, low: int, high: int) -> int | None:
+    """An ``X-Priority`` value clamped to ``[low, high]`` (``low`` without one; any integer
+    is clamped, negative or huge), or ``None`` when it is not an integer."""
+    if text is None:
+        return low
+    text = text.strip()
+    if not _PRIORITY.fullmatch(text):
+        return None
+    if len(text.lstrip("+-")) > MAX_PRIORITY_DIGITS:
+        return low if text.startswith("-") else high
+    return min(max(int(text), low), high)
+
 
 _orjson_loads: Any
 try:  # orjson (the "speed" extra) parses a request body ~5x faster than json

@@ -3,12 +3,13 @@
 Metrics live in the gateway's own registry (two gateways in one process, as in tests, do not
 collide): the library's [`PrometheusHook`][trio_hedge.instrumentation.PrometheusHook] counters
 (requests, attempts, backups won, hedges refused, replica events, TTFT histogram), the
-gateway's requests by path and status, requests in flight, relayed tokens, refusals by
-reason, the TTFT per API, group and model, and, read from every Hedger's ``statistics()`` at
-scrape time (each group's, on each route: chat completions, Messages, Responses), every
-replica's state, the learned hedge delays and the hedge budget's use, and each probed
-replica's engine reading: what this instance has learned on its own. ``deploy/grafana/`` has
-a dashboard of them and ``deploy/prometheus/`` the alert rules.
+gateway's requests by path and status, requests in flight and waiting in the admission
+queue, the time they waited, relayed tokens, each key's tokens, refusals by reason, the TTFT
+per API, group and model, and, read from every Hedger's ``statistics()`` at scrape time (each
+group's, on each route: chat completions, Messages, Responses), every replica's state, the
+learned hedge delays and the hedge budget's use, and each probed replica's engine reading:
+what this instance has learned on its own. ``deploy/grafana/`` has a dashboard of them and
+``deploy/prometheus/`` the alert rules.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def _count_tasks() -> int:
     root = trio.lowlevel.current_root_task()
     return 0 if root is None else walk(root)
 
+
+#: The queue-wait histogram's buckets (seconds).
+QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 #: The ``model`` label of every model outside `ModelLabels`.
 OTHER_MODELS = "(other)"
@@ -239,6 +243,25 @@ class GatewayMetrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64),
             **kw,
         )
+        self.queued = Gauge(
+            "trio_hedge_gateway_queued",
+            "Chat requests waiting for a slot in the admission queue.",
+            **kw,
+        )
+        self.queue_wait = Histogram(
+            "trio_hedge_gateway_queue_wait_seconds",
+            "Seconds admitted chat requests waited for their slot (0: at once), by class.",
+            ["priority"],
+            buckets=QUEUE_WAIT_BUCKETS,
+            **kw,
+        )
+        self.key_tokens = Counter(
+            "trio_hedge_gateway_key_tokens",
+            "Tokens (prompt plus completion) charged per gateway key (its configured name): "
+            "the usage answers reported, else the gateway's estimate and count.",
+            ["key"],
+            **kw,
+        )
         self.models = ModelLabels(())
 
     def observe_ttft(self, api: str, group: str, model: str | None, seconds: float) -> None:
@@ -281,6 +304,10 @@ class AccessRecord:
     tokens: int | None = None
     wasted_tokens: int | None = None
     error: str | None = None  # a kind or reason, never a message
+    prompt_tokens: int | None = None  # the usage the answer reported
+    completion_tokens: int | None = None
+    priority: int | None = None  # its class in the admission queue
+    queue_wait: float | None = None  # seconds it waited for its slot
 
     def line(self) -> str:
         """The JSON line (fields that are ``None`` left out)."""
@@ -293,6 +320,8 @@ class AccessRecord:
         fields["duration"] = round(time.time() - self.started, 6)
         if self.ttft is not None:
             fields["ttft"] = round(self.ttft, 6)
+        if self.queue_wait is not None:
+            fields["queue_wait"] = round(self.queue_wait, 6)
         return json.dumps(fields)
 
 

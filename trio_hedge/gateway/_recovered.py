@@ -123,9 +123,9 @@ async def relay_recovered(
     batch: Sequence[Delta],
     batches: AsyncIterator[Sequence[Delta]],
     encode: Callable[[Delta], bytes],
-) -> None:
+) -> Sequence[Delta]:
     """Write ``batch`` and every batch after it rewritten (``encode``: a `ChunkRewriter`'s,
-    or another API's), one write per batch that has something to say."""
+    or another API's), one write per batch that has something to say; the last batch."""
     data = b"".join(map(encode, batch))
     if data:
         await ex.body(data, more=True)
@@ -133,3 +133,4 @@ async def relay_recovered(
         data = b"".join(map(encode, batch))
         if data:
             await ex.body(data, more=True)
+    return batch

@@ -27,6 +27,7 @@ import trio
 from .. import Hedger
 from ..events import EventHook
 from ..hedger import LoadMonitor
+from ..state import KeyLedger
 from ..transport import make_client
 from ._agent import agent_hedgers
 from ._app import GatewayApp
@@ -71,10 +72,13 @@ async def serve(
     *,
     stop: trio.Event | None = None,
     handle_signals: bool = False,
+    ledger: KeyLedger | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``config`` until ``stop`` is set (or, with ``handle_signals``, SIGTERM/SIGINT),
-    then drain (see the module docstring).
+    then drain (see the module docstring). ``ledger``: where each gateway key's leases are
+    kept ([`KeyLedger`][trio_hedge.state.KeyLedger]; default this process's own,
+    [`LocalKeyLedger`][trio_hedge.state.LocalKeyLedger]), owned by the caller.
 
     ``await nursery.start(serve, config, stop=stop)`` returns the URLs it listens on
     (``["http://127.0.0.1:PORT"]``; port 0 picks a free one).
@@ -102,7 +106,7 @@ async def serve(
                 )
             # The same groups speaking Anthropic Messages and OpenAI Responses (_agent.py).
             by_api = agent_hedgers(config, client, [metrics.hook], hedgers)
-            app = GatewayApp(config, hedgers, client, metrics, by_api)
+            app = GatewayApp(config, hedgers, client, metrics, by_api, ledger)
             limiter = app.limiter
             limits = config.limits
             server = Server(

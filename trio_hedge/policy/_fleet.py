@@ -62,6 +62,7 @@ class FleetCounts:
     backup_wins: int = 0
     #: Hedges not sent, by reason.
     budget: int = 0
+    priority: int = 0  # the budget's share kept for higher classes
     throttle: int = 0
     no_replica: int = 0
     #: Failovers not sent, by reason.
@@ -77,8 +78,8 @@ class FleetCounts:
     at_once: int = 0
 
     def refused(self, reason: str, *, failover: bool) -> None:
-        """Count a hedge (or failover) not sent, for ``reason``: ``"budget"``, ``"throttle"``
-        or ``"no_replica"``."""
+        """Count a hedge (or failover) not sent, for ``reason``: ``"budget"``,
+        ``"priority"``, ``"throttle"`` or ``"no_replica"``."""
         if failover:
             if reason == "throttle":
                 self.failover_throttle += 1
@@ -86,6 +87,8 @@ class FleetCounts:
                 self.failover_no_replica += 1
         elif reason == "budget":
             self.budget += 1
+        elif reason == "priority":
+            self.priority += 1
         elif reason == "throttle":
             self.throttle += 1
         else:
@@ -365,7 +368,7 @@ class FleetState:
             failovers=c.failovers,
             recoveries=c.recoveries,
             backup_wins=c.backup_wins,
-            hedges_refused=c.budget + c.throttle + c.no_replica,
+            hedges_refused=c.budget + c.priority + c.throttle + c.no_replica,
             budget_refusals=c.budget,
             throttle_refusals=c.throttle,
             no_replica_refusals=c.no_replica,
@@ -387,4 +390,5 @@ class FleetState:
             prefill=() if self.model is None else tuple(self.model.fits(now)),
             saturated_refusals=c.saturated,
             hedges_at_once=c.at_once,
+            priority_refusals=c.priority,
         )

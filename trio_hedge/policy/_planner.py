@@ -84,6 +84,7 @@ class RequestPlanner:
         "_need",
         "_outgrown",
         "_per_replica",
+        "_priority",
         "_probe_key",
         "_replicas",
         "_request",
@@ -120,8 +121,10 @@ class RequestPlanner:
         hedge_after: float | None = None,
         model: str | None = None,
         context_tokens: int | None = None,
+        priority: int = 0,
     ) -> None:
         self._fleet = fleet
+        self._priority = priority  # its class for the hedge budget (_budget: priority_reserve)
         self._writer = FleetWriter(fleet) if writer is None else writer
         self._rules = rules_of(fleet) if rules is None else rules
         self._make_source = bind
@@ -476,13 +479,20 @@ class RequestPlanner:
         return chosen is not None and self._refusal(now) is None
 
     def _refusal(self, now: float) -> str | None:
-        """What would refuse a backup now, ``"throttle"`` or ``"budget"``, or ``None`` (a
-        check: nothing is counted or spent)."""
+        """What would refuse a backup now, ``"throttle"``, ``"budget"`` or ``"priority"`` (the
+        budget's share kept for higher classes), or ``None`` (a check: nothing is counted or
+        spent)."""
         fleet = self._fleet
         if fleet.throttle is not None and not fleet.throttle.allows:
             return "throttle"
-        if fleet.budget is not None and not fleet.budget.allows(now, early=self._early(now)):
-            return "budget"
+        budget = fleet.budget
+        if budget is not None:
+            early = self._early(now)
+            if not budget.allows(now, early=early):
+                return "budget"
+            # The part of the budget kept for the higher classes in the window.
+            if not budget.allows(now, early=early, priority=self._priority):
+                return "priority"
         return None
 
     def _fleet_delay(self, number: int, now: float) -> float | None:
@@ -576,8 +586,8 @@ class RequestPlanner:
 
     def _refuse(self, reason: str, now: float, *, failover: bool = False) -> bool:
         """Count and announce a hedge (or failover) not sent, for ``reason``: ``budget``,
-        ``throttle`` or ``no_replica``. A refused hedge is evidence too: the attempt it would
-        have backed up had nowhere to hedge (``_judge``: "unhedgeable")."""
+        ``priority``, ``throttle`` or ``no_replica``. A refused hedge is evidence too: the
+        attempt it would have backed up had nowhere to hedge (``_judge``: "unhedgeable")."""
         saturated, self._saturated = self._saturated, False
         self._writer.refused(reason, failover=failover, saturated=saturated)
         if not failover:
@@ -683,6 +693,7 @@ class RequestPlanner:
             tokens=self._tokens,
             probe_key=self._probe_key,
             at_once=record.trigger == "hedge" and at_once,
+            priority=self._priority,
         )
 
     def _ended(self, number: int, now: float) -> AttemptEvidence:
@@ -724,8 +735,9 @@ class RequestPlanner:
         self._decide_retry(clear=False)
         index = replica.index
         fleet = self._fleet
-        if error.replica_fault:
-            self._used[index] = self._per_replica  # it would answer the same: not again
+        if not error.repeatable:
+            # It would answer the same, or said x-should-retry: false: not again.
+            self._used[index] = self._per_replica
         elif self._used[index] < self._per_replica and fleet.config.backoff is not None:
             # It may be tried again by this request: not before its back-off has passed.
             backoff = fleet.config.backoff

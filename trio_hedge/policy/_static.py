@@ -23,7 +23,9 @@ class StaticPlanner:
     computed as it goes (``attempts_per_replica=10**9`` costs nothing up front), and a replica
     that failed with an error that is its own fault
     ([`AttemptError.replica_fault`][trio_hedge.AttemptError.replica_fault]: a wrong key, an unknown
-    model) is not tried again in the same request.
+    model) or that said ``x-should-retry: false``
+    ([`AttemptError.repeatable`][trio_hedge.AttemptError.repeatable]) is not tried again in the
+    same request.
 
     A repeat on a replica that failed waits, as the Hedger's do: for ``policy.backoff``
     (``backoff_delay``, its jitter drawn from ``request_id`` by ``jitter_draw``) and for the
@@ -89,7 +91,7 @@ class StaticPlanner:
         error = record.error
         if error is None:
             return
-        if error.replica_fault:
+        if not error.repeatable:  # its own fault, or x-should-retry: false
             self._dead.add(id(source))
             return
         if record.outcome is not AttemptOutcome.FAILED:

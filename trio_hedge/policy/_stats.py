@@ -198,7 +198,8 @@ class HedgerStatistics:
         recoveries: attempts started after a commit because the winner broke
             (``trigger="recovery"``).
         backup_wins: requests won by a hedge (Finagle ``backups_won``).
-        hedges_refused: hedges not sent, for any reason (sum of the three below).
+        hedges_refused: hedges not sent, for any reason (sum of the three below and
+            ``priority_refusals``).
         budget_refusals: refused by the [`HedgeBudget`][trio_hedge.policy.HedgeBudget]
             (Finagle ``budget_exhausted``).
         throttle_refusals: refused by the [`RetryThrottle`][trio_hedge.policy.RetryThrottle].
@@ -221,6 +222,9 @@ class HedgerStatistics:
         hedges_at_once: backups sent at once (no hedge delay) because the engine's reading
             predicted the attempt running would take longer than the delay, and another
             replica sooner (load probes only).
+        priority_refusals: refused because the budget's remaining share is kept for
+            requests of a higher priority class (``HedgeBudget.priority_reserve``; the
+            request's class from ``Hedger.stream(priority=...)``).
         requests_refused: requests that sent nothing and raised
             [`ReplicasCooling`][trio_hedge.ReplicasCooling] (counted neither in ``requests`` nor in
             ``finished``).
@@ -272,6 +276,7 @@ class HedgerStatistics:
     prefill: tuple[PrefillFit, ...] = ()
     saturated_refusals: int = 0
     hedges_at_once: int = 0
+    priority_refusals: int = 0
 
     @property
     def ejected(self) -> tuple[str, ...]:

@@ -474,9 +474,11 @@ class FleetWriter:
         tokens: int | None,
         probe_key: int,
         at_once: bool,
+        priority: int = 0,
     ) -> None:
         """An attempt started on ``replica`` (``key``: the request and attempt, waiting for a
-        first token there)."""
+        first token there); a primary deposits in the hedge budget for its class
+        ``priority``."""
         fleet = self.fleet
         counts = fleet.counts
         replica.waiting[key] = now
@@ -490,7 +492,7 @@ class FleetWriter:
         if number == 1:
             counts.requests += 1
             if fleet.budget is not None:
-                fleet.budget.request(now)
+                fleet.budget.request(now, priority)
         if trigger == "hedge":
             counts.hedges_sent += 1
             if at_once:

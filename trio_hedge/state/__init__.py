@@ -8,6 +8,7 @@ Two contracts, each with an in-process implementation and a Redis one (``coredis
 * `KeyLedger`: each gateway key's admission leases (concurrency, request rate, tokens per
   minute): reserve an estimate at admission, settle on the answer's reported usage, release on
   failure, expire when the process holding them dies (litellm-rs's admission leases).
+  In-process: `LocalKeyLedger`.
 
 Fast state (the hedge budget, the retry throttle, in-flight counts, probe readings) stays in
 each process: see ``docs/gateway.md``, "Scale-out".
@@ -25,6 +26,7 @@ from ._contracts import (
     StateChange,
     StoreStatus,
 )
+from ._local import LocalKeyLedger
 
 __all__ = [
     "Cooldown",
@@ -33,6 +35,7 @@ __all__ = [
     "FleetStore",
     "KeyLedger",
     "Lease",
+    "LocalKeyLedger",
     "Quota",
     "Refusal",
     "StateChange",

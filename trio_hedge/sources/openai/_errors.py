@@ -430,6 +430,12 @@ def classify_http_error(
     context-length message on any status but 429 -> ``CONTEXT_LENGTH_EXCEEDED``, other 4xx
     -> ``INVALID_REQUEST``. The message is the server's own (at most 300 characters), else
     the reason phrase.
+
+    The server's ``x-should-retry`` is honoured before these status rules (the official
+    openai and anthropic SDKs read it so): ``true`` makes the error retryable, ``false``
+    keeps its kind but says this replica is not to be tried again by the request
+    ([`AttemptError.should_retry`][trio_hedge.AttemptError]; a gateway in front of a fleet
+    answers it once it has tried every replica it may).
     """
     text = body.decode("utf-8", "replace").strip().lstrip("\ufeff")
     payload: Any = None
@@ -448,6 +454,9 @@ def classify_http_error(
     else:
         message, labels = ("" if text.startswith("<") else text), []  # skip HTML pages
     kind, retryable = _kind_for(status, message, labels, in_band=False, sent=_Sent(sent))
+    should_retry = _should_retry(headers)
+    if should_retry is True:
+        retryable = True  # the server says another attempt can help, whatever the status
     if not message:
         try:
             message = f"HTTP {status} {http.HTTPStatus(status).phrase}"
@@ -459,8 +468,19 @@ def classify_http_error(
         retryable=retryable,
         retry_after=parse_retry_after(headers, now=now),
         status_code=status,
+        should_retry=should_retry,
         context_window=(stated_window(text) if kind is ErrorKind.CONTEXT_LENGTH_EXCEEDED else None),
     )
+
+
+def _should_retry(headers: Mapping[str, str]) -> bool | None:
+    """The server's ``x-should-retry`` (``true``/``false``, as the official SDKs read it),
+    or ``None``."""
+    value = _header(headers, "x-should-retry")
+    if value is None:
+        return None
+    value = value.strip().lower()
+    return True if value == "true" else False if value == "false" else None
 
 
 def sent_body(message: httpx.Response | httpx.Request | None) -> bytes:
@@ -630,5 +650,6 @@ def with_context(error: AttemptError, context: str) -> AttemptError:
         status_code=error.status_code,
         replica=error.replica,
         hint=error.hint,
+        should_retry=error.should_retry,
         context_window=error.context_window,
     )
