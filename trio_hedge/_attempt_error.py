@@ -62,6 +62,10 @@ class ErrorKind(str, enum.Enum):
     retryable before the first token (another replica may be sane)."""
     UNKNOWN = "unknown"
     """the source raised something the library does not know; fatal."""
+    SLOW_STREAM = "slow_stream"
+    """after commit, the winner's tokens came far slower than the fleet learned its replica
+    streams that model (a throughput floor, ``RecoveryPolicy.throughput_floor``: off by
+    default): the answer goes on elsewhere as after a stall."""
     DIVERGED = "diverged"
     """a recovery after the commit did not reproduce the output the caller already has (a
     replay that sampled differently, a continuation that did not repeat its prefix as its
@@ -85,6 +89,7 @@ TRANSIENT_KINDS = frozenset(
         ErrorKind.CONNECTION,
         ErrorKind.TIMEOUT,
         ErrorKind.STALL,
+        ErrorKind.SLOW_STREAM,
         ErrorKind.PROTOCOL,
     }
 )
@@ -109,6 +114,13 @@ class AttemptError(Exception):
         message: a human-readable description; never contains credentials.
         hint: a short way to fix a misconfiguration (``"base_url usually ends in /v1"``),
             which the request's one-line summary carries too, or ``None``.
+        code: the upstream API's own error code (``"previous_response_not_found"``,
+            ``"context_length_exceeded"``), as its error body named it, or ``None``: what a
+            relay hands on so its clients can branch on the API's own code.
+        param: the request field the upstream's error names (``"previous_response_id"``),
+            or ``None``.
+        api_type: the upstream API's own error type (``"invalid_request_error"``,
+            Anthropic's ``"overloaded_error"``), or ``None``.
     """
 
     def __init__(
@@ -121,11 +133,17 @@ class AttemptError(Exception):
         status_code: int | None = None,
         replica: str | None = None,
         hint: str | None = None,
+        code: str | None = None,
+        param: str | None = None,
+        api_type: str | None = None,
     ) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.hint = hint
+        self.code = code
+        self.param = param
+        self.api_type = api_type
         self.retryable = kind in RETRYABLE_KINDS if retryable is None else retryable
         self.retry_after = retry_after
         self.status_code = status_code
@@ -172,6 +190,8 @@ class AttemptError(Exception):
             "retry_after": self.retry_after,
             "status_code": self.status_code,
             "replica": self.replica,
+            "code": self.code,
+            "param": self.param,
         }
 
 

@@ -9,6 +9,7 @@ replica (``max_recoveries``); the stream then reads the new winner as directly.
 
 from __future__ import annotations
 
+import math
 import sys
 import uuid
 from collections import deque
@@ -22,7 +23,7 @@ import trio
 
 from ._attempt_error import classify_exception, leaves
 from ._plan import Planner
-from ._race import Committed, close_quietly, race
+from ._race import Committed, close_quietly, discard_quietly, race
 from ._recovery import recover
 from ._source import AttemptStream
 from .errors import AttemptError, ErrorKind, HedgeError, StreamInterrupted
@@ -117,6 +118,13 @@ class HedgedStream:
         self._others: list[Delta] | None = [] if self._recoveries_left else None
         self._recovered = 0
         self._token_limit: int | None = None  # the winner's (``Source.token_limit``)
+        # The throughput floor (``Planner.throughput_floor``), while the winner is judged:
+        # (window seconds, tokens it must give in one); the producer-side clock since the
+        # winner was installed (seconds waited on it); the times on that clock of its last
+        # ``tokens`` content tokens.
+        self._floor: tuple[float, int] | None = None
+        self._clock = 0.0
+        self._token_times: deque[float] = deque()
 
     @property
     def request_id(self) -> str:
@@ -202,6 +210,9 @@ class HedgedStream:
             state = rec.attempt(self._winner_number)
             state.ended_at = rec.ended_at
             await close_quietly(winner, self._policy.close_timeout)
+            if state.trigger == "recovery" and not self._ended:
+                # Left before its end: the caller never got this recovery's identity.
+                await discard_quietly(winner, self._policy.close_timeout)
         try:
             await self._leave()
         finally:
@@ -265,7 +276,8 @@ class HedgedStream:
                 rec.attempt(self._winner_number).tokens_received += count
 
     async def _receive(self) -> Sequence[Delta] | None:
-        """The winner's next batch, under the stall timeout; errors become typed.
+        """The winner's next batch, under the stall timeout and the throughput floor; errors
+        become typed.
 
         The stall timeout bounds the upstream's silence, not the caller's pauses (Envoy's
         ``per_try_idle_timeout`` is upstream idleness): the clock runs only while this task
@@ -274,32 +286,80 @@ class HedgedStream:
         first-token rule). Keep-alives, role-only deltas and usage do not reset it (the
         caller loops back here). A batch already buffered when the caller comes back costs
         no silence; an upstream silent while the caller was away is charged only from when
-        the caller waits again (silent and back-pressured look alike without a read)."""
+        the caller waits again (silent and back-pressured look alike without a read).
+
+        The throughput floor (`_floor`) reads the same producer-side clock: when fewer than
+        its ``tokens`` content tokens came in the last ``window`` seconds of it, the winner
+        is slow (``ErrorKind.SLOW_STREAM``), found at that instant even inside a wait."""
         winner = self._winner
         if winner is None:
             raise RuntimeError("iterate a HedgedStream inside its 'async with' block")
         stall = self._policy.stall_timeout
+        floor = self._floor
         try:
-            if stall is None:
+            if stall is None and floor is None:
                 return await winner.receive()
-            began = trio.current_time()
-            with trio.move_on_at(began + stall - self._silent_for):
-                batch = await winner.receive()
-                if batch is not None and any(d.has_output for d in batch):
-                    self._silent_for = 0.0
-                else:
-                    self._silent_for += trio.current_time() - began
-                return batch
-            raise AttemptError(
-                ErrorKind.STALL, f"no output from the winner in stall_timeout={stall} s of waiting"
-            )
+            while True:
+                began = trio.current_time()
+                stall_at = math.inf if stall is None else began + stall - self._silent_for
+                slow_at = math.inf if floor is None else began + self._floor_left(floor[0])
+                with trio.move_on_at(min(stall_at, slow_at)):
+                    batch = await winner.receive()
+                    now = trio.current_time()
+                    if batch is not None and any(d.has_output for d in batch):
+                        self._silent_for = 0.0
+                    else:
+                        self._silent_for += now - began
+                    if floor is not None:
+                        self._timed(batch, now - began)
+                    return batch
+                now = trio.current_time()
+                self._silent_for += now - began
+                if now >= stall_at:
+                    raise AttemptError(
+                        ErrorKind.STALL,
+                        f"no output from the winner in stall_timeout={stall} s of waiting",
+                    )
+                assert floor is not None
+                self._timed(None, now - began)
+                if self._floor_left(floor[0]) <= 0:
+                    window, tokens = floor
+                    raise AttemptError(
+                        ErrorKind.SLOW_STREAM,
+                        f"fewer than {tokens} tokens in the last {window:g} s of waiting on "
+                        "the winner: below the throughput floor for its replica and model",
+                    )
         except Exception as exc:
             return await self._broken(classify_exception(exc))
+
+    def _floor_left(self, window: float) -> float:
+        """Producer-side seconds until the winner is slow unless another token comes: the
+        window from the oldest of its last ``tokens`` tokens (from its start while it has
+        had fewer)."""
+        times = self._token_times
+        since = times[0] if len(times) == times.maxlen else 0.0
+        return since + window - self._clock
+
+    def _timed(self, batch: Sequence[Delta] | None, waited: float) -> None:
+        """Account ``waited`` seconds on the producer-side clock and ``batch``'s tokens."""
+        self._clock += waited
+        count = 0 if batch is None else sum(1 for d in batch if d.content)
+        if count:
+            clock = self._clock
+            times = self._token_times
+            for _ in range(min(count, times.maxlen or count)):
+                times.append(clock)
+        state = self._recorder.attempt(self._winner_number)
+        state.waited += waited
+        state.waited_tokens += count
 
     async def _broken(self, error: AttemptError) -> Sequence[Delta]:
         """The winner failed after the commit: go on with the answer on another replica (its
         first deltas are then pending: returns an empty batch), or raise
-        `StreamInterrupted` for ``error``, the original failure, whatever the recoveries met."""
+        `StreamInterrupted` for ``error``, the original failure, whatever the recoveries met.
+
+        A winner the throughput floor found slow is alive: it is left open (unread) while the
+        recovery runs, closed once one takes over, and read on as before if none does."""
         if not self._recoveries_left or self._nursery is None:
             self._fail(error)
         rec = self._recorder
@@ -309,12 +369,15 @@ class HedgedStream:
             error.replica = state.replica
         state.error = error
         state.ended_at = trio.current_time()
-        winner, self._winner, self._direct = self._winner, None, None
+        winner, direct = self._winner, self._direct
+        self._winner = self._direct = None
         policy = self._policy
-        if winner is not None:  # its server must see it stop before another one starts
+        alive = error.kind is ErrorKind.SLOW_STREAM
+        if winner is not None and not alive:
+            # Its server must see it stop before another one starts.
             await close_quietly(winner, policy.close_timeout)
         limit = self._token_limit
-        if limit is not None and rec.token_count >= limit:
+        if limit is not None and rec.token_count >= limit and not alive:
             # The caller has every token its request allows (the break came before the
             # finish): nothing to recover. The answer ends as the engine would have ended it.
             self._ended = True
@@ -331,10 +394,30 @@ class HedgedStream:
             first_token=policy.first_token,
             close_timeout=policy.close_timeout,
             stall_timeout=policy.stall_timeout,
+            reason=error.kind.value,
         )
         self._recoveries_left -= len(rec.attempts) - before
         if committed is None:
+            if alive and winner is not None:
+                # No replica could take it over: the slow winner goes on, unjudged.
+                state.error = None
+                state.ended_at = None
+                self._winner, self._direct = winner, direct
+                if self._policy.stall_timeout is None:
+                    self._direct = winner
+                self._floor = None
+                return ()
+            if state.trigger == "recovery" and winner is not None:
+                # A recovery's own identity reaches the caller only with its end (a replay's
+                # opening events are held back): what it stored upstream is nobody's.
+                await discard_quietly(winner, policy.close_timeout)
             self._fail(error)
+        if winner is not None:
+            if alive:
+                await close_quietly(winner, policy.close_timeout)
+            # The answer ends elsewhere now: what the broken winner stored upstream (a
+            # Responses API's stored response) is not the answer the caller gets.
+            self._nursery.start_soon(discard_quietly, winner, policy.close_timeout)
         self._recovered += 1
         self._install(committed)
         return ()
@@ -343,12 +426,20 @@ class HedgedStream:
         """Read ``committed`` from now on (the race's winner, or a recovery's); its stall
         clock starts at zero."""
         self._winner = committed.stream
-        if self._policy.stall_timeout is None:
-            self._direct = committed.stream
         self._winner_number = committed.number
         self._token_limit = committed.token_limit
         self._ended = committed.ended
         self._silent_for = 0.0
+        floor = None
+        ask = getattr(self._planner, "throughput_floor", None)
+        if ask is not None and committed.source is not None and self._recoveries_left:
+            floor = ask(committed.source)  # judged only while a recovery may follow
+        self._floor = floor
+        if floor is not None:
+            self._clock = 0.0
+            self._token_times = deque(maxlen=floor[1])
+        if self._policy.stall_timeout is None and floor is None:
+            self._direct = committed.stream
         self._pending.extend(committed.pending)
         # The race already counted these in the winner's tokens_received.
         self._take(committed.pending, trio.current_time(), count_for_attempt=False)

@@ -29,7 +29,7 @@ import contextlib
 import functools
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import attrs
 import httpx
@@ -67,9 +67,11 @@ APIS: dict[str, tuple[type[Replica], str]] = {
 def as_api(replica: Replica, api: str) -> Replica:
     """``replica`` (a configured chat replica) speaking ``api``: the same URL, key, name,
     overrides, headers, context window, fallback mark, backup priority and probe, the API's
-    own path. Not its ``continuation``: the engines' continuation contracts are their chat
-    endpoints' (a recovery on another API replays and verifies)."""
+    own path, and its ``continuation`` when it is ``"anchor"`` (an instruction any API takes;
+    the engines' own contracts are their chat endpoints': a recovery on another API then
+    replays and verifies)."""
     kind, _ = APIS[api]
+    anchor: Literal["anchor"] | None = "anchor" if replica.continuation == "anchor" else None
     return kind(
         replica.base_url,
         api_key=replica.api_key,
@@ -80,6 +82,7 @@ def as_api(replica: Replica, api: str) -> Replica:
         fallback=replica.fallback,
         backup_priority=replica.backup_priority,
         probe=replica.probe,
+        continuation=anchor,
     )
 
 

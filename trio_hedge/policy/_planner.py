@@ -512,6 +512,89 @@ class RequestPlanner:
         self._emit(kind, now, reason=reason)
         return False
 
+    # -- the recovery phase (after the commit) -----------------------------------------------
+
+    def recovery_deadline(self, source: Source, added_tokens: int) -> float:
+        """Seconds a recovery attempt on ``source`` may take to its first output before it is
+        abandoned (``RecoveryPolicy.deadline`` of the TTFT the fleet expects of that replica
+        for this model and the recovery's prompt: this request's plus ``added_tokens``)."""
+        replica = self._by_source[id(source)]
+        now = trio.current_time()
+        expected = self._expected_ttft(replica, self._recovery_tokens(added_tokens), now)
+        return self._fleet.config.recovery.deadline(expected)
+
+    def recovery_hedge_delay(self, source: Source, added_tokens: int) -> float | None:
+        """Seconds after a recovery attempt on ``source`` starts before a second recovery may
+        go as a hedge: this request's own ``hedge_after``, else the fleet's delay for the
+        recovery's prompt size; ``None`` when this request may not be hedged or
+        ``RecoveryPolicy.hedge`` is off (``may_hedge`` is asked then, as for any hedge)."""
+        if not self._hedgeable or not self._fleet.config.recovery.hedge:
+            return None
+        if self._hedge_after is not None:
+            return self._hedge_after
+        return self._size_delay(self._recovery_tokens(added_tokens), trio.current_time())
+
+    def throughput_floor(self, source: Source) -> tuple[float, int] | None:
+        """``(window, tokens)`` for a winner on ``source`` (``RecoveryPolicy.throughput_floor``
+        against the rate its replica learned for this model), or ``None``: no floor, or not
+        enough learned (no evidence is never a reason to cut a stream)."""
+        floor = self._fleet.config.recovery.throughput_floor
+        if floor is None:
+            return None
+        replica = self._by_source.get(id(source))
+        if replica is None:
+            return None
+        rate = self._fleet.rates.rate(replica.index, self._model, floor.min_samples)
+        if rate is None:
+            return None
+        return floor.window, floor.tokens_needed(rate)
+
+    def _recovery_tokens(self, added: int) -> int | None:
+        if self._tokens is None and not added:
+            return None
+        return (self._tokens or 0) + added
+
+    def _size_delay(self, tokens: int | None, now: float) -> float | None:
+        """The fleet's hedge delay for a prompt of ``tokens`` of this group (learned, or the
+        fixed one; ``None``: never on time)."""
+        model = self._fleet.model
+        if model is None:
+            fixed = self._fleet.config.hedge_after
+            assert fixed is None or isinstance(fixed, (int, float))
+            return None if fixed is None else float(fixed)
+        size_class = self._class if tokens is None else model.config.classes.of(tokens)
+        return model.delay(self._group, size_class, now, tokens)
+
+    def _expected_ttft(self, replica: ReplicaState, tokens: int | None, now: float) -> float | None:
+        """The TTFT the fleet expects of ``replica`` for a prompt of ``tokens``: the larger of
+        the group's delay for that size and the replica's peak-EWMA latency over the prompt's
+        predicted prefill (``None``: nothing known)."""
+        fleet = self._fleet
+        expected = self._size_delay(tokens, now)
+        if fleet.config.pick == "peak_ewma":
+            latency = replica.latency_now(now, fleet.config.latency_decay)
+            if latency > 0:
+                own = latency + fleet.prefill(self._group, tokens, now)
+                expected = own if expected is None else max(expected, own)
+        return expected
+
+    def _learn_rates(self, report: Report) -> None:
+        """The throughput floor's evidence: each winner's streaming rate after its commit,
+        when it ended unbroken with at least ``min_tokens`` tokens (a stream the floor cut,
+        or one that broke, teaches nothing about its replica's rate)."""
+        counts = self._fleet.counts
+        counts.slow_streams += report.slow_streams
+        floor = self._fleet.config.recovery.throughput_floor
+        if floor is None:
+            return
+        by_name = {r.name: r for r in self._fleet.replicas}
+        for a in report.attempts:
+            if a.stream_rate is None or a.outcome is not AttemptOutcome.WON or a.error:
+                continue
+            replica = by_name.get(a.replica)
+            if replica is not None and a.tokens_received >= floor.min_tokens:
+                self._fleet.rates.observe(replica.index, self._model, a.stream_rate)
+
     # -- what happened -----------------------------------------------------------------------
 
     def attempt_changed(self, source: Source, record: AttemptRecord) -> None:
@@ -638,6 +721,10 @@ class RequestPlanner:
             counts.failovers += 1
         elif record.trigger == "recovery":
             counts.recoveries += 1
+            if record.recovery is not None and record.recovery.hedged:
+                counts.recovery_hedges += 1
+                if fleet.budget is not None:
+                    fleet.budget.spend(now)  # a hedge inside the recovery: the same budget
 
     def _won(self, replica: ReplicaState, record: AttemptRecord, now: float) -> None:
         fleet = self._fleet
@@ -823,4 +910,5 @@ class RequestPlanner:
                     self._ejected(at, until, record.error.kind.value, now)
         counts.wasted += report.wasted_tokens
         counts.prompt_resent += report.prompt_tokens_resent or 0
+        self._learn_rates(report)
         self._emit(EventKind.REQUEST_FINISHED, now, report=report)

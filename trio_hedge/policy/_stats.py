@@ -179,6 +179,11 @@ class HedgerStatistics:
         hedges_at_once: backups sent at once (no hedge delay) because the engine's reading
             predicted the attempt running would take longer than the delay, and another
             replica sooner (load probes only).
+        recovery_hedges: recoveries sent as a hedge inside the recovery phase (a second
+            recovery while the first had no output after its hedge delay); counted in
+            ``recoveries`` too, and spent from the hedge budget.
+        slow_streams: winners the throughput floor took the answer from
+            (``RecoveryPolicy.throughput_floor``).
         requests_refused: requests that sent nothing and raised
             [`ReplicasCooling`][trio_hedge.ReplicasCooling] (counted neither in ``requests`` nor in
             ``finished``).
@@ -230,6 +235,8 @@ class HedgerStatistics:
     prefill: tuple[PrefillFit, ...] = ()
     saturated_refusals: int = 0
     hedges_at_once: int = 0
+    recovery_hedges: int = 0
+    slow_streams: int = 0
 
     @property
     def ejected(self) -> tuple[str, ...]:

@@ -376,6 +376,16 @@ class ResponsesSource(HTTPSource):
 
     _stream_decoder = ResponsesDecoder
     _whole_decoder = staticmethod(decode_response_body)
+    _continue_limits = ("max_output_tokens",)
+
+    def _with_turns(self, turns: list[dict[str, Any]]) -> dict[str, Any]:
+        """The request with ``turns`` after its ``input`` (a string input becomes its user
+        message)."""
+        given = self._body.get("input")
+        items: list[Any] = (
+            [{"role": "user", "content": given}] if isinstance(given, str) else list(given or ())
+        )
+        return {**self._body, "input": [*items, *turns]}
 
     def _attempt_kind(self) -> Callable[..., HTTPAttempt] | None:
         if not self._stored:

@@ -188,6 +188,24 @@ def _error_fields(obj: Any) -> tuple[str, list[str], int | None]:
     return message, labels, status
 
 
+def _api_fields(obj: Any) -> dict[str, str]:
+    """The upstream API's own ``code``, ``param`` and ``type`` of an error payload (OpenAI's
+    ``{"error": {...}}``, Anthropic's ``{"type": "error", "error": {...}}``, vLLM's flat
+    object), as ``AttemptError`` keyword arguments: what a relay hands on unchanged."""
+    if type(obj) is list and obj:
+        obj = obj[0]
+    if type(obj) is not dict:
+        return {}
+    inner = obj.get("error")
+    source = inner if type(inner) is dict else obj
+    out: dict[str, str] = {}
+    for key, field in (("code", "code"), ("param", "param"), ("type", "api_type")):
+        value = source.get(key)
+        if type(value) is str and value and value != "error" and len(value) <= 100:
+            out[field] = value
+    return out
+
+
 class _Sent:
     """The text a request sent (its JSON's keys and strings, lower-cased, decoded lazily: only
     an error whose message matched a rule below asks), to tell a server's own words from
@@ -340,6 +358,7 @@ def _in_band_error(
         retryable=retryable,
         retry_after=retry_after,
         status_code=status,
+        **_api_fields(payload),
     )
 
 
@@ -398,8 +417,10 @@ def classify_http_error(
             payload = _loads(text)
         except ValueError:
             payload = None  # truncated by the caller's bound, or not JSON: use the text
+    fields: dict[str, str] = {}
     if payload is not None:
         message, labels, _ = _error_fields(payload)
+        fields = _api_fields(payload)
     elif text[:1] in ("{", "["):
         # JSON cut by the caller's bound: pick the fields out of the text.
         found = _JSON_MESSAGE.search(text)
@@ -419,6 +440,7 @@ def classify_http_error(
         retryable=retryable,
         retry_after=parse_retry_after(headers, now=now),
         status_code=status,
+        **fields,
     )
 
 
@@ -589,4 +611,7 @@ def with_context(error: AttemptError, context: str) -> AttemptError:
         status_code=error.status_code,
         replica=error.replica,
         hint=error.hint,
+        code=error.code,
+        param=error.param,
+        api_type=error.api_type,
     )
