@@ -9,7 +9,6 @@ replica (``max_recoveries``); the stream then reads the new winner as directly.
 
 from __future__ import annotations
 
-import math
 import sys
 import uuid
 from collections import deque
@@ -119,12 +118,14 @@ class HedgedStream:
         self._recovered = 0
         self._token_limit: int | None = None  # the winner's (``Source.token_limit``)
         # The throughput floor (``Planner.throughput_floor``), while the winner is judged:
-        # (window seconds, tokens it must give in one); the producer-side clock since the
+        # (window seconds, tokens it must give in one, or None: timed, not judged); the
+        # producer-side clock since the
         # winner was installed (seconds waited on it); the times on that clock of its last
         # ``tokens`` content tokens.
-        self._floor: tuple[float, int] | None = None
+        self._floor: tuple[float, int | None] | None = None
         self._clock = 0.0
         self._token_times: deque[float] = deque()
+        self._slow: AttemptError | None = None  # found slow: raised at the next read
 
     @property
     def request_id(self) -> str:
@@ -288,70 +289,77 @@ class HedgedStream:
         no silence; an upstream silent while the caller was away is charged only from when
         the caller waits again (silent and back-pressured look alike without a read).
 
-        The throughput floor (`_floor`) reads the same producer-side clock: when fewer than
-        its ``tokens`` content tokens came in the last ``window`` seconds of it, the winner
-        is slow (``ErrorKind.SLOW_STREAM``), found at that instant even inside a wait."""
+        The throughput floor (`_floor`) reads the same producer-side clock, at each batch:
+        when fewer than its ``tokens`` content tokens came in the last ``window`` seconds of
+        it, the winner is slow (``ErrorKind.SLOW_STREAM``): the batch is given to the caller,
+        and the next read goes on elsewhere. It never interrupts a read (a stream read is
+        not resumable once cancelled): a crawl is found at its next token, a stop is the
+        stall timeout's."""
         winner = self._winner
         if winner is None:
             raise RuntimeError("iterate a HedgedStream inside its 'async with' block")
         stall = self._policy.stall_timeout
         floor = self._floor
         try:
+            slow, self._slow = self._slow, None
+            if slow is not None:
+                raise slow
             if stall is None and floor is None:
                 return await winner.receive()
-            while True:
-                began = trio.current_time()
-                stall_at = math.inf if stall is None else began + stall - self._silent_for
-                slow_at = math.inf if floor is None else began + self._floor_left(floor[0])
-                with trio.move_on_at(min(stall_at, slow_at)):
+            began = trio.current_time()
+            if stall is None:
+                batch = await winner.receive()
+            else:
+                with trio.move_on_at(began + stall - self._silent_for) as waited:
                     batch = await winner.receive()
-                    now = trio.current_time()
-                    if batch is not None and any(d.has_output for d in batch):
-                        self._silent_for = 0.0
-                    else:
-                        self._silent_for += now - began
-                    if floor is not None:
-                        self._timed(batch, now - began)
-                    return batch
-                now = trio.current_time()
-                self._silent_for += now - began
-                if now >= stall_at:
+                if waited.cancelled_caught:
                     raise AttemptError(
                         ErrorKind.STALL,
                         f"no output from the winner in stall_timeout={stall} s of waiting",
                     )
-                assert floor is not None
-                self._timed(None, now - began)
-                if self._floor_left(floor[0]) <= 0:
-                    window, tokens = floor
-                    raise AttemptError(
-                        ErrorKind.SLOW_STREAM,
-                        f"fewer than {tokens} tokens in the last {window:g} s of waiting on "
-                        "the winner: below the throughput floor for its replica and model",
-                    )
+            now = trio.current_time()
+            if batch is not None and any(d.has_output for d in batch):
+                self._silent_for = 0.0
+            else:
+                self._silent_for += now - began
+            if floor is not None:
+                self._timed(batch, now - began, floor)
+            return batch
         except Exception as exc:
             return await self._broken(classify_exception(exc))
 
-    def _floor_left(self, window: float) -> float:
-        """Producer-side seconds until the winner is slow unless another token comes: the
-        window from the oldest of its last ``tokens`` tokens (from its start while it has
-        had fewer)."""
-        times = self._token_times
-        since = times[0] if len(times) == times.maxlen else 0.0
-        return since + window - self._clock
-
-    def _timed(self, batch: Sequence[Delta] | None, waited: float) -> None:
-        """Account ``waited`` seconds on the producer-side clock and ``batch``'s tokens."""
+    def _timed(
+        self, batch: Sequence[Delta] | None, waited: float, floor: tuple[float, int | None]
+    ) -> None:
+        """Account ``waited`` seconds on the producer-side clock and ``batch``'s tokens, and
+        judge the winner slow (`_slow`, raised at the next read) when fewer than the floor's
+        ``tokens`` came in its last ``window`` seconds."""
         self._clock += waited
-        count = 0 if batch is None else sum(1 for d in batch if d.content)
-        if count:
-            clock = self._clock
-            times = self._token_times
-            for _ in range(min(count, times.maxlen or count)):
-                times.append(clock)
+        clock = self._clock
+        count = 0
+        finished = batch is None
+        if batch is not None:
+            for delta in batch:
+                if delta.content:
+                    count += 1
+                if delta.finish_reason:
+                    finished = True
+        times = self._token_times
+        for _ in range(min(count, times.maxlen or count)):
+            times.append(clock)
         state = self._recorder.attempt(self._winner_number)
         state.waited += waited
         state.waited_tokens += count
+        window, tokens = floor
+        if tokens is None or finished:
+            return
+        since = times[0] if len(times) == tokens else 0.0
+        if clock - since >= window:
+            self._slow = AttemptError(
+                ErrorKind.SLOW_STREAM,
+                f"fewer than {tokens} tokens in the last {window:g} s of waiting on the "
+                "winner: below the throughput floor for its replica and model",
+            )
 
     async def _broken(self, error: AttemptError) -> Sequence[Delta]:
         """The winner failed after the commit: go on with the answer on another replica (its
@@ -435,9 +443,10 @@ class HedgedStream:
         if ask is not None and committed.source is not None and self._recoveries_left:
             floor = ask(committed.source)  # judged only while a recovery may follow
         self._floor = floor
+        self._slow = None
         if floor is not None:
             self._clock = 0.0
-            self._token_times = deque(maxlen=floor[1])
+            self._token_times = deque(maxlen=floor[1] or 1)
         if self._policy.stall_timeout is None and floor is None:
             self._direct = committed.stream
         self._pending.extend(committed.pending)

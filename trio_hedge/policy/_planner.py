@@ -534,20 +534,19 @@ class RequestPlanner:
             return self._hedge_after
         return self._size_delay(self._recovery_tokens(added_tokens), trio.current_time())
 
-    def throughput_floor(self, source: Source) -> tuple[float, int] | None:
+    def throughput_floor(self, source: Source) -> tuple[float, int | None] | None:
         """``(window, tokens)`` for a winner on ``source`` (``RecoveryPolicy.throughput_floor``
-        against the rate its replica learned for this model), or ``None``: no floor, or not
-        enough learned (no evidence is never a reason to cut a stream)."""
+        against the rate its replica learned for this model; ``tokens`` ``None`` while too
+        little is learned: the stream is timed, to learn, and not judged: no evidence is
+        never a reason to cut a stream), or ``None``: no floor, no timing."""
         floor = self._fleet.config.recovery.throughput_floor
         if floor is None:
             return None
         replica = self._by_source.get(id(source))
         if replica is None:
-            return None
+            return floor.window, None
         rate = self._fleet.rates.rate(replica.index, self._model, floor.min_samples)
-        if rate is None:
-            return None
-        return floor.window, floor.tokens_needed(rate)
+        return floor.window, None if rate is None else floor.tokens_needed(rate)
 
     def _recovery_tokens(self, added: int) -> int | None:
         if self._tokens is None and not added:

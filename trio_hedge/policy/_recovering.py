@@ -67,7 +67,8 @@ class ThroughputFloor:
 
     def tokens_needed(self, learned_rate: float) -> int:
         """Tokens a healthy stream gives in one ``window`` at the floor (at least 1)."""
-        return max(1, math.ceil(self.ratio * learned_rate * self.window))
+        # (Less a hair: a rate learned as 20.00000000000007 tokens/s asks 4 tokens, not 5.)
+        return max(1, math.ceil(self.ratio * learned_rate * self.window - 1e-9))
 
 
 @attrs.frozen

@@ -107,6 +107,10 @@ class Behaviour:
         retry_after: seconds for a ``Retry-After`` header on an error (``None``: no header).
             Non-integers are sent as decimals (``"0.5"``), which is non-standard but keeps
             tests fast.
+        slow_after: send that many tokens at ``token_delay``, then the rest one every
+            ``slow_token_delay`` seconds (a stream that crawls but stays alive). ``None``:
+            never.
+        slow_token_delay: seconds between tokens once ``slow_after`` were sent. Default 1.
         stall_after: send that many tokens, then stall forever (no finish, no ``[DONE]``).
         keepalive_interval: while stalled, send a ``: keep-alive`` SSE comment every so many
             seconds (``None``: stall silently).
@@ -170,6 +174,8 @@ class Behaviour:
     error_delay: float = attrs.field(default=0.0, validator=_non_negative)
     error_message: str = ""
     retry_after: float | None = attrs.field(default=None, validator=_non_negative)
+    slow_after: int | None = attrs.field(default=None, validator=_non_negative_count)
+    slow_token_delay: float = attrs.field(default=1.0, validator=_non_negative)
     stall_after: int | None = attrs.field(default=None, validator=_non_negative_count)
     keepalive_interval: float | None = attrs.field(default=None)
     cut_after: int | None = attrs.field(default=None, validator=_non_negative_count)
@@ -653,6 +659,8 @@ def _render(b: Behaviour, record: RequestRecord, wire: Wire) -> list[Step]:
         steps.append(Chunk(wire.reasoning(text)))
     for i, text in enumerate(texts):
         gap = b.ttft if i == 0 and not thinking else b.token_delay
+        if i and b.slow_after is not None and i >= b.slow_after:
+            gap = b.slow_token_delay
         if b.stall_after == i:
             return [*steps, Stall(b.keepalive_interval)]
         if gap:
