@@ -134,7 +134,13 @@ class GatewayApp:
             path, forwarder = agent_forwarder(api, config, by_group, metrics, secrets)
             self._forwarders[path] = forwarder
         self._routes = {**_ROUTES, **dict.fromkeys(self._forwarders, "POST")}
-        named = (m for g in config.groups for m in g.models if not any(c in m for c in "*?["))
+        named = [m for g in config.groups for m in g.models if not any(c in m for c in "*?[")]
+        # The models the replicas' overrides ask for: what each attempt's tokens count under.
+        named += [
+            r.overrides["model"]
+            for r in config.replicas
+            if isinstance(r.overrides.get("model"), str)
+        ]
         metrics.watch(self._all, named)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -165,6 +171,12 @@ class GatewayApp:
                 self.metrics.key_requests.labels(ex.record.key, status).inc()
             ACCESS_LOGGER.info(ex.record.line())
 
+    def _styled(self, path: str, answer: ErrorAnswer) -> ErrorAnswer:
+        """``answer`` in the shape of the API ``path`` speaks (each route answers in its own,
+        auth and limits included: a Messages client gets Anthropic's error object)."""
+        forwarder = self._forwarders.get(path)
+        return answer if forwarder is None else forwarder.style(answer)
+
     async def _route(self, ex: Exchange, path: str, method: str) -> None:
         refusal = _ambiguous(ex)
         if refusal is not None:
@@ -176,7 +188,7 @@ class GatewayApp:
                 await read_body(ex.receive, limit, None)
             # Then the connection is closed (RFC 9112 section 6.1 for CL + TE): the server
             # and a proxy in front may disagree where this request ends, and which is next.
-            await ex.error(refusal, [(b"connection", b"close")])
+            await ex.error(self._styled(path, refusal), [(b"connection", b"close")])
             return
         wanted = self._routes.get(path)
         if wanted is None:
@@ -184,7 +196,7 @@ class GatewayApp:
             return
         if method != wanted:
             answer = ErrorAnswer(405, f"{method} is not allowed on {path}", code="method")
-            await ex.error(answer, [(b"allow", wanted.encode())])
+            await ex.error(self._styled(path, answer), [(b"allow", wanted.encode())])
             return
         if path.startswith("/v1/") and self._keys:
             key = self._caller(ex)
@@ -192,10 +204,10 @@ class GatewayApp:
                 self.metrics.refused.labels("auth").inc()
                 answer = ErrorAnswer(
                     401,
-                    "a valid gateway key is required (Authorization: Bearer …)",
+                    "a valid gateway key is required (Authorization: Bearer …, or x-api-key)",
                     code="invalid_api_key",
                 )
-                await ex.error(answer, [(b"www-authenticate", b"Bearer")])
+                await ex.error(self._styled(path, answer), [(b"www-authenticate", b"Bearer")])
                 return
             ex.record.key = key.name
             wait = self.keys.take(key.name)
@@ -207,7 +219,7 @@ class GatewayApp:
                     code="rate_limit_exceeded",
                     retry_after=wait,
                 )
-                await ex.error(answer)
+                await ex.error(self._styled(path, answer))
                 return
         forwarder = self._forwarders.get(path)
         if forwarder is not None:
@@ -244,7 +256,7 @@ class GatewayApp:
             answer = ErrorAnswer(
                 503, "the gateway is shutting down", code="shutdown", retry_after=limits.retry_after
             )
-            await ex.error(answer, [(b"connection", b"close")])
+            await ex.error(forwarder.style(answer), [(b"connection", b"close")])
             return
         except trio.WouldBlock:
             refused.labels("concurrency").inc()
@@ -254,7 +266,7 @@ class GatewayApp:
                 code="overloaded",
                 retry_after=limits.retry_after,
             )
-            await ex.error(answer)
+            await ex.error(forwarder.style(answer))
             return
         key = ex.record.key
         if key is not None and not self.keys.admit(key):
@@ -266,7 +278,7 @@ class GatewayApp:
                 code="concurrency_limit_exceeded",
                 retry_after=limits.retry_after,
             )
-            await ex.error(answer)
+            await ex.error(forwarder.style(answer))
             return
         if key is not None:
             self.metrics.key_in_flight.labels(key).inc()
@@ -288,7 +300,7 @@ class GatewayApp:
                     message = f"the request body took longer than {name}={limit} s"
                     # Closed: the rest of the body may still come, and is not a request.
                     await ex.error(
-                        ErrorAnswer(408, message, code="request_timeout"),
+                        forwarder.style(ErrorAnswer(408, message, code="request_timeout")),
                         [(b"connection", b"close")],
                     )
                     return
@@ -297,7 +309,7 @@ class GatewayApp:
             except BodyTooLarge:
                 refused.labels("body_size").inc()
                 message = f"the request body is larger than max_body_bytes={limits.max_body_bytes}"
-                await ex.error(ErrorAnswer(413, message, code="request_too_large"))
+                await ex.error(forwarder.style(ErrorAnswer(413, message, code="request_too_large")))
                 return
             except Rejected as rejected:
                 refused.labels("invalid").inc()

@@ -104,6 +104,9 @@ class Behaviour:
             ``error_delay``.
         error_delay: seconds before an error answer (headers and body together).
         error_message: the error's ``message`` (default: the status' reason phrase).
+        error_code: the error's ``code`` (OpenAI shapes; default the status's own, e.g.
+            ``"not_found"``), as an API names its own (``"previous_response_not_found"``).
+        error_param: the error's ``param`` (OpenAI shapes), e.g. ``"previous_response_id"``.
         retry_after: seconds for a ``Retry-After`` header on an error (``None``: no header).
             Non-integers are sent as decimals (``"0.5"``), which is non-standard but keeps
             tests fast.
@@ -173,6 +176,8 @@ class Behaviour:
     status: int = attrs.field(default=200)
     error_delay: float = attrs.field(default=0.0, validator=_non_negative)
     error_message: str = ""
+    error_code: str | None = None
+    error_param: str | None = None
     retry_after: float | None = attrs.field(default=None, validator=_non_negative)
     slow_after: int | None = attrs.field(default=None, validator=_non_negative_count)
     slow_token_delay: float = attrs.field(default=1.0, validator=_non_negative)
@@ -636,7 +641,14 @@ def _render(b: Behaviour, record: RequestRecord, wire: Wire) -> list[Step]:
     if b.is_error:
         extra = () if b.retry_after is None else (("retry-after", _seconds_header(b.retry_after)),)
         steps: list[Step] = [Wait(b.error_delay)] if b.error_delay else []
-        return steps + _json_answer(b.status, wire.error_body(b.status, b.error_message), extra)
+        body = wire.error_body(b.status, b.error_message)
+        error = body.get("error")
+        if isinstance(error, dict) and "code" in error:  # the OpenAI shapes
+            if b.error_code is not None:
+                error["code"] = b.error_code
+            if b.error_param is not None:
+                error["param"] = b.error_param
+        return steps + _json_answer(b.status, body, extra)
 
     texts = b.token_texts
     prompt = _prompt_tokens(record.json)
