@@ -351,7 +351,7 @@ class MessagesWire(Wire):
         }
 
 
-def _responses_usage(usage: dict[str, int] | None) -> dict[str, int] | None:
+def _responses_usage(usage: dict[str, int] | None) -> dict[str, Any] | None:
     if usage is None:
         return None
     return {
