@@ -204,6 +204,7 @@ def test_data_flows_one_way() -> None:
 #: planners use it all (docs/layout.md).
 POLICY_LAYERS: tuple[tuple[str, ...], ...] = (
     ("_quantiles", "_sizing", "_budget", "_throttle", "_backoff", "_health", "_blame", "_load"),
+    ("_recovering",),
     ("_prefill",),
     ("_delay",),
     ("_config", "_stats"),
