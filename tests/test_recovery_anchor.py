@@ -130,7 +130,7 @@ async def test_an_anchor_continuation(case: Case) -> None:
     ("kind", "fields"),
     [
         (AnthropicReplica, {"max_tokens": 64}),
-        (ResponsesReplica, {"input": "hi", "max_output_tokens": 64}),
+        (ResponsesReplica, {"input": "hi", "max_output_tokens": 64, "store": False}),
     ],
     ids=["messages", "responses"],
 )

@@ -251,3 +251,30 @@ async def test_the_deadline_follows_what_the_fleet_learned_of_the_replica(
     assert recovery.recovery is not None
     assert recovery.recovery.deadline == pytest.approx(12.0)
     assert recovery.recovery.first_output == pytest.approx(4.0)
+
+
+async def test_a_continuations_role_only_opening_is_no_first_output(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A vLLM continuation's gate is open from the start (it answers only what follows), and
+    # its server sends the role-only opening at once: that is no new text. Before, it
+    # committed there, and a continuation on a replica that never answers became the winner
+    # of an answer that never came (forever, with stall_timeout=None).
+    vllm = {"continuation": "vllm"}
+    mock = MockReplicas(
+        {"a": CUT, "b": attrs.evolve(NEVER, **vllm), "c": attrs.evolve(GOOD, **vllm)}
+    )
+    replicas = [
+        th.Replica(mock.url(n), name=n, continuation=None if n == "a" else "vllm") for n in "abc"
+    ]
+    async with httpx.AsyncClient(transport=mock.transport) as client:
+        async with th.Hedger(replicas, FIXED, client=client) as hedger:
+            with trio.fail_after(600):
+                async with hedger.stream(REQUEST) as stream:
+                    assert "".join([t async for t in stream]) == FULL
+    got = [(a.replica, a.outcome, a.started_at) for a in stream.report.attempts]
+    assert got == [
+        ("a", O.WON, 0.0),
+        ("b", O.CANCELLED, pytest.approx(1.0)),
+        ("c", O.WON, pytest.approx(2.0)),
+    ]

@@ -596,6 +596,10 @@ class _Race:
                     self._answering.add(number)
                 progress_at = now
             relayed = gate.feed(batch)
+            if relayed and not any(d.has_output or d.finish_reason for d in relayed):
+                # An open gate (a vLLM continuation) passes its role-only opening: no new
+                # text yet, nothing to commit on (the caller has its role already).
+                relayed = []
             if relayed:
                 limit = getattr(source, "token_limit", None)
                 if isinstance(gate, AnchorGate) and limit is not None:
