@@ -65,6 +65,7 @@ import hashlib
 import math
 import os
 import random
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -80,6 +81,8 @@ from rich.console import Console
 from rich.table import Table
 
 import trio_hedge as th
+from trio_hedge._recovery import ANCHOR_INSTRUCTION
+from trio_hedge._verify import anchor_of
 from trio_hedge.policy import HedgerConfig, RecoveryPolicy, ThroughputFloor
 from trio_hedge.testing import Behaviour, FakeReplica, RequestRecord
 
@@ -87,6 +90,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import percentile
 from _engines import (
     Engine,
+    free_port,
     missing,
     parse_metrics,
     start_replica,
@@ -632,6 +636,85 @@ def check(console: Console, rows: Sequence[Row], p: Params, strict: bool) -> boo
     return True
 
 
+# -- the anchor method on a real engine ------------------------------------------------------
+
+#: The answer the anchor demo's primary gives (and a scripted fake continues), word by word.
+STORY = (
+    'The keeper climbed the stairs at dusk, as he had every evening for thirty years. "One '
+    'more night," he said to the gulls, and lit the lamp. Far out, a small boat was turning '
+    "toward the rocks, and he reached for the horn before the light had finished its first "
+    "sweep across the water."
+)
+
+
+async def anchor_demo(engine_url: str | None, console: Console) -> bool:
+    """A winner cut after 20 words, recovered by the anchor method on (1) a llama-server with
+    an instruction-following chat template, whose tiny random model does not follow the
+    instruction (its repeat is never found: refused, the cut answer kept), and (2) a scripted
+    fake that does (accepted, the answer whole). True when both behave so."""
+    words = re.findall(r"\S+\s*", STORY)
+    cut = Behaviour(tokens=words, cut_after=20, token_delay=0.001)
+    scripted = Behaviour(tokens=words, continuation="anchor", token_delay=0.001)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a story."}]}
+    body["max_tokens"] = 96
+    body["temperature"] = 0.0
+    table = Table(title="the anchor method: a recovery by instruction, verified")
+    for column in ("recovery target", "outcome", "recovery", "verified", "text the caller has"):
+        table.add_column(column)
+    ok = True
+    async with FakeReplica(cut, name="primary") as primary, FakeReplica(scripted) as fake:
+        targets = [("scripted fake (follows it)", fake.url)]
+        if engine_url is not None:
+            targets.insert(0, ("llama-server, ChatML template, tiny random model", engine_url))
+        for label, url in targets:
+            replicas = [
+                th.Replica(primary.url, name="primary"),
+                th.Replica(url, name="target", continuation="anchor"),
+            ]
+            config = HedgerConfig(hedge_after=None, outlier_detection=None, pick="in_order")
+            error = None
+            async with th.Hedger(replicas, config) as hedger:
+                try:
+                    with trio.fail_after(120):
+                        async with hedger.stream(body) as stream:
+                            [t async for t in stream]
+                except th.StreamInterrupted as exc:
+                    error = exc
+            report = stream.report
+            (attempt,) = [a for a in report.attempts if a.recovery is not None]
+            assert attempt.recovery is not None
+            kind = attempt.error.kind.value if attempt.error else attempt.outcome.value
+            table.add_row(
+                label,
+                "complete"
+                if report.completed
+                else f"interrupted ({error and error.error.kind.value})",
+                f"{attempt.recovery.method}: {kind}",
+                str(attempt.recovery.verified),
+                repr(report.text[-60:]),
+            )
+            if url == fake.url:
+                ok = ok and report.completed and report.text == STORY
+            else:
+                ok = ok and not report.completed and report.text == "".join(words[:20])
+                ok = ok and attempt.error is not None and attempt.error.kind.value == "diverged"
+        if engine_url is not None:
+            # What the engine answered the same instruction (asked directly): not a repeat.
+            text = "".join(words[:20])
+            ask = dict(body)
+            ask["messages"] = [
+                *body["messages"],
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": ANCHOR_INSTRUCTION.format(anchor=anchor_of(text))},
+            ]
+            async with httpx.AsyncClient(timeout=60.0) as client:
+                answer = await client.post(engine_url + "/chat/completions", json=ask)
+            said = answer.json()["choices"][0]["message"]["content"]
+            console.print(f"the engine's answer to the instruction: {said[:120]!r}")
+    console.print(table)
+    return ok
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument(
@@ -650,6 +733,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
         "--quick", action="store_true", help="a smoke run (on the fakes unless --engine is given)"
+    )
+    parser.add_argument(
+        "--anchor",
+        action="store_true",
+        help="only the anchor method's demo: llama-server with a ChatML template (and a "
+        "scripted fake; with --quick, the fake alone)",
     )
     return parser.parse_args(argv)
 
@@ -671,6 +760,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(
         f"parameters: {attrs.asdict(p)}; load average {os.getloadavg()}, nproc {os.cpu_count()}"
     )
+    if args.anchor or args.quick:
+        anchored = run_anchor(kind if args.anchor else "fake", console)
+        if args.anchor:
+            return 0 if anchored else 1
+        if not anchored:
+            return 1
     if kind == "fake":
         console.print("no engine: two trio_hedge.testing fakes that answer like one (--quick)")
         rows, agree = trio.run(partial(run_all, p, None, console))
@@ -693,6 +788,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     console.print(f"load average after: {os.getloadavg()}")
     return 0 if check(console, rows, p, strict=kind == "fake") else 1
+
+
+def run_anchor(kind: str, console: Console) -> bool:
+    """The anchor demo on a llama-server started with ``--chat-template chatml`` (``kind``
+    ``"llama"``), or on the scripted fake alone."""
+    if kind != "llama":
+        return trio.run(anchor_demo, None, console)
+    why = missing("llama")
+    if why is not None:
+        console.print(f"SKIP: {why}: the anchor demo on the fake alone.")
+        return trio.run(anchor_demo, None, console)
+    port = free_port()
+    os.environ["EXTRA_ARGS"] = "--chat-template chatml"
+    try:
+        start_replica("llama", port, console)
+        return trio.run(anchor_demo, f"http://127.0.0.1:{port}/v1", console)
+    finally:
+        os.environ.pop("EXTRA_ARGS", None)
+        stop_replica("llama", port)
 
 
 if __name__ == "__main__":
