@@ -19,8 +19,8 @@ replicas:
 * **stop**: the same instant, ``SIGSTOP`` (a frozen engine: its socket stays open, nothing
   comes; the stall timeout ends the wait), and ``SIGCONT`` once the answer is over;
 * **slow** (issue 28, "slow but alive"): the same instant, the winner starts to crawl
-  (``SIGSTOP`` 0.8 s, ``SIGCONT`` 0.05 s, over and over: a few tokens a second, never a
-  silence as long as the stall timeout); the Hedger has a throughput floor
+  (``SIGSTOP`` 0.5 s, ``SIGCONT`` 0.01 s, over and over: a few tokens a second where it gave
+  hundreds, never a silence as long as the stall timeout); the Hedger has a throughput floor
   (``ThroughputFloor(window=2, ratio=0.1)``, learned from three warm-up answers on the same
   Hedger), which finishes the answer on the other replica;
 * **silent** (issue 28, a recovery that never answers): the same instant the winner is
@@ -187,9 +187,9 @@ class EnginePair:
             with scope:
                 while True:
                     self._signal(index, signal.SIGSTOP)
-                    await trio.sleep(0.8)
+                    await trio.sleep(0.5)
                     self._signal(index, signal.SIGCONT)
-                    await trio.sleep(0.05)
+                    await trio.sleep(0.01)
         finally:
             self._signal(index, signal.SIGCONT)
 
