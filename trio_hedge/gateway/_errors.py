@@ -37,6 +37,7 @@ _KIND_STATUS = {
     ErrorKind.CONNECTION: 502,
     ErrorKind.TIMEOUT: 504,
     ErrorKind.STALL: 504,
+    ErrorKind.SLOW_STREAM: 504,
     ErrorKind.PROTOCOL: 502,
     ErrorKind.UNKNOWN: 502,
 }
