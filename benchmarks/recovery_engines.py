@@ -44,8 +44,9 @@ Printed per engine × method × fault: answers complete / total; identical to th
 the first token the recovery relayed, P50 / max, seconds); the answers' token counts against
 M (an answer presented as complete but shorter than the uninterrupted one -- a proper prefix
 of it, or with fewer than M content events when it differs -- is a **hidden truncation**:
-must be 0; more than M is an answer past the caller's limit); wasted tokens: from the engines' own counters (llama-
-server ``llamacpp:tokens_predicted_total``, vLLM ``vllm:generation_tokens_total``) the tokens
+must be 0; more than M is an answer past the caller's limit); wasted tokens: from the
+engines' own counters (llama-server ``llamacpp:tokens_predicted_total``, vLLM
+``vllm:generation_tokens_total``) the tokens
 the *surviving* replicas generated beyond what the caller got from them (a killed engine's
 counters die with it: its own undelivered tokens are not counted), and the report's
 ``held_back`` (a replay's regenerated prefix).
