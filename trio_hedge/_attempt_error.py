@@ -121,6 +121,10 @@ class AttemptError(Exception):
             or ``None``.
         api_type: the upstream API's own error type (``"invalid_request_error"``,
             Anthropic's ``"overloaded_error"``), or ``None``.
+        context_window: for a context-length error, the window (tokens) the server stated
+            (``maximum context length is 4096 tokens``, llama-server's ``n_ctx``), or
+            ``None``: a window is learned only from a size the server states, never from
+            the request's estimated size.
     """
 
     def __init__(
@@ -136,8 +140,10 @@ class AttemptError(Exception):
         code: str | None = None,
         param: str | None = None,
         api_type: str | None = None,
+        context_window: int | None = None,
     ) -> None:
         super().__init__(message)
+        self.context_window = context_window
         self.kind = kind
         self.message = message
         self.hint = hint

@@ -365,22 +365,29 @@ class HedgedStream:
         """The winner failed after the commit: go on with the answer on another replica (its
         first deltas are then pending: returns an empty batch), or raise
         `StreamInterrupted` for ``error``, the original failure, whatever the recoveries met.
+        The planner hears of the break at once (``winner_broke``: the break is judged where it
+        happens, and it says whether a recovery may go at all: not for the request's own
+        fault, which would fail the same way anywhere).
 
-        A winner the throughput floor found slow is alive: it is left open (unread) while the
-        recovery runs, closed once one takes over, and read on as before if none does."""
-        if not self._recoveries_left or self._nursery is None:
-            self._fail(error)
+        A winner the throughput floor found slow is alive: the planner hears of it as of a
+        break (``ErrorKind.SLOW_STREAM``: what a crawl costs its replica is the judge's), but
+        it is left open (unread) while the recovery runs, closed once one takes over, and
+        read on as before if none does."""
         rec = self._recorder
         broken = self._winner_number
         state = rec.attempt(broken)
         if error.replica is None:
             error.replica = state.replica
+        told = getattr(self._planner, "winner_broke", None)
+        alive = error.kind is ErrorKind.SLOW_STREAM
+        recoverable = told(error) if told is not None else error.retryable
+        if not recoverable or not self._recoveries_left or self._nursery is None:
+            self._fail(error)
         state.error = error
         state.ended_at = trio.current_time()
         winner, direct = self._winner, self._direct
         self._winner = self._direct = None
         policy = self._policy
-        alive = error.kind is ErrorKind.SLOW_STREAM
         if winner is not None and not alive:
             # Its server must see it stop before another one starts.
             await close_quietly(winner, policy.close_timeout)

@@ -82,7 +82,7 @@ async def serve(
                     replicas, group.hedger, client=client, on_event=[metrics.hook], probes=monitor
                 )
             # The same groups speaking Anthropic Messages and OpenAI Responses (_agent.py).
-            by_api = agent_hedgers(config, client, [metrics.hook], monitor)
+            by_api = agent_hedgers(config, client, [metrics.hook], hedgers)
             app = GatewayApp(config, hedgers, client, metrics, by_api)
             limiter = app.limiter
             limits = config.limits
