@@ -18,16 +18,35 @@ replicas:
   API server and engine core). The killed replica is restarted before the next request;
 * **stop**: the same instant, ``SIGSTOP`` (a frozen engine: its socket stays open, nothing
   comes; the stall timeout ends the wait), and ``SIGCONT`` once the answer is over;
+* **slow** (issue 28, "slow but alive"): the same instant, the winner starts to crawl
+  (``SIGSTOP`` 0.5 s, ``SIGCONT`` 0.01 s, over and over: a few tokens a second where it gave
+  hundreds, never a silence as long as the stall timeout); the Hedger has a throughput floor
+  (``ThroughputFloor(window=2, ratio=0.1)``, learned from three warm-up answers on the same
+  Hedger), which finishes the answer on the other replica;
+* **silent** (issue 28, a recovery that never answers): the same instant the winner is
+  frozen (``SIGSTOP``; on the fakes, killed), and the first replica the recovery goes to is a
+  server that accepts the request and never sends a token (a third, fake replica between the
+  two engines, tried first); with ``stall_timeout`` at its default (``None`` would never end:
+  the recovery's own first-token deadline and hedge end it), the Hedger hedges the recovery
+  to the other engine after ``hedge_after`` (2 s; 0.5 s on the fakes);
 
 each with the replicas declaring their engine's continuation contract
 (``continuation="llama.cpp"`` / ``"vllm"``) and without (replay and verify).
 
+``--anchor`` (llama-server only) shows the anchor method on a real engine: a llama-server
+started with an instruction-following chat template (ChatML) is asked to continue a cut
+answer by anchor; the tiny random model does not follow instructions, so the anchor's repeat
+is never found and the recovery is refused (diverged, the cut answer kept, nothing spliced),
+while a scripted fake that follows the instruction is accepted, the answer whole.
+
 Printed per engine × method × fault: answers complete / total; identical to the reference
 (and for the others, the first differing character); the recovery time (from the signal to
 the first token the recovery relayed, P50 / max, seconds); the answers' token counts against
-M (fewer than M presented as complete is a **hidden truncation**: must be 0; more than M is
-an answer past the caller's limit); wasted tokens: from the engines' own counters (llama-
-server ``llamacpp:tokens_predicted_total``, vLLM ``vllm:generation_tokens_total``) the tokens
+M (an answer presented as complete but shorter than the uninterrupted one -- a proper prefix
+of it, or with fewer than M content events when it differs -- is a **hidden truncation**:
+must be 0; more than M is an answer past the caller's limit); wasted tokens: from the
+engines' own counters (llama-server ``llamacpp:tokens_predicted_total``, vLLM
+``vllm:generation_tokens_total``) the tokens
 the *surviving* replicas generated beyond what the caller got from them (a killed engine's
 counters die with it: its own undelivered tokens are not counted), and the report's
 ``held_back`` (a replay's regenerated prefix).
@@ -48,6 +67,7 @@ import hashlib
 import math
 import os
 import random
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -63,13 +83,16 @@ from rich.console import Console
 from rich.table import Table
 
 import trio_hedge as th
-from trio_hedge.policy import HedgerConfig
+from trio_hedge._recovery import ANCHOR_INSTRUCTION
+from trio_hedge._verify import anchor_of
+from trio_hedge.policy import HedgerConfig, RecoveryPolicy, ThroughputFloor
 from trio_hedge.testing import Behaviour, FakeReplica, RequestRecord
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import percentile
 from _engines import (
     Engine,
+    free_port,
     missing,
     parse_metrics,
     start_replica,
@@ -79,7 +102,10 @@ from _engines import (
 from real_engine import WORDS
 
 METHODS = ("continuation", "replay")
-FAULTS = ("kill", "stop")
+FAULTS = ("kill", "stop", "slow", "silent")
+#: Warm-up answers on the measured Hedger before a "slow" request: the throughput floor
+#: judges a (replica, model) only once it has learned its rate from this many.
+WARM_UP = 3
 #: The counter of generated tokens each engine's /metrics has.
 GENERATED = {"llama": "llamacpp:tokens_predicted_total", "vllm": "vllm:generation_tokens_total"}
 
@@ -121,7 +147,7 @@ class Pair(Protocol):
     @property
     def urls(self) -> list[str]: ...
 
-    async def fault(self, index: int, fault: str) -> None: ...
+    async def fault(self, index: int, fault: str, nursery: trio.Nursery) -> None: ...
     async def after(self, index: int, fault: str) -> None: ...
     async def generated(self, client: httpx.AsyncClient) -> list[float | None]: ...
 
@@ -133,6 +159,7 @@ class EnginePair:
     engine: Engine
     console: Console
     leaders: list[int]
+    crawling: trio.CancelScope | None = None
 
     @property
     def kind(self) -> str:
@@ -149,11 +176,31 @@ class EnginePair:
         else:  # one process, in the start script's (our) process group: the process only
             os.kill(leader, signum)
 
-    async def fault(self, index: int, fault: str) -> None:
+    async def fault(self, index: int, fault: str, nursery: trio.Nursery) -> None:
+        if fault == "slow":
+            self.crawling = trio.CancelScope()
+            nursery.start_soon(self._crawl, index, self.crawling)
+            return
         self._signal(index, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
 
+    async def _crawl(self, index: int, scope: trio.CancelScope) -> None:
+        """Stop and continue the engine over and over: alive, a few tokens a second."""
+        try:
+            with scope:
+                while True:
+                    self._signal(index, signal.SIGSTOP)
+                    await trio.sleep(0.5)
+                    self._signal(index, signal.SIGCONT)
+                    await trio.sleep(0.01)
+        finally:
+            self._signal(index, signal.SIGCONT)
+
     async def after(self, index: int, fault: str) -> None:
-        if fault == "stop":
+        if fault == "slow" and self.crawling is not None:
+            self.crawling.cancel()  # (the request's end cancelled it already)
+            self.crawling = None
+            self._signal(index, signal.SIGCONT)
+        if fault in ("stop", "silent"):
             self._signal(index, signal.SIGCONT)
         elif fault == "kill":
             port = int(self.urls[index].rsplit(":", 1)[1].split("/")[0])
@@ -187,8 +234,11 @@ class FakeEngine:
 
     p: Params
     stall_primary: bool = False
+    slow_primary: bool = False
+    calls: int = 0
 
     def __call__(self, record: RequestRecord) -> Behaviour:
+        self.calls += 1
         body = record.json
         limit = body["max_tokens"]
         messages = body["messages"]
@@ -201,9 +251,15 @@ class FakeEngine:
             if body.get("continue_final_message"):
                 return Behaviour(tokens=after, **pace)
             return Behaviour(tokens=tokens[:count] + after, **pace)
-        stall = self.stall_primary and record.headers.get("x-hedge-attempt") == "1"
+        primary = record.headers.get("x-hedge-attempt") == "1"
+        stall = self.stall_primary and primary
+        # The answer after the warm-ups crawls (one token a second) from token N.
+        slow = self.slow_primary and primary and self.calls == WARM_UP + 1
         return Behaviour(
-            tokens=tokens[:limit], stall_after=self.p.fault_after if stall else None, **pace
+            tokens=tokens[:limit],
+            stall_after=self.p.fault_after if stall else None,
+            slow_after=self.p.fault_after if slow else None,
+            **pace,
         )
 
 
@@ -220,11 +276,11 @@ class FakePair:
     def urls(self) -> list[str]:
         return [f.url for f in self.fakes]
 
-    async def fault(self, index: int, fault: str) -> None:
-        if fault == "kill":  # the server goes: its connections close mid-answer
+    async def fault(self, index: int, fault: str, nursery: trio.Nursery) -> None:
+        if fault in ("kill", "silent"):  # the server goes: its connections close mid-answer
             self.scopes[index].cancel()
             await self.gone[index].wait()
-        # "stop": the primary's behaviour stalls at token N by itself
+        # "stop", "slow": the primary's behaviour stalls or crawls at token N by itself
 
     async def after(self, index: int, fault: str) -> None:
         pass
@@ -252,7 +308,11 @@ async def _serve(
 async def fake_pair(p: Params, fault: str) -> AsyncIterator[FakePair]:
     """A fresh pair per request (a killed fake is gone)."""
     fakes = [
-        FakeReplica(FakeEngine(p, stall_primary=fault == "stop"), name=f"r{i}") for i in (0, 1)
+        FakeReplica(
+            FakeEngine(p, stall_primary=fault == "stop", slow_primary=fault == "slow"),
+            name=f"r{i}",
+        )
+        for i in (0, 1)
     ]
     pair = FakePair(
         "fake", fakes, [trio.CancelScope(), trio.CancelScope()], [trio.Event(), trio.Event()]
@@ -280,40 +340,79 @@ class Outcome:
     methods: tuple[str, ...] = ()  # each recovery's method, in order
 
 
-async def one(pair: Pair, p: Params, prompt: str, method: str, fault: str | None) -> Outcome:
-    """One request over a fresh Hedger; ``fault`` on its winner once N tokens arrived."""
+def config_for(p: Params, fault: str | None) -> HedgerConfig:
+    """The Hedger of one request: no hedging before the commit, the stall timeout; for
+    "slow" a throughput floor, for "silent" a 2 s hedge delay (the recovery's own hedge)."""
+    config = HedgerConfig(
+        hedge_after=None,
+        stall_timeout=p.stall_timeout,
+        outlier_detection=None,
+        pick="in_order",
+    )
+    if fault == "slow":
+        window = 0.5 if p.stall_timeout < 1 else 2.0  # the fakes' pace is 333 tokens/s
+        floor = ThroughputFloor(window=window, ratio=0.1, min_samples=WARM_UP, min_tokens=8)
+        config = attrs.evolve(config, recovery=RecoveryPolicy(throughput_floor=floor))
+    elif fault == "silent":  # (the fakes' answers take 0.1 s: a shorter delay there)
+        config = attrs.evolve(config, hedge_after=0.5 if p.stall_timeout < 1 else 2.0)
+    return config
+
+
+async def one(
+    pair: Pair,
+    p: Params,
+    prompt: str,
+    method: str,
+    fault: str | None,
+    hole: str | None = None,
+) -> Outcome:
+    """One request over a fresh Hedger; ``fault`` on its winner once N tokens arrived
+    (``hole``: a replica that never answers, tried first by the recovery)."""
     declared = {"llama": "llama.cpp", "vllm": "vllm", "fake": "vllm"}[pair.kind]
     continuation: Any = declared if method == "continuation" else None
     replicas = [
         th.Replica(url, name=f"r{i}", continuation=continuation) for i, url in enumerate(pair.urls)
     ]
-    config = HedgerConfig(hedge_after=None, stall_timeout=p.stall_timeout, outlier_detection=None)
+    if fault == "silent" and hole is not None:
+        replicas.insert(1, th.Replica(hole, name="hole", continuation=continuation))
+    config = config_for(p, fault)
     async with httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0)) as client:
-        before = await pair.generated(client)
         text, tokens, finish, error = "", 0, None, None
         faulted: int | None = None
         fault_at = next_at = None
         async with th.Hedger(replicas, config, client=client) as hedger:
+            if fault == "slow":  # the floor learns each replica's rate first
+                for _ in range(WARM_UP):
+                    async with hedger.stream(request_body(p, prompt)) as warm:
+                        [t async for t in warm]
+            before = await pair.generated(client)
             try:
                 with trio.fail_after(120):
-                    async with hedger.stream(request_body(p, prompt)) as stream:
-                        async for delta in stream.events():
-                            if delta.finish_reason:
-                                finish = delta.finish_reason
-                            if not delta.content:
-                                continue
-                            text += delta.content
-                            tokens += 1
-                            now = trio.current_time()
-                            if fault_at is not None and next_at is None and stream.recovered:
-                                next_at = now
-                            if fault is not None and faulted is None and tokens == p.fault_after:
-                                report = stream.report
-                                assert report.winner is not None
-                                name = report.attempts[report.winner - 1].replica
-                                faulted = int(name[1:])
-                                fault_at = trio.current_time()
-                                await pair.fault(faulted, fault)
+                    async with trio.open_nursery() as nursery:
+                        try:
+                            async with hedger.stream(request_body(p, prompt)) as stream:
+                                async for delta in stream.events():
+                                    if delta.finish_reason:
+                                        finish = delta.finish_reason
+                                    if not delta.content:
+                                        continue
+                                    text += delta.content
+                                    tokens += 1
+                                    now = trio.current_time()
+                                    recovering = fault_at is not None and next_at is None
+                                    if recovering and stream.recovered:
+                                        next_at = now
+                                    if fault is None or faulted is not None:
+                                        continue
+                                    if tokens == p.fault_after:
+                                        report = stream.report
+                                        assert report.winner is not None
+                                        name = report.attempts[report.winner - 1].replica
+                                        faulted = int(name[1:])
+                                        fault_at = trio.current_time()
+                                        await pair.fault(faulted, fault, nursery)
+                        finally:
+                            nursery.cancel_scope.cancel()  # a crawl ends with the answer
             except th.StreamInterrupted as exc:
                 error = f"{exc.error.kind.value} at {exc.error.replica}"
             report = stream.report
@@ -442,15 +541,18 @@ async def run_all(p: Params, engine: EnginePair | None, console: Console) -> tup
     async with pair_for("none") as pair:
         plain = [await one(pair, p, prompt, "replay", None) for prompt in texts]
     rows.append(Row("-", "none (reference)", tuple(plain), tuple(refs)))
-    for method in METHODS:
-        for fault in FAULTS:
-            count = p.kills if fault == "kill" else p.requests
-            outcomes = []
-            for prompt in texts[:count]:
-                async with pair_for(fault) as pair:
-                    outcomes.append(await one(pair, p, prompt, method, fault))
-            rows.append(Row(method, fault, tuple(outcomes), tuple(refs[:count])))
-            console.print(f"  {method} × {fault}: done")
+    # The replica that never answers (headers at once, no token for an hour): a recovery
+    # sent to it is the "silent" fault's.
+    async with FakeReplica(Behaviour(ttft=3600.0), name="hole") as hole:
+        for method in METHODS:
+            for fault in FAULTS:
+                count = p.kills if fault == "kill" else p.requests
+                outcomes = []
+                for prompt in texts[:count]:
+                    async with pair_for(fault) as pair:
+                        outcomes.append(await one(pair, p, prompt, method, fault, hole.url))
+                rows.append(Row(method, fault, tuple(outcomes), tuple(refs[:count])))
+                console.print(f"  {method} × {fault}: done")
     return rows, agree
 
 
@@ -497,7 +599,7 @@ def print_table(console: Console, rows: Sequence[Row], p: Params, label: str, ag
             if not s
         ]
         times = [o.recovery_time for o in outs if o.recovery_time is not None]
-        hidden = sum(o.completed and o.tokens < p.max_tokens for o in outs)
+        hidden = sum(truncated(o, r, p) for o, r in zip(outs, row.references, strict=True))
         wasted = [o.wasted for o in outs]
         errors = sorted({o.error for o in outs if o.error})
         table.add_row(
@@ -521,9 +623,22 @@ def print_table(console: Console, rows: Sequence[Row], p: Params, label: str, ag
     console.print(f"both replicas gave the same reference answer: {agree}/{len(rows[0].outcomes)}")
 
 
+def truncated(o: Outcome, reference: str, p: Params) -> bool:
+    """Whether ``o`` is a hidden truncation: presented as complete, and shorter than the
+    answer. An answer identical to the reference is whole, however many content events
+    carried it (vLLM packs several tokens into one event when its front falls behind: fewer
+    events than M is then no truncation); a proper prefix of the reference is one; an answer
+    that differs (a continuation of re-tokenized text) is one when it has fewer than M."""
+    if not o.completed or o.text == reference:
+        return False
+    return reference.startswith(o.text) or o.tokens < p.max_tokens
+
+
 def check(console: Console, rows: Sequence[Row], p: Params, strict: bool) -> bool:
     """No hidden truncation ever; on the fakes also every answer complete and identical."""
-    hidden = sum(o.completed and o.tokens < p.max_tokens for r in rows for o in r.outcomes)
+    hidden = sum(
+        truncated(o, ref, p) for r in rows for o, ref in zip(r.outcomes, r.references, strict=True)
+    )
     if hidden:
         console.print(f"FAIL: {hidden} hidden truncation(s)")
         return False
@@ -534,6 +649,85 @@ def check(console: Console, rows: Sequence[Row], p: Params, strict: bool) -> boo
                     console.print(f"FAIL: {row.method} × {row.fault}: {o}")
                     return False
     return True
+
+
+# -- the anchor method on a real engine ------------------------------------------------------
+
+#: The answer the anchor demo's primary gives (and a scripted fake continues), word by word.
+STORY = (
+    'The keeper climbed the stairs at dusk, as he had every evening for thirty years. "One '
+    'more night," he said to the gulls, and lit the lamp. Far out, a small boat was turning '
+    "toward the rocks, and he reached for the horn before the light had finished its first "
+    "sweep across the water."
+)
+
+
+async def anchor_demo(engine_url: str | None, console: Console) -> bool:
+    """A winner cut after 20 words, recovered by the anchor method on (1) a llama-server with
+    an instruction-following chat template, whose tiny random model does not follow the
+    instruction (its repeat is never found: refused, the cut answer kept), and (2) a scripted
+    fake that does (accepted, the answer whole). True when both behave so."""
+    words = re.findall(r"\S+\s*", STORY)
+    cut = Behaviour(tokens=words, cut_after=20, token_delay=0.001)
+    scripted = Behaviour(tokens=words, continuation="anchor", token_delay=0.001)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a story."}]}
+    body["max_tokens"] = 96
+    body["temperature"] = 0.0
+    table = Table(title="the anchor method: a recovery by instruction, verified")
+    for column in ("recovery target", "outcome", "recovery", "verified", "text the caller has"):
+        table.add_column(column)
+    ok = True
+    async with FakeReplica(cut, name="primary") as primary, FakeReplica(scripted) as fake:
+        targets = [("scripted fake (follows it)", fake.url)]
+        if engine_url is not None:
+            targets.insert(0, ("llama-server, ChatML template, tiny random model", engine_url))
+        for label, url in targets:
+            replicas = [
+                th.Replica(primary.url, name="primary"),
+                th.Replica(url, name="target", continuation="anchor"),
+            ]
+            config = HedgerConfig(hedge_after=None, outlier_detection=None, pick="in_order")
+            error = None
+            async with th.Hedger(replicas, config) as hedger:
+                try:
+                    with trio.fail_after(120):
+                        async with hedger.stream(body) as stream:
+                            [t async for t in stream]
+                except th.StreamInterrupted as exc:
+                    error = exc
+            report = stream.report
+            (attempt,) = [a for a in report.attempts if a.recovery is not None]
+            assert attempt.recovery is not None
+            kind = attempt.error.kind.value if attempt.error else attempt.outcome.value
+            table.add_row(
+                label,
+                "complete"
+                if report.completed
+                else f"interrupted ({error and error.error.kind.value})",
+                f"{attempt.recovery.method}: {kind}",
+                str(attempt.recovery.verified),
+                repr(report.text[-60:]),
+            )
+            if url == fake.url:
+                ok = ok and report.completed and report.text == STORY
+            else:
+                ok = ok and not report.completed and report.text == "".join(words[:20])
+                ok = ok and attempt.error is not None and attempt.error.kind.value == "diverged"
+        if engine_url is not None:
+            # What the engine answered the same instruction (asked directly): not a repeat.
+            text = "".join(words[:20])
+            ask = dict(body)
+            ask["messages"] = [
+                *body["messages"],
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": ANCHOR_INSTRUCTION.format(anchor=anchor_of(text))},
+            ]
+            async with httpx.AsyncClient(timeout=60.0) as client:
+                answer = await client.post(engine_url + "/chat/completions", json=ask)
+            said = answer.json()["choices"][0]["message"]["content"]
+            console.print(f"the engine's answer to the instruction: {said[:120]!r}")
+    console.print(table)
+    return ok
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -555,6 +749,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--quick", action="store_true", help="a smoke run (on the fakes unless --engine is given)"
     )
+    parser.add_argument(
+        "--anchor",
+        action="store_true",
+        help="only the anchor method's demo: llama-server with a ChatML template (and a "
+        "scripted fake; with --quick, the fake alone)",
+    )
     return parser.parse_args(argv)
 
 
@@ -575,6 +775,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(
         f"parameters: {attrs.asdict(p)}; load average {os.getloadavg()}, nproc {os.cpu_count()}"
     )
+    if args.anchor or args.quick:
+        anchored = run_anchor(kind if args.anchor else "fake", console)
+        if args.anchor:
+            return 0 if anchored else 1
+        if not anchored:
+            return 1
     if kind == "fake":
         console.print("no engine: two trio_hedge.testing fakes that answer like one (--quick)")
         rows, agree = trio.run(partial(run_all, p, None, console))
@@ -597,6 +803,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     console.print(f"load average after: {os.getloadavg()}")
     return 0 if check(console, rows, p, strict=kind == "fake") else 1
+
+
+def run_anchor(kind: str, console: Console) -> bool:
+    """The anchor demo on a llama-server started with ``--chat-template chatml`` (``kind``
+    ``"llama"``), or on the scripted fake alone."""
+    if kind != "llama":
+        return trio.run(anchor_demo, None, console)
+    why = missing("llama")
+    if why is not None:
+        console.print(f"SKIP: {why}: the anchor demo on the fake alone.")
+        return trio.run(anchor_demo, None, console)
+    port = free_port()
+    os.environ["EXTRA_ARGS"] = "--chat-template chatml"
+    try:
+        start_replica("llama", port, console)
+        return trio.run(anchor_demo, f"http://127.0.0.1:{port}/v1", console)
+    finally:
+        os.environ.pop("EXTRA_ARGS", None)
+        stop_replica("llama", port)
 
 
 if __name__ == "__main__":

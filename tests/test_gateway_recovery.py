@@ -226,9 +226,15 @@ SPLIT = Behaviour(tokens=["tok0 tok", "1 tok2 tok3 ", "tok4 ", "tok5 "], token_d
 
 
 @pytest.mark.parametrize("backup", [BACKUP, SPLIT], ids=["whole events", "split inside"])
-async def test_a_responses_stream_recovered_is_one_response(backup: Behaviour) -> None:
-    # The official SDK as client: one response id and one item id throughout, the final
-    # response complete, and no terminal event before the end (a split event once made one).
+async def test_a_responses_stream_recovered_names_the_answer_the_client_got(
+    backup: Behaviour,
+) -> None:
+    # The official SDK as client: the text whole, one terminal event, the open item under the
+    # client's id while it goes on; the terminal response is the one stored with the whole
+    # answer (the replay's), the id the client's next turn continues from. The cut response
+    # (3 words, stored under the id response.created gave) is deleted upstream: no one
+    # continues from it. Before, the replay's events carried the cut response's id, and the
+    # full answer was stored under an id the client never saw, which nothing deleted.
     a, b = _replicas(backup)
     async with a, b, Gateway(config(a, b)) as gw:
 
@@ -246,10 +252,20 @@ async def test_a_responses_stream_recovered_is_one_response(backup: Behaviour) -
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == FULL
     assert {e.item_id for e in events if hasattr(e, "item_id")} == {"item_resp-cut-0_0"}
-    assert {e.response.id for e in events if hasattr(e, "response")} == {"resp-cut-0"}
+    assert [e.response.id for e in events if hasattr(e, "response")] == [
+        "resp-cut-0",
+        "resp-cut-0",
+        "resp-backup-0",
+    ]
     final = events[-1].response
-    assert final.output_text == FULL and final.output[0].id == "item_resp-cut-0_0"
-    assert whole.id == "resp-cut-1" and whole.output_text == FULL
+    assert final.output_text == FULL and final.output[0].id == "item_resp-backup-0_0"
+    numbers = [e.sequence_number for e in events]
+    assert numbers == list(range(len(events)))  # every event numbered, strictly increasing
+    assert whole.id == "resp-backup-1" and whole.output_text == FULL
+    deleted = [r.path for r in a.requests if r.method == "DELETE"]
+    # (The fake names a response by its request's index, the DELETE counted.)
+    assert deleted == ["/v1/responses/resp-cut-0", "/v1/responses/resp-cut-2"]
+    assert [r.method for r in b.requests] == ["POST", "POST"]  # the answers stay stored
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -214,6 +214,7 @@ POLICY_LAYERS: tuple[tuple[str, ...], ...] = (
         "_blame",
         "_load",
         "_evidence",
+        "_recovering",
     ),
     ("_prefill", "_judge"),
     ("_delay",),

@@ -62,6 +62,10 @@ class ErrorKind(str, enum.Enum):
     retryable before the first token (another replica may be sane)."""
     UNKNOWN = "unknown"
     """the source raised something the library does not know; fatal."""
+    SLOW_STREAM = "slow_stream"
+    """after commit, the winner's tokens came far slower than the fleet learned its replica
+    streams that model (a throughput floor, ``RecoveryPolicy.throughput_floor``: off by
+    default): the answer goes on elsewhere as after a stall."""
     DIVERGED = "diverged"
     """a recovery after the commit did not reproduce the output the caller already has (a
     replay that sampled differently, a continuation that did not repeat its prefix as its
@@ -85,6 +89,7 @@ TRANSIENT_KINDS = frozenset(
         ErrorKind.CONNECTION,
         ErrorKind.TIMEOUT,
         ErrorKind.STALL,
+        ErrorKind.SLOW_STREAM,
         ErrorKind.PROTOCOL,
     }
 )
@@ -114,6 +119,13 @@ class AttemptError(Exception):
             tried again by the same request (another may be: a gateway in front of a fleet
             says so once it has tried every replica it may); ``True``, the error is
             retryable whatever its status; ``None`` (default): not said.
+        code: the upstream API's own error code (``"previous_response_not_found"``,
+            ``"context_length_exceeded"``), as its error body named it, or ``None``: what a
+            relay hands on so its clients can branch on the API's own code.
+        param: the request field the upstream's error names (``"previous_response_id"``),
+            or ``None``.
+        api_type: the upstream API's own error type (``"invalid_request_error"``,
+            Anthropic's ``"overloaded_error"``), or ``None``.
         context_window: for a context-length error, the window (tokens) the server stated
             (``maximum context length is 4096 tokens``, llama-server's ``n_ctx``), or
             ``None``: a window is learned only from a size the server states, never from
@@ -131,6 +143,9 @@ class AttemptError(Exception):
         replica: str | None = None,
         hint: str | None = None,
         should_retry: bool | None = None,
+        code: str | None = None,
+        param: str | None = None,
+        api_type: str | None = None,
         context_window: int | None = None,
     ) -> None:
         super().__init__(message)
@@ -142,6 +157,9 @@ class AttemptError(Exception):
         if retryable is None:
             retryable = kind in RETRYABLE_KINDS or should_retry is True
         self.retryable = retryable
+        self.code = code
+        self.param = param
+        self.api_type = api_type
         self.retry_after = retry_after
         self.status_code = status_code
         self.replica = replica
@@ -196,6 +214,8 @@ class AttemptError(Exception):
             "status_code": self.status_code,
             "replica": self.replica,
             "should_retry": self.should_retry,
+            "code": self.code,
+            "param": self.param,
         }
 
 

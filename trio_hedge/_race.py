@@ -41,6 +41,7 @@ import math
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 import attrs
 import trio
@@ -48,7 +49,7 @@ import trio
 from ._attempt_error import classify_exception, leaves
 from ._plan import Planner
 from ._source import AttemptInfo, AttemptStream, Source
-from ._verify import Gate
+from ._verify import AnchorGate, Gate
 from .errors import AllAttemptsFailed, AttemptError, ErrorKind, FatalAttemptError
 from .events import Delta, FirstToken, counts_as_first_token
 from .report import AttemptOutcome, RecoveryRecord, _AttemptState, _Recorder
@@ -56,11 +57,35 @@ from .report import AttemptOutcome, RecoveryRecord, _AttemptState, _Recorder
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["Committed", "Resume", "close_quietly", "race"]
+__all__ = [
+    "FALLBACK_DEADLINE",
+    "Committed",
+    "Resume",
+    "ResumePlan",
+    "close_quietly",
+    "discard_quietly",
+    "race",
+]
 
-#: How a recovery race starts each attempt on ``source``: the text to continue from (or
-#: ``None``: a replay), the gate its output passes, and its record (``_recovery.py``).
-Resume = Callable[[Source], tuple[str | None, Gate, RecoveryRecord]]
+#: A recovery's first-token deadline (seconds) when the planner gives none
+#: (``Planner.recovery_deadline``): a recovery on a replica that never answers still ends.
+FALLBACK_DEADLINE = 30.0
+
+
+@attrs.frozen
+class ResumePlan:
+    """How one recovery attempt goes on with the answer (``_recovery.py``): the text to
+    continue from (``None``: a replay), the instruction that goes with it (the anchor
+    method), the gate its output passes, and its record."""
+
+    continue_from: str | None
+    instruction: str | None
+    gate: Gate | AnchorGate
+    record: RecoveryRecord
+
+
+#: How a recovery race starts each attempt on ``source``.
+Resume = Callable[[Source], ResumePlan]
 
 
 @attrs.frozen
@@ -73,6 +98,7 @@ class Committed:
     ended: bool  # the winner's stream already ended cleanly (a complete, possibly empty answer)
     # The most tokens its source's request lets an answer have (``Source.token_limit``).
     token_limit: int | None = None
+    source: Source | None = None
 
 
 async def close_quietly(stream: AttemptStream, limit: float) -> None:
@@ -82,6 +108,20 @@ async def close_quietly(stream: AttemptStream, limit: float) -> None:
         try:  # noqa: SIM105 - suppress() would cost a context manager on every close
             await stream.aclose()
         except Exception:  # a failing close must not mask the race's outcome
+            pass
+
+
+async def discard_quietly(stream: AttemptStream, limit: float) -> None:
+    """Tell a closed ``stream`` the caller does not keep its answer (``AttemptStream.discard``,
+    optional: a Responses attempt deletes its stored response), shielded, within ``limit``
+    seconds; a failure is ignored."""
+    discard = getattr(stream, "discard", None)
+    if discard is None:
+        return
+    with trio.CancelScope(shield=True, deadline=trio.current_time() + limit):
+        try:  # noqa: SIM105 - as close_quietly
+            await discard()
+        except Exception:
             pass
 
 
@@ -108,6 +148,51 @@ def _split_cancelled(
 #: A message to the parent loop: an attempt ended without a first token ("failed" or
 #: "empty": its stream ended cleanly with no token, a complete but empty answer).
 _News = tuple[str, int]
+
+
+class _Capped:
+    """An anchor continuation's stream held to the tokens the caller's limit has left: its
+    engine was asked for a few more (the anchor's repeat is generated too, and trimmed), so
+    the answer ends here, by length, at the caller's limit, as one replica would have ended
+    it (the delta that reaches it says ``finish_reason="length"``)."""
+
+    __slots__ = ("_done", "_left", "_stream")
+
+    def __init__(self, stream: AttemptStream, left: int) -> None:
+        self._stream = stream
+        self._left = left
+        self._done = left <= 0
+
+    def take(self, batch: Sequence[Delta]) -> list[Delta]:
+        """``batch`` up to the limit."""
+        out: list[Delta] = []
+        for delta in batch:
+            if self._done:
+                break
+            if delta.content:
+                self._left -= 1
+                if self._left <= 0:
+                    self._done = True
+                    if not delta.finish_reason:
+                        delta = attrs.evolve(delta, finish_reason="length", raw=None)
+            out.append(delta)
+        return out
+
+    async def receive(self) -> Sequence[Delta] | None:
+        while not self._done:
+            batch = await self._stream.receive()
+            if batch is None:
+                return None
+            out = self.take(batch)
+            if out:
+                return out
+        return None
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+    async def discard(self) -> None:
+        await discard_quietly(self._stream, math.inf)
 
 
 class _Relay:
@@ -180,9 +265,12 @@ class _Race:
         self._news: deque[_News] = deque()
         self._news_arrived = trio.lowlevel.ParkingLot()
         # A recovery race (after the commit, `_recovery.py`): its attempts continue an answer
-        # the caller has, each through a gate; none is hedged; at most ``limit`` start.
+        # the caller has, each through a gate, each under its own first-token deadline, a
+        # second one hedged when the planner says; at most ``limit`` start.
         self._resume = resume
-        self._gates: dict[int, Gate] = {}
+        self._gates: dict[int, Gate | AnchorGate] = {}
+        self._hedge_delays: dict[int, float | None] = {}
+        self._answering: set[int] = set()  # recovery attempts that have given output
         self._stall_timeout = stall_timeout
         self._limit = limit
         self._retry = "failover" if resume is None else "recovery"
@@ -244,9 +332,14 @@ class _Race:
 
     async def _stagger(self) -> None:
         number = len(self._recorder.attempts)  # a recovery race numbers on
-        trigger: str | None = "primary" if self._resume is None else "recovery"
+        recovering = self._resume is not None
+        trigger: str | None = "primary" if not recovering else "recovery"
         started, limit = 0, self._limit
         while trigger is not None and (limit is None or started < limit):
+            # A recovery hedged inside the recovery is a "recovery" too (its record says so).
+            hedged = trigger == "hedge" and recovering
+            if hedged:
+                trigger = "recovery"
             source = await self._planner.next_source(number + 1, trigger)
             if source is None:
                 break
@@ -254,8 +347,13 @@ class _Race:
                 return
             number += 1
             started += 1
-            self._start(number, source, trigger)
-            delay = None if self._resume is not None else self._planner.hedge_delay(number)
+            self._start(number, source, trigger, hedged=hedged)
+            if not recovering:
+                delay = self._planner.hedge_delay(number)
+            elif limit is not None and started >= limit:
+                delay = None  # no recovery left to hedge with
+            else:
+                delay = self._hedge_delays.get(number)
             trigger = await self._next_trigger(delay, number)
         # Nothing more starts: wait for the running attempts (a commit cancels this wait),
         # and read every piece of news, down to the last one queued in the same tick.
@@ -274,7 +372,8 @@ class _Race:
         and the planner allows a hedge), or ``None`` (an empty answer is in hand: nothing
         more starts)."""
         deadline = trio.current_time() + (math.inf if delay is None else delay)
-        ask = getattr(self._planner, "hedge_on_evidence", None) if delay else None
+        evidence = delay and self._resume is None  # (a recovery's hedge waits its delay)
+        ask = getattr(self._planner, "hedge_on_evidence", None) if evidence else None
         again = None if ask is None else ask(number)
         while True:
             wake = deadline if again is None else min(deadline, trio.current_time() + again)
@@ -292,6 +391,10 @@ class _Race:
         await trio.lowlevel.checkpoint()
         if self._news:
             return self._take_news(self._news.popleft())
+        if self._answering & self._live:
+            # A recovery is answering (its prefill is over): a hedge is for a slow first
+            # output, and only a failure may start another attempt now.
+            return self._take_news(await self._next_news())
         if self._planner.may_hedge():
             return "hedge"
         # The budget said no: the running attempts go on alone; only a failure may still
@@ -314,18 +417,31 @@ class _Race:
             self._answer = number
         return None if self._answer is not None else self._retry
 
-    def _start(self, number: int, source: Source, trigger: str) -> None:
+    def _start(self, number: int, source: Source, trigger: str, *, hedged: bool = False) -> None:
         state = _AttemptState(
-            number=number, replica=source.name, trigger=trigger, started_at=trio.current_time()
+            number=number,
+            replica=source.name,
+            trigger=trigger,
+            started_at=trio.current_time(),
+            model=getattr(source, "model", None),
         )
         rec = self._recorder
         rec.attempts.append(state)
         if trigger == "hedge":
             rec.hedged = True  # a backup really was sent on the hedge delay
-        continue_from = None
+        continue_from = instruction = None
         continue_tokens = 0
         if self._resume is not None:
-            continue_from, self._gates[number], state.recovery = self._resume(source)
+            plan = self._resume(source)
+            continue_from, instruction = plan.continue_from, plan.instruction
+            self._gates[number] = plan.gate
+            added = plan.record.prompt_added
+            planner = self._planner
+            ask_deadline = getattr(planner, "recovery_deadline", None)
+            deadline = FALLBACK_DEADLINE if ask_deadline is None else ask_deadline(source, added)
+            ask_delay = getattr(planner, "recovery_hedge_delay", None)
+            self._hedge_delays[number] = None if ask_delay is None else ask_delay(source, added)
+            state.recovery = attrs.evolve(plan.record, deadline=deadline, hedged=hedged)
             if continue_from is not None:
                 continue_tokens = state.recovery.tokens
         self._sources[number] = source
@@ -338,6 +454,7 @@ class _Race:
             idempotency_key=rec.idempotency_key,
             continue_from=continue_from,
             continue_tokens=continue_tokens,
+            instruction=instruction,
         )
         scope = self._scopes[number] = trio.CancelScope()
         self._nursery.start_soon(
@@ -374,6 +491,9 @@ class _Race:
                         # loser's server hears of it one scheduling tick later.
                         await trio.lowlevel.cancel_shielded_checkpoint()
                     await self._close(stream)
+                    if self._resume is not None:
+                        # A recovery that never took over: the caller never gets its answer.
+                        await discard_quietly(stream, self._close_timeout)
         if scope.cancel_called:
             self._ended_early(state)
 
@@ -426,21 +546,37 @@ class _Race:
 
     async def _read_gated(self, state: _AttemptState, source: Source, info: AttemptInfo) -> None:
         """A recovery attempt: its output passes the gate (held back while it reproduces the
-        answer so far); it commits at the first delta that follows. Under ``stall_timeout``
-        from its start and from each delta with output (the prefix it reproduces too)."""
+        answer so far); it commits at the first delta that follows. Until its first output
+        (any content, reasoning or tool-call fragment: the reproduced prefix too) it is held
+        to its first-token deadline (`RecoveryRecord.deadline`): a prefill is no stall. From
+        then on ``stall_timeout`` bounds each silence, as it does the winner's."""
         number = state.number
-        stream = await source.open(info)
-        self._streams[number] = stream  # no checkpoint since open() returned: owned
+        recovery = state.recovery
+        assert recovery is not None
+        first_by = math.inf if recovery.deadline is None else state.started_at + recovery.deadline
+        stream: AttemptStream | None = None
+        with trio.move_on_at(first_by):
+            stream = await source.open(info)
+            self._streams[number] = stream  # no checkpoint since open() returned: owned
+        if stream is None:
+            self._no_output(recovery.deadline)
+        assert stream is not None
         gate = self._gates[number]
         stall = self._stall_timeout
-        progress_at = trio.current_time()
+        progress_at: float | None = None  # the last output's time; None before the first
         while True:
-            if stall is None:
+            if progress_at is None:
+                wake = first_by
+            else:
+                wake = math.inf if stall is None else progress_at + stall
+            if wake == math.inf:
                 batch = await stream.receive()
             else:
-                with trio.move_on_at(progress_at + stall) as waited:
+                with trio.move_on_at(wake) as waited:
                     batch = await stream.receive()
                 if waited.cancelled_caught:
+                    if progress_at is None:
+                        self._no_output(recovery.deadline)
                     raise AttemptError(
                         ErrorKind.STALL, f"no progress for stall_timeout={stall} s in a recovery"
                     )
@@ -452,19 +588,40 @@ class _Race:
                 await trio.sleep_forever()
             state.tokens_received += sum(1 for d in batch if d.content)
             if any(d.has_output for d in batch):
-                progress_at = trio.current_time()
+                now = trio.current_time()
+                if progress_at is None:
+                    state.recovery = recovery = attrs.evolve(
+                        recovery, first_output=now - state.started_at
+                    )
+                    self._answering.add(number)
+                progress_at = now
             relayed = gate.feed(batch)
+            if relayed and not any(d.has_output or d.finish_reason for d in relayed):
+                # An open gate (a vLLM continuation) passes its role-only opening: no new
+                # text yet, nothing to commit on (the caller has its role already).
+                relayed = []
             if relayed:
+                limit = getattr(source, "token_limit", None)
+                if isinstance(gate, AnchorGate) and limit is not None:
+                    capped = _Capped(stream, limit - recovery.tokens)
+                    relayed = capped.take(relayed)
+                    self._streams[number] = stream = capped
                 self._pending[number] = relayed
-                assert state.recovery is not None
                 state.recovery = attrs.evolve(
-                    state.recovery, verified=gate.verified, held_back=gate.held_back
+                    recovery, verified=gate.verified, held_back=gate.held_back
                 )
                 if not self._commit(state):
                     self._ended_early(state)
                 elif getattr(stream, "task_bound", False):
                     await self._relay(number, stream)
                 return
+
+    @staticmethod
+    def _no_output(deadline: float | None) -> NoReturn:
+        raise AttemptError(
+            ErrorKind.TIMEOUT,
+            f"no output within the recovery's first-token deadline of {deadline:g} s",
+        )
 
     async def _relay(self, number: int, stream: AttemptStream) -> None:
         """Serve a task-bound winner: read it here, hand batches to the caller's task."""
@@ -528,8 +685,9 @@ class _Race:
 
     def _hand_over(self, number: int, *, ended: bool, now: float) -> None:
         stream = self._streams.pop(number)  # the one line that takes it from its task
-        limit = getattr(self._sources[number], "token_limit", None)
-        self._winner = Committed(number, stream, self._pending.pop(number), ended, limit)
+        source = self._sources[number]
+        limit = getattr(source, "token_limit", None)
+        self._winner = Committed(number, stream, self._pending.pop(number), ended, limit, source)
         self._recorder.winner = number
         if self._resume is None:  # a recovery serves an answer committed long ago
             self._recorder.committed_at = now
@@ -580,9 +738,12 @@ async def race(
     own tasks, which ``nursery`` waits for.
 
     With ``resume``, a *recovery* race (after the winner broke, ``_recovery.py``): attempts
-    are numbered on from the recorder's, start with ``trigger="recovery"`` (one at a time,
-    never hedged, at most ``limit``), pass a gate and commit at the first delta after the
-    answer so far; ``stall_timeout`` bounds each one's silence; the request's TTFT stays.
+    are numbered on from the recorder's, start with ``trigger="recovery"`` (at most
+    ``limit``: the next after a failure, or as a hedge when the planner's
+    ``recovery_hedge_delay`` passes with no new text and ``may_hedge`` allows), pass a gate
+    and commit at the first delta after the answer so far; each is abandoned at its
+    first-token deadline (``recovery_deadline``) without output, and ``stall_timeout`` bounds
+    each silence after its first output; the request's TTFT stays.
 
     Returns:
         the `Committed` winner; its stream is open and owned by the caller.

@@ -40,6 +40,11 @@ class AttemptInfo:
             chunk, so the count never exceeds the tokens it generated); a source subtracts
             them from its request's token limit (``max_tokens``), so the whole answer keeps
             the caller's limit. 0 when ``continue_from`` is ``None``.
+        instruction: for a recovery by the anchor method (a source whose ``continues`` is
+            ``"anchor"``), the instruction to send as a user turn after ``continue_from``
+            (sent as an assistant turn): go on from where the answer stopped, repeating its
+            last characters first (which the engine finds, verifies and trims); else
+            ``None``.
     """
 
     request_id: str
@@ -48,6 +53,7 @@ class AttemptInfo:
     idempotency_key: str | None = None
     continue_from: str | None = None
     continue_tokens: int = 0
+    instruction: str | None = None
 
 
 @runtime_checkable
@@ -60,7 +66,13 @@ class AttemptStream(Protocol):
     cancel scope or nursery open across ``yield``) sets a class attribute
     ``task_bound = True``: its attempt's task then keeps reading it after the commit and
     hands the batches to the caller over a channel (one task switch per batch), and closes it
-    itself, without a scope of its own around the close."""
+    itself, without a scope of its own around the close.
+
+    A stream whose server keeps what it answered (the Responses API's stored responses) may
+    have a method ``async def discard() -> None``: called, after ``aclose``, when the caller
+    does not keep that answer after all -- a recovery that never took over, a winner a
+    recovery took over from, a recovery the caller did not read to its end -- to release it
+    there (best effort, bounded by the engine)."""
 
     async def receive(self) -> Sequence[Delta] | None:
         """The next non-empty batch of deltas, or ``None`` when the stream ended cleanly.
@@ -83,8 +95,16 @@ class Source(Protocol):
     A source may say how it continues an answer begun elsewhere, with an attribute
     ``continues``: ``"appends"`` (given ``AttemptInfo.continue_from``, its answer is only what
     follows that text: vLLM's ``continue_final_message``), ``"repeats"`` (its answer repeats
-    that text first, then goes on: llama.cpp's server; the engine verifies and strips it) or
-    ``None`` (the default: it is never asked, and a recovery on it replays the request).
+    that text first, then goes on: llama.cpp's server; the engine verifies and strips it),
+    ``"anchor"`` (it sends that text as an assistant turn and ``AttemptInfo.instruction`` as a
+    user turn after it: its answer repeats the text's last characters, then goes on; the
+    engine finds the repeat and trims it) or ``None`` (the default: it is never asked, and a
+    recovery on it replays the request). A source whose request is under guided decoding (a
+    JSON schema, a grammar) should say ``None``: a continuation restarts the constraint at
+    its root.
+
+    A source may say, with an attribute ``model``, the model its request asks for (reports
+    count each attempt's tokens by it: ``AttemptRecord.model``).
 
     A source may also say, with an attribute ``token_limit``, the most tokens its request
     lets an answer have (the body's ``max_tokens``, or ``None``: unknown): when the winner

@@ -22,7 +22,7 @@ import trio
 
 from ._attempt_error import classify_exception, leaves
 from ._plan import Planner
-from ._race import Committed, close_quietly, race
+from ._race import Committed, close_quietly, discard_quietly, race
 from ._recovery import recover
 from ._source import AttemptStream
 from .errors import AttemptError, ErrorKind, HedgeError, StreamInterrupted
@@ -119,6 +119,15 @@ class HedgedStream:
         self._others: list[Delta] | None = [] if self._recoveries_left else None
         self._recovered = 0
         self._token_limit: int | None = None  # the winner's (``Source.token_limit``)
+        # The throughput floor (``Planner.throughput_floor``), while the winner is judged:
+        # (window seconds, tokens it must give in one, or None: timed, not judged); the
+        # producer-side clock since the
+        # winner was installed (seconds waited on it); the times on that clock of its last
+        # ``tokens`` content tokens.
+        self._floor: tuple[float, int | None] | None = None
+        self._clock = 0.0
+        self._token_times: deque[float] = deque()
+        self._slow: AttemptError | None = None  # found slow: raised at the next read
 
     @property
     def request_id(self) -> str:
@@ -204,6 +213,9 @@ class HedgedStream:
             state = rec.attempt(self._winner_number)
             state.ended_at = rec.ended_at
             await close_quietly(winner, self._policy.close_timeout)
+            if state.trigger == "recovery" and not self._ended:
+                # Left before its end: the caller never got this recovery's identity.
+                await discard_quietly(winner, self._policy.close_timeout)
         try:
             await self._leave()
         finally:
@@ -267,7 +279,8 @@ class HedgedStream:
                 rec.attempt(self._winner_number).tokens_received += count
 
     async def _receive(self) -> Sequence[Delta] | None:
-        """The winner's next batch, under the stall timeout; errors become typed.
+        """The winner's next batch, under the stall timeout and the throughput floor; errors
+        become typed.
 
         The stall timeout bounds the upstream's silence, not the caller's pauses (Envoy's
         ``per_try_idle_timeout`` is upstream idleness): the clock runs only while this task
@@ -276,27 +289,79 @@ class HedgedStream:
         first-token rule). Keep-alives, role-only deltas and usage do not reset it (the
         caller loops back here). A batch already buffered when the caller comes back costs
         no silence; an upstream silent while the caller was away is charged only from when
-        the caller waits again (silent and back-pressured look alike without a read)."""
+        the caller waits again (silent and back-pressured look alike without a read).
+
+        The throughput floor (`_floor`) reads the same producer-side clock, at each batch:
+        when fewer than its ``tokens`` content tokens came in the last ``window`` seconds of
+        it, the winner is slow (``ErrorKind.SLOW_STREAM``): the batch is given to the caller,
+        and the next read goes on elsewhere. It never interrupts a read (a stream read is
+        not resumable once cancelled): a crawl is found at its next token, a stop is the
+        stall timeout's."""
         winner = self._winner
         if winner is None:
             raise RuntimeError("iterate a HedgedStream inside its 'async with' block")
         stall = self._policy.stall_timeout
+        floor = self._floor
         try:
-            if stall is None:
+            slow, self._slow = self._slow, None
+            if slow is not None:
+                raise slow
+            if stall is None and floor is None:
                 return await winner.receive()
             began = trio.current_time()
-            with trio.move_on_at(began + stall - self._silent_for):
+            if stall is None:
                 batch = await winner.receive()
-                if batch is not None and any(d.has_output for d in batch):
-                    self._silent_for = 0.0
-                else:
-                    self._silent_for += trio.current_time() - began
-                return batch
-            raise AttemptError(
-                ErrorKind.STALL, f"no output from the winner in stall_timeout={stall} s of waiting"
-            )
+            else:
+                with trio.move_on_at(began + stall - self._silent_for) as waited:
+                    batch = await winner.receive()
+                if waited.cancelled_caught:
+                    raise AttemptError(
+                        ErrorKind.STALL,
+                        f"no output from the winner in stall_timeout={stall} s of waiting",
+                    )
+            now = trio.current_time()
+            if batch is not None and any(d.has_output for d in batch):
+                self._silent_for = 0.0
+            else:
+                self._silent_for += now - began
+            if floor is not None:
+                self._timed(batch, now - began, floor)
+            return batch
         except Exception as exc:
             return await self._broken(classify_exception(exc))
+
+    def _timed(
+        self, batch: Sequence[Delta] | None, waited: float, floor: tuple[float, int | None]
+    ) -> None:
+        """Account ``waited`` seconds on the producer-side clock and ``batch``'s tokens, and
+        judge the winner slow (`_slow`, raised at the next read) when fewer than the floor's
+        ``tokens`` came in its last ``window`` seconds."""
+        self._clock += waited
+        clock = self._clock
+        count = 0
+        finished = batch is None
+        if batch is not None:
+            for delta in batch:
+                if delta.content:
+                    count += 1
+                if delta.finish_reason:
+                    finished = True
+        times = self._token_times
+        for _ in range(min(count, times.maxlen or count)):
+            times.append(clock)
+        state = self._recorder.attempt(self._winner_number)
+        state.waited += waited
+        state.waited_tokens += count
+        window, tokens = floor
+        if tokens is None or finished:
+            return
+        since = times[0] if len(times) == tokens else 0.0
+        if clock - since >= window:
+            self._slow = AttemptError(
+                ErrorKind.SLOW_STREAM,
+                f"fewer than {tokens} tokens in the last {window:g} s of waiting on the "
+                "winner: below the throughput floor for its replica and model",
+            )
 
     async def _broken(self, error: AttemptError) -> Sequence[Delta]:
         """The winner failed after the commit: go on with the answer on another replica (its
@@ -304,24 +369,32 @@ class HedgedStream:
         `StreamInterrupted` for ``error``, the original failure, whatever the recoveries met.
         The planner hears of the break at once (``winner_broke``: the break is judged where it
         happens, and it says whether a recovery may go at all: not for the request's own
-        fault, which would fail the same way anywhere)."""
+        fault, which would fail the same way anywhere).
+
+        A winner the throughput floor found slow is alive: the planner hears of it as of a
+        break (``ErrorKind.SLOW_STREAM``: what a crawl costs its replica is the judge's), but
+        it is left open (unread) while the recovery runs, closed once one takes over, and
+        read on as before if none does."""
         rec = self._recorder
         broken = self._winner_number
         state = rec.attempt(broken)
         if error.replica is None:
             error.replica = state.replica
         told = getattr(self._planner, "winner_broke", None)
+        alive = error.kind is ErrorKind.SLOW_STREAM
         recoverable = told(error) if told is not None else error.retryable
         if not recoverable or not self._recoveries_left or self._nursery is None:
             self._fail(error)
         state.error = error
         state.ended_at = trio.current_time()
-        winner, self._winner, self._direct = self._winner, None, None
+        winner, direct = self._winner, self._direct
+        self._winner = self._direct = None
         policy = self._policy
-        if winner is not None:  # its server must see it stop before another one starts
+        if winner is not None and not alive:
+            # Its server must see it stop before another one starts.
             await close_quietly(winner, policy.close_timeout)
         limit = self._token_limit
-        if limit is not None and rec.token_count >= limit:
+        if limit is not None and rec.token_count >= limit and not alive:
             # The caller has every token its request allows (the break came before the
             # finish): nothing to recover. The answer ends as the engine would have ended it.
             self._ended = True
@@ -338,10 +411,30 @@ class HedgedStream:
             first_token=policy.first_token,
             close_timeout=policy.close_timeout,
             stall_timeout=policy.stall_timeout,
+            reason=error.kind.value,
         )
         self._recoveries_left -= len(rec.attempts) - before
         if committed is None:
+            if alive and winner is not None:
+                # No replica could take it over: the slow winner goes on, unjudged.
+                state.error = None
+                state.ended_at = None
+                self._winner, self._direct = winner, direct
+                if self._policy.stall_timeout is None:
+                    self._direct = winner
+                self._floor = None
+                return ()
+            if state.trigger == "recovery" and winner is not None:
+                # A recovery's own identity reaches the caller only with its end (a replay's
+                # opening events are held back): what it stored upstream is nobody's.
+                await discard_quietly(winner, policy.close_timeout)
             self._fail(error)
+        if winner is not None:
+            if alive:
+                await close_quietly(winner, policy.close_timeout)
+            # The answer ends elsewhere now: what the broken winner stored upstream (a
+            # Responses API's stored response) is not the answer the caller gets.
+            self._nursery.start_soon(discard_quietly, winner, policy.close_timeout)
         self._recovered += 1
         self._install(committed)
         return ()
@@ -350,12 +443,21 @@ class HedgedStream:
         """Read ``committed`` from now on (the race's winner, or a recovery's); its stall
         clock starts at zero."""
         self._winner = committed.stream
-        if self._policy.stall_timeout is None:
-            self._direct = committed.stream
         self._winner_number = committed.number
         self._token_limit = committed.token_limit
         self._ended = committed.ended
         self._silent_for = 0.0
+        floor = None
+        ask = getattr(self._planner, "throughput_floor", None)
+        if ask is not None and committed.source is not None and self._recoveries_left:
+            floor = ask(committed.source)  # judged only while a recovery may follow
+        self._floor = floor
+        self._slow = None
+        if floor is not None:
+            self._clock = 0.0
+            self._token_times = deque(maxlen=floor[1] or 1)
+        if self._policy.stall_timeout is None and floor is None:
+            self._direct = committed.stream
         self._pending.extend(committed.pending)
         # The race already counted these in the winner's tokens_received.
         self._take(committed.pending, trio.current_time(), count_for_attempt=False)

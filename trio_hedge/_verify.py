@@ -1,4 +1,6 @@
-"""`Gate`: a recovery attempt's output held back until it has reproduced what the caller has.
+"""`Gate`: a recovery attempt's output held back until it has reproduced what the caller has;
+`AnchorGate`: the same for a continuation by instruction, whose output begins with a repeat
+of the answer's last characters (the anchor).
 
 A recovery after the commit (``_recovery.py``) re-runs the request on another replica (a
 *replay*), or asks an engine that repeats its prefix to continue it (llama.cpp's server). Either
@@ -12,6 +14,15 @@ differently, a different model, a tool call with other arguments.
 
 Tool calls are compared by index, name and arguments, not by id (each replica makes up its
 own ids, and the caller keeps the id it was given first: later fragments carry none).
+
+The anchor method (issue 28; the dario gateway's v6.1 resumes targets without assistant
+prefill this way): the model is told to repeat the answer's last ~40 characters and go on. Its
+repeat is found with a match that ignores how whitespace runs and quote marks are written
+(``“ ” ‘ ’`` as ``" '``), within the first `ANCHOR_SEARCH` characters of its output (a short
+preamble is dropped with it), and only what follows is relayed. An anchor that is not there, or
+is there twice (which repeat ends the answer so far?), is a divergence: the recovery fails, as
+a replay that differs does; a model that does not follow the instruction is refused, never
+spliced.
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ import attrs
 from ._attempt_error import AttemptError, ErrorKind
 from .events import Delta, ToolCallDelta
 
-__all__ = ["Gate", "tool_transcript"]
+__all__ = ["ANCHOR_SEARCH", "AnchorGate", "Gate", "anchor_of", "tool_transcript"]
 
 _CONTENT, _REASONING, _TOOLS = 0, 1, 2
 
@@ -136,3 +147,144 @@ class Gate:
 
     def _diverged(self, what: str) -> None:
         raise AttemptError(ErrorKind.DIVERGED, f"the recovery's output {what}", retryable=False)
+
+
+#: How far into an anchor continuation's output (characters, whitespace runs as one) its
+#: repeat of the anchor may begin: room for a short preamble ("Continuing: …").
+ANCHOR_SEARCH = 80
+#: The anchor's length: the answer's last characters, extended back to a word's start.
+ANCHOR_CHARS = 40
+#: Characters of output past the anchor's repeat and as long again the gate reads before it
+#: relays anything: a second repeat that close would make the cut ambiguous.
+_AMBIGUITY_GAP = 8
+_QUOTES = str.maketrans(
+    {"\u201c": '"', "\u201d": '"', "\u201e": '"', "\u201f": '"', "\u00ab": '"', "\u00bb": '"',
+     "\u2018": "'", "\u2019": "'", "\u201a": "'", "\u201b": "'", "\u2032": "'", "\u2033": '"'}
+)  # fmt: skip
+
+
+def anchor_of(text: str) -> str:
+    """The anchor of an answer: its last `ANCHOR_CHARS` characters, moved back to the start
+    of the word the cut falls in (at most 20 characters more), leading whitespace dropped;
+    the whole text when it is shorter."""
+    start = max(len(text) - ANCHOR_CHARS, 0)
+    if start > 0 and not text[start - 1].isspace():
+        back = text.rfind(" ", max(start - 20, 0), start)
+        if back >= 0:
+            start = back + 1
+    return text[start:].lstrip()
+
+
+def _normalised(text: str) -> tuple[str, list[int]]:
+    """``text`` with each whitespace run as one space and typographic quotes as plain ones,
+    and for each character of it the index in ``text`` just after the characters it stands
+    for."""
+    out: list[str] = []
+    ends: list[int] = []
+    for i, char in enumerate(text.translate(_QUOTES)):
+        if char.isspace():
+            if out and out[-1] == " ":
+                ends[-1] = i + 1
+                continue
+            char = " "
+        out.append(char)
+        ends.append(i + 1)
+    return "".join(out), ends
+
+
+class AnchorGate:
+    """Holds an anchor continuation's output back until its repeat of ``anchor`` is found
+    (see the module); `feed` then returns only what follows it, in the deltas it came in (the
+    one the repeat ends inside cut there). Reasoning the model writes before the repeat is
+    dropped with it; a tool call before it is a divergence.
+
+    ``ends_with_space``: whether the answer so far ends in whitespace (then whitespace the
+    model puts right after its repeat is not relayed twice).
+
+    Raises (from `feed`, `end`):
+        AttemptError: kind ``diverged``: no repeat of the anchor near the output's start, a
+            repeat found twice, or the output ended first.
+    """
+
+    __slots__ = ("_anchor", "_held", "_space", "held_back", "open", "verified")
+
+    def __init__(self, anchor: str, *, ends_with_space: bool = False) -> None:
+        self._anchor = _normalised(anchor)[0].strip()
+        self._space = ends_with_space
+        self._held: list[Delta] = []
+        self.held_back = 0
+        self.verified = 0
+        self.open = not self._anchor
+
+    def feed(self, batch: Sequence[Delta]) -> list[Delta]:
+        if self.open:
+            return list(batch)
+        out: list[Delta] = []
+        for delta in batch:
+            if self.open:
+                out.append(delta)
+                continue
+            if delta.tool_calls:
+                self._diverged("called a tool before repeating the anchor")
+            if delta.content or delta.finish_reason or delta.usage is not None:
+                self._held.append(delta)
+            cut = self._decide(final=delta.finish_reason is not None)
+            if cut is not None:
+                out += self._release(cut)
+        return out
+
+    def end(self) -> None:
+        if not self.open:
+            self._diverged("ended before repeating the anchor")
+
+    def _decide(self, *, final: bool) -> int | None:
+        """Where in the held text the repeat ends, once that is certain (``None``: not yet)."""
+        raw = "".join(d.content for d in self._held)
+        text, ends = _normalised(raw)
+        anchor = self._anchor
+        first = text.find(anchor)
+        if first < 0 or first > ANCHOR_SEARCH:
+            if final or len(text) >= ANCHOR_SEARCH + len(anchor):
+                self._diverged("did not begin with a repeat of the answer's last characters")
+            return None
+        stop = first + len(anchor)
+        # A second repeat would make the cut ambiguous: wait until as much text follows the
+        # first as the anchor is long and a little more (or the output ends), and look.
+        if not final and len(text) < stop + len(anchor) + _AMBIGUITY_GAP:
+            return None
+        if text.find(anchor, first + 1) >= 0:
+            self._diverged("repeated the answer's last characters more than once")
+        self.open = True
+        self.verified = len(anchor)
+        return ends[stop - 1]
+
+    def _release(self, cut: int) -> list[Delta]:
+        """The held deltas after character ``cut`` of their text: whole, but the one it falls
+        inside (its rest, with no wire form of its own); whitespace first dropped when the
+        answer so far ends in it. Content deltas wholly before it are held back."""
+        out: list[Delta] = []
+        at = 0
+        strip = self._space
+        for delta in self._held:
+            text = delta.content
+            end = at + len(text)
+            if text and end <= cut:
+                self.held_back += 1
+            else:
+                rest = text[max(cut - at, 0) :]
+                if strip and rest:
+                    rest = rest.lstrip()
+                    strip = not rest
+                if rest != text:
+                    if not (rest or delta.finish_reason or delta.usage is not None):
+                        self.held_back += bool(text)
+                        at = end
+                        continue
+                    delta = attrs.evolve(delta, content=rest, reasoning="", tool_calls=(), raw=None)
+                out.append(delta)
+            at = end
+        self._held = []
+        return out
+
+    def _diverged(self, what: str) -> None:
+        raise AttemptError(ErrorKind.DIVERGED, f"the anchor continuation {what}", retryable=False)

@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from ._attempt_error import AttemptError
+from ._attempt_error import AttemptError, ErrorKind
 
 __all__ = ["AttemptOutcome", "AttemptRecord", "RecoveryRecord", "Report"]
 
@@ -47,13 +47,29 @@ class RecoveryRecord:
         position: characters of answer text the caller had when that attempt broke.
         tokens: content tokens the caller had then.
         method: ``"continuation"`` (the text so far was sent as a final assistant message,
-            by the replica's declared engine contract) or ``"replay"`` (the original request
-            again, its output held back until it reproduced what the caller had).
+            by the replica's declared engine contract), ``"anchor"`` (the text so far as an
+            assistant turn and an instruction to go on, repeating its last characters first:
+            the repeat found and trimmed) or ``"replay"`` (the original request again, its
+            output held back until it reproduced what the caller had).
         verified: characters of output (content, reasoning, tool-call names and arguments)
             this attempt reproduced before anything was relayed from it; 0 for a
             continuation that does not repeat its prefix (vLLM's).
-        held_back: content tokens received and not relayed (the reproduced prefix): wasted
-            tokens of a recovery that won.
+        held_back: content tokens received and not relayed (the reproduced prefix, or an
+            anchor's repeat): wasted tokens of a recovery that won.
+        reason: the kind of the failure it recovers from (``"stream_truncated"``,
+            ``"stall"``, ``"slow_stream"``: the throughput floor…), or ``None`` when unknown.
+        deadline: seconds from its start it had to give its first output (any content,
+            reasoning or tool-call fragment, the reproduced prefix included) before it was
+            abandoned and the next recovery tried: its first-token deadline, from what the
+            fleet learned for its replica, model and prompt size (``docs/recovery.md``), or
+            ``None`` when it had none.
+        first_output: seconds from its start to its first output, or ``None`` (none came).
+            Its ``ttft`` is when it committed, once it had reproduced the answer so far.
+        hedged: whether it was sent as a hedge inside the recovery (a second recovery while
+            another one was still waiting for its first output), not after a failure.
+        prompt_added: estimated prompt tokens its request carried beyond the original
+            request's: the answer so far for a continuation, and an anchor's instruction;
+            0 for a replay.
     """
 
     replaces: int
@@ -62,6 +78,11 @@ class RecoveryRecord:
     method: str
     verified: int = 0
     held_back: int = 0
+    reason: str | None = None
+    deadline: float | None = None
+    first_output: float | None = None
+    hedged: bool = False
+    prompt_added: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -88,6 +109,12 @@ class AttemptRecord:
         recovery: for a recovery attempt, a [`RecoveryRecord`][trio_hedge.report.RecoveryRecord];
             else ``None``. A winner that broke after the commit keeps ``outcome="won"`` and
             has its ``error``.
+        model: the model its request asked for (the request's ``model``, or the replica's
+            ``overrides``), when its source says (``Source.model``); ``None`` otherwise.
+        stream_rate: after its commit, the content tokens per second its stream gave the
+            caller, timed on the producer side (the seconds the caller waited on it; its own
+            pauses excluded, as the stall clock is): measured only while a throughput floor
+            is on (``RecoveryPolicy.throughput_floor``), else ``None``.
     """
 
     number: int
@@ -100,6 +127,15 @@ class AttemptRecord:
     error: AttemptError | None = attrs.field(default=None, eq=False)
     tokens_received: int = 0
     recovery: RecoveryRecord | None = None
+    model: str | None = None
+    stream_rate: float | None = None
+
+    @property
+    def phase(self) -> str:
+        """When it ran: ``"race"`` (before the commit: a primary, hedge or failover) or
+        ``"recovery"`` (after it: ``trigger="recovery"``). A race winner that broke after
+        the commit is ``"race"`` with ``outcome="won"`` and its ``error``."""
+        return "recovery" if self.trigger == "recovery" else "race"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -113,6 +149,8 @@ class AttemptRecord:
             "error": self.error.to_dict() if self.error is not None else None,
             "tokens_received": self.tokens_received,
             "recovery": self.recovery.to_dict() if self.recovery is not None else None,
+            "model": self.model,
+            "stream_rate": self.stream_rate,
         }
 
 
@@ -199,6 +237,24 @@ class Report:
         return sum(1 for a in self.attempts if a.trigger == "recovery")
 
     @property
+    def tokens_by_model(self) -> dict[str, int]:
+        """Content tokens each model generated for this request, as received (every attempt:
+        the winner's, a broken winner's, a recovery's reproduced prefix, the losers'), by
+        the attempt's ``model`` (an attempt whose source names none counts under its
+        replica's name): what the fleet spent on the answer, to bill or budget by model."""
+        out: dict[str, int] = {}
+        for a in self.attempts:
+            key = a.model if a.model is not None else a.replica
+            out[key] = out.get(key, 0) + a.tokens_received
+        return out
+
+    @property
+    def slow_streams(self) -> int:
+        """Winners the throughput floor took the answer from (``ErrorKind.SLOW_STREAM``)."""
+        slow = ErrorKind.SLOW_STREAM
+        return sum(1 for a in self.attempts if a.error is not None and a.error.kind is slow)
+
+    @property
     def wasted_tokens(self) -> int:
         """Content tokens received and never relayed: by attempts that lost or failed, and
         the prefix a recovery reproduced before its new text (``held_back``)."""
@@ -240,6 +296,8 @@ class Report:
             "attempts_sent": self.attempts_sent,
             "backups_sent": self.backups_sent,
             "recoveries": self.recoveries,
+            "slow_streams": self.slow_streams,
+            "tokens_by_model": self.tokens_by_model,
             "prompt_tokens": self.prompt_tokens,
             "prompt_tokens_resent": self.prompt_tokens_resent,
             "idempotency_key": self.idempotency_key,
@@ -264,6 +322,11 @@ class _AttemptState:
     error: AttemptError | None = None
     tokens_received: int = 0
     recovery: RecoveryRecord | None = None
+    model: str | None = None
+    # Producer-side timing after the commit (only with a throughput floor): seconds waited
+    # on its stream and the content tokens that came during those waits.
+    waited: float = 0.0
+    waited_tokens: int = 0
 
     def freeze(self, origin: float) -> AttemptRecord:
         """The public record, with times as offsets from ``origin`` (the request's start)."""
@@ -278,6 +341,10 @@ class _AttemptState:
             error=self.error,
             tokens_received=self.tokens_received,
             recovery=self.recovery,
+            model=self.model,
+            stream_rate=self.waited_tokens / self.waited
+            if self.waited > 0 and self.waited_tokens
+            else None,
         )
 
 

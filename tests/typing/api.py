@@ -113,7 +113,12 @@ async def production() -> None:
         ),
         first_token_timeout=30.0,
         pick="peak_ewma",
+        recovery=trio_hedge.policy.RecoveryPolicy(
+            max_first_token=20.0,
+            throughput_floor=trio_hedge.policy.ThroughputFloor(window=5.0, ratio=0.1),
+        ),
     )
+    assert_type(config.recovery.deadline(1.5), float)
     fixed = HedgerConfig(hedge_after=0.8, budget=None, pick="in_order")
     replicas = [
         Replica("http://a:8000/v1", api_key="sk-test", name="a"),
@@ -147,6 +152,8 @@ async def production() -> None:
         assert_type(stats, HedgerStatistics)
         assert_type(stats.replicas[0].predicted_wait, float | None)
         assert_type(stats.hedges_at_once, int)
+        assert_type(stats.recovery_hedges, int)
+        assert_type(stats.slow_streams, int)
         assert_type(stats.hedges_sent, int)
         assert_type(stats.replicas[0].probe_reading, LoadReading | None)
         assert_type(shared.statistics().replicas[2].probe, str)
@@ -165,8 +172,16 @@ def read(report: Report) -> None:
     assert_type(report.winner, int | None)
     assert_type(report.ttft, float | None)
     assert_type(report.attempts, tuple[AttemptRecord, ...])
+    assert_type(report.tokens_by_model, dict[str, int])
+    assert_type(report.slow_streams, int)
     for attempt in report.attempts:
         assert_type(attempt.outcome, AttemptOutcome)
+        assert_type(attempt.phase, str)
+        assert_type(attempt.model, str | None)
+        assert_type(attempt.stream_rate, float | None)
+        if attempt.recovery is not None:
+            assert_type(attempt.recovery.deadline, float | None)
+            assert_type(attempt.recovery.hedged, bool)
         if attempt.error is not None:
             assert_type(attempt.error.kind, ErrorKind)
             assert_type(attempt.error.retryable, bool)

@@ -16,7 +16,11 @@ chat completions:
   (``overloaded`` as 529, as Anthropic answers it, so the SDK raises ``OverloadedError``),
   in-band as ``event: error``; Responses' OpenAI error object, in-band as ``event: error``;
 * after a recovery (docs/gateway.md, Streaming) each API goes on with the answer the client
-  has (``_continued``): the Responses API's events get the client's response and item ids;
+  has (``_continued``): every event one the API could have sent (Responses
+  ``sequence_number``s go on from the client's, every required field there; block and output
+  indices go on from the client's), the ids the client keeps naming the answer it got (the
+  Responses API's terminal event names the response stored with the whole answer), and the
+  usage counting what the client got;
 * a non-streamed request is answered with the API's whole JSON: a Message assembled from the
   winner's events, or the Responses API's final response object;
 * the client's ``anthropic-version`` and ``anthropic-beta`` headers go upstream, and with
@@ -26,15 +30,14 @@ chat completions:
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, Literal
 
 import attrs
 import httpx
 
-from .. import HedgedStream, Hedger, Replica
+from .. import HedgedStream, Hedger, Replica, Report
 from ..events import Delta, EventHook
 from ..sources.anthropic import AnthropicReplica
 from ..sources.openai_responses import ResponsesReplica
@@ -53,7 +56,7 @@ from ._forward import (
 )
 from ._http import Exchange
 from ._metrics import GatewayMetrics
-from ._recovered import event_of, relay_recovered
+from ._recovered import AGENT_USAGE, event_of, recovered_usage, relay_recovered
 
 __all__ = ["agent_forwarder", "agent_hedgers"]
 
@@ -67,9 +70,11 @@ APIS: dict[str, tuple[type[Replica], str]] = {
 def as_api(replica: Replica, api: str) -> Replica:
     """``replica`` (a configured chat replica) speaking ``api``: the same URL, key, name,
     overrides, headers, context window, fallback mark, backup priority and probe, the API's
-    own path. Not its ``continuation``: the engines' continuation contracts are their chat
-    endpoints' (a recovery on another API replays and verifies)."""
+    own path, and its ``continuation`` when it is ``"anchor"`` (an instruction any API takes;
+    the engines' own contracts are their chat endpoints': a recovery on another API then
+    replays and verifies)."""
     kind, _ = APIS[api]
+    anchor: Literal["anchor"] | None = "anchor" if replica.continuation == "anchor" else None
     return kind(
         replica.base_url,
         api_key=replica.api_key,
@@ -80,6 +85,7 @@ def as_api(replica: Replica, api: str) -> Replica:
         fallback=replica.fallback,
         backup_priority=replica.backup_priority,
         probe=replica.probe,
+        continuation=anchor,
     )
 
 
@@ -148,14 +154,20 @@ _ANTHROPIC_TYPES = {
 }
 
 
+#: Anthropic's error types: an upstream's own is kept (the SDK raises by it).
+_ANTHROPIC_KNOWN = frozenset({*_ANTHROPIC_TYPES.values(), "api_error"})
+
+
 @attrs.frozen
 class AnthropicAnswer(ErrorAnswer):
     """An error in the Anthropic shape."""
 
     def body(self) -> bytes:
-        kind = _ANTHROPIC_TYPES.get(
-            self.status, "api_error" if self.status >= 500 else "invalid_request_error"
-        )
+        kind = self.upstream_type if self.upstream_type in _ANTHROPIC_KNOWN else None
+        if kind is None:
+            kind = _ANTHROPIC_TYPES.get(
+                self.status, "api_error" if self.status >= 500 else "invalid_request_error"
+            )
         return _dumps({"type": "error", "error": {"type": kind, "message": self.message}}).encode()
 
     def event(self) -> bytes:
@@ -196,8 +208,15 @@ class MessageCompletion(Completion):
             self.message = dict(event["message"])
         elif kind == "content_block_start" and isinstance(event.get("content_block"), dict):
             self._blocks[index] = dict(event["content_block"])
-        elif kind == "content_block_delta" and index in self._blocks:
-            self._apply(self._blocks[index], index, event.get("delta") or {})
+        elif kind == "content_block_delta" and isinstance(event.get("delta"), dict):
+            block = self._blocks.get(index)
+            if block is None and self._blocks:
+                # A recovery's block the client's message has under another index (its
+                # opening was held back with the prefix): the open one goes on.
+                index = max(self._blocks)
+                block = self._blocks[index]
+            if block is not None:
+                self._apply(block, index, event["delta"])
         elif kind == "content_block_stop" and index in self._json:
             # A tool input that does not parse as streamed is left as its block started.
             with contextlib.suppress(ValueError):
@@ -235,6 +254,11 @@ class MessageCompletion(Completion):
         elif kind == "citations_delta":
             block.setdefault("citations", []).append(delta.get("citation"))
 
+    def recount(self, report: Report) -> None:
+        usage = self.message.get("usage")
+        if isinstance(usage, dict):
+            self.message["usage"] = recovered_usage(usage, report, AGENT_USAGE)
+
     def body(self, request_id: str, model: str | None) -> bytes:
         if not self.message:  # the upstream answered whole: from the deltas
             self.message = {
@@ -254,30 +278,31 @@ class MessageCompletion(Completion):
 
 
 class ResponseCompletion(Completion):
-    """The Responses API's final response object (its terminal event carries it whole)."""
+    """The Responses API's final response object (its terminal event carries it whole).
+    After a recovery it is the recovery's own: its ``id`` names the response stored with the
+    whole answer (a replay's), the one ``previous_response_id`` goes on from."""
 
     def __init__(self) -> None:
         super().__init__()
         self.response: dict[str, Any] | None = None
-        # The first response's id and created_at (response.created): after a recovery the
-        # final response is the recovery's, and the answer stays the first one.
-        self.opening: dict[str, Any] | None = None
+        self._report: Report | None = None
 
     def add(self, delta: Delta) -> None:
         self.deltas.append(delta)
-        if self.opening is None:
-            response = event_of(delta).get("response")
-            self.opening = response if isinstance(response, dict) else {}
         if delta.finish_reason is not None and delta.raw is not None:
             event = json.loads(delta.raw)
             if isinstance(event.get("response"), dict):
                 self.response = event["response"]
 
+    def recount(self, report: Report) -> None:
+        self._report = report
+
     def body(self, request_id: str, model: str | None) -> bytes:
         if self.response is not None:
-            first: dict[str, Any] = self.opening or {}
-            kept: dict[str, Any] = {k: first[k] for k in ("id", "created_at") if k in first}
-            answer = {**self.response, **kept}
+            answer = self.response
+            if self._report is not None:
+                text = "".join(d.content for d in self.deltas)
+                answer = recovered_response(answer, self._report, text)
             return _dumps(answer).encode()
         text = "".join(d.content for d in self.deltas)
         content = [{"type": "output_text", "text": text, "annotations": []}]
@@ -290,6 +315,27 @@ class ResponseCompletion(Completion):
                 "output": [{"type": "message", "role": "assistant", "content": content}],
             }
         ).encode()
+
+
+def recovered_response(response: dict[str, Any], report: Report, text: str) -> dict[str, Any]:
+    """The terminal response of a recovered answer: the recovery's own (its ``id``, items
+    and ``created_at``: what the server stored), its usage counting what the client got; and
+    after an anchor continuation (never stored: ``store: false``), whose output has only the
+    part it generated, its message's text the whole answer ``text``."""
+    out = dict(response)
+    usage = out.get("usage")
+    if isinstance(usage, dict):
+        out["usage"] = recovered_usage(usage, report, AGENT_USAGE)
+    record = next((a.recovery for a in report.attempts if a.number == report.winner), None)
+    output = out.get("output")
+    if record is not None and record.method == "anchor" and isinstance(output, list):
+        items = [dict(item) if isinstance(item, dict) else item for item in output]
+        for item in items:
+            if isinstance(item, dict) and item.get("type") == "message":
+                item["content"] = [{"type": "output_text", "text": text, "annotations": []}]
+                break
+        out["output"] = items
+    return out
 
 
 # -- the forwarders -----------------------------------------------------------------------------
@@ -355,10 +401,8 @@ class AgentForwarder(ChatForwarder):
         opening = last = None  # the first and the latest events relayed (before any recovery)
         final: Sequence[Delta] = ()
         async for batch in batches:
-            if stream.recovered:  # another replica goes on: one answer (``_continued``)
-                go_on = functools.partial(
-                    self._continued, head=event_of(opening), tail=event_of(last)
-                )
+            if stream.recovered:  # another replica goes on: one answer (``_continuer``)
+                go_on = self._continuer(event_of(opening), event_of(last), stream)
                 final = await relay_recovered(ex, batch, batches, go_on)
                 break
             out = []
@@ -372,9 +416,11 @@ class AgentForwarder(ChatForwarder):
         note_usage(ex.record, final)
         await ex.body(b"", more=False)
 
-    def _continued(self, delta: Delta, head: dict[str, Any], tail: dict[str, Any]) -> bytes:
-        """A recovery's delta as this API's event(s), going on with the answer the client
-        has (``head``, ``tail``: its first and latest events; ``{}`` when unknown)."""
+    def _continuer(
+        self, head: dict[str, Any], tail: dict[str, Any], stream: HedgedStream
+    ) -> Callable[[Delta], bytes]:
+        """What writes a recovery's deltas as this API's events, going on with the answer the
+        client has (``head``, ``tail``: its first and latest events; ``{}`` when unknown)."""
         raise NotImplementedError
 
 
@@ -389,27 +435,10 @@ class MessagesForwarder(AgentForwarder):
             answer = attrs.evolve(answer, status=529)  # Anthropic's overloaded status
         return super()._style(answer)
 
-    def _continued(self, delta: Delta, head: dict[str, Any], tail: dict[str, Any]) -> bytes:
-        # The Messages API names the message once (message_start: a replay's is held back
-        # with the prefix), so a recovery's events go as they are; the rest of the event the
-        # reproduced prefix ended inside goes on the block the client has open.
-        if delta.raw is not None:
-            return typed_event(delta.raw)
-        index = tail.get("index", 0)
-        deltas: list[dict[str, Any]] = []
-        if delta.reasoning:
-            deltas.append({"type": "thinking_delta", "thinking": delta.reasoning})
-        if delta.content:
-            deltas.append({"type": "text_delta", "text": delta.content})
-        deltas.extend(
-            {"type": "input_json_delta", "partial_json": f.arguments}
-            for f in delta.tool_calls
-            if f.arguments
-        )
-        return b"".join(
-            typed_event(_dumps({"type": "content_block_delta", "index": index, "delta": d}))
-            for d in deltas
-        )
+    def _continuer(
+        self, head: dict[str, Any], tail: dict[str, Any], stream: HedgedStream
+    ) -> Callable[[Delta], bytes]:
+        return _MessagesGoOn(tail, stream).encode
 
     def _synthesize(self, delta: Delta, first: bool) -> bytes:
         message = {"id": "msg", "type": "message", "role": "assistant", "content": []}
@@ -447,45 +476,10 @@ class ResponsesForwarder(AgentForwarder):
     _answer = ResponsesAnswer
     _completion_class = ResponseCompletion
 
-    def _continued(self, delta: Delta, head: dict[str, Any], tail: dict[str, Any]) -> bytes:
-        # A recovery's response and the item the client has open carry the recovery's own ids:
-        # the client's (its response.created, its latest event) instead.
-        item_id, index = tail.get("item_id"), tail.get("output_index", 0)
-        if delta.raw is None:  # the rest of the event the reproduced prefix ended inside
-            if not delta.content:
-                return b""
-            event: dict[str, Any] = {
-                "type": "response.output_text.delta",
-                "item_id": item_id or "msg",
-                "output_index": index,
-                "content_index": tail.get("content_index", 0),
-                "delta": delta.content,
-            }
-            return typed_event(_dumps(event))
-        event = event_of(delta)
-        if not event:
-            return typed_event(delta.raw)
-        if item_id is not None and event.get("output_index") == index:
-            if "item_id" in event:
-                event["item_id"] = item_id
-            if isinstance(event.get("item"), dict):
-                event["item"] = {**event["item"], "id": item_id}
-        first = head.get("response")
-        response = event.get("response")
-        if isinstance(first, dict) and isinstance(response, dict):
-            response = {**response, **{k: first[k] for k in ("id", "created_at") if k in first}}
-            output = response.get("output")
-            if (
-                item_id is not None
-                and isinstance(output, list)
-                and index < len(output)
-                and isinstance(output[index], dict)
-            ):
-                output = [*output]
-                output[index] = {**output[index], "id": item_id}
-                response["output"] = output
-            event["response"] = response
-        return typed_event(_dumps(event))
+    def _continuer(
+        self, head: dict[str, Any], tail: dict[str, Any], stream: HedgedStream
+    ) -> Callable[[Delta], bytes]:
+        return _ResponsesGoOn(tail, stream).encode
 
     def _synthesize(self, delta: Delta, first: bool) -> bytes:
         response = {"id": "resp", "object": "response", "status": "completed", "usage": delta.usage}
@@ -500,6 +494,139 @@ class ResponsesForwarder(AgentForwarder):
             {"type": "response.completed", "response": response},
         ]
         return b"".join(typed_event(_dumps(e)) for e in events)
+
+
+class _Renumber:
+    """Indices (Messages ``index``, Responses ``output_index``) of a recovery's events in the
+    client's numbering: the first the recovery names is the one the client has open, each
+    new one the next after the client's."""
+
+    __slots__ = ("_map", "_next", "_open")
+
+    def __init__(self, open_index: int) -> None:
+        self._open = open_index
+        self._map: dict[Any, int] = {}
+        self._next = open_index + 1
+
+    def __call__(self, index: Any) -> int:
+        mapped = self._map.get(index)
+        if mapped is None:
+            if not self._map:
+                mapped = self._open
+            else:
+                mapped = self._next
+                self._next += 1
+            self._map[index] = mapped
+        return mapped
+
+
+def _int(value: Any, default: int) -> int:
+    return value if type(value) is int else default
+
+
+class _MessagesGoOn:
+    """A recovery's deltas as Messages events. The API names the message once
+    (``message_start``: a replay's is held back with the prefix it reproduces), so its events
+    go as they are, with their block indices in the client's numbering and the usage of
+    ``message_delta`` counting what the client got; the rest of an event the reproduced
+    prefix ended inside goes on the block the client has open."""
+
+    __slots__ = ("_index", "_renumber", "_stream")
+
+    def __init__(self, tail: dict[str, Any], stream: HedgedStream) -> None:
+        self._index = _int(tail.get("index"), 0)
+        self._renumber = _Renumber(self._index)
+        self._stream = stream
+
+    def encode(self, delta: Delta) -> bytes:
+        if delta.raw is not None:
+            event = event_of(delta)
+            if not event:
+                return typed_event(delta.raw)
+            if "index" in event:
+                event["index"] = self._renumber(event["index"])
+            usage = event.get("usage")
+            if event.get("type") == "message_delta" and isinstance(usage, dict):
+                event["usage"] = recovered_usage(usage, self._stream.report, AGENT_USAGE)
+            return typed_event(_dumps(event))
+        index = self._index  # (the split event's block: the one the client has open)
+        deltas: list[dict[str, Any]] = []
+        if delta.reasoning:
+            deltas.append({"type": "thinking_delta", "thinking": delta.reasoning})
+        if delta.content:
+            deltas.append({"type": "text_delta", "text": delta.content})
+        deltas.extend(
+            {"type": "input_json_delta", "partial_json": f.arguments}
+            for f in delta.tool_calls
+            if f.arguments
+        )
+        out = [
+            typed_event(_dumps({"type": "content_block_delta", "index": index, "delta": d}))
+            for d in deltas
+        ]
+        if delta.finish_reason is not None:  # a limit the stream itself ended the answer at
+            reason = "max_tokens" if delta.finish_reason == "length" else delta.finish_reason
+            out.append(typed_event(_dumps({"type": "content_block_stop", "index": index})))
+            stop = {"type": "message_delta", "delta": {"stop_reason": reason}, "usage": {}}
+            out.append(typed_event(_dumps(stop)))
+            out.append(typed_event(_dumps({"type": "message_stop"})))
+        return b"".join(out)
+
+
+class _ResponsesGoOn:
+    """A recovery's deltas as Responses events: ``sequence_number``s going on from the
+    client's (strictly increasing), output indices in the client's numbering, the item the
+    client has open under its own id, and the terminal response the recovery's own (the one
+    stored with the whole answer: `recovered_response`); the rest of an event the reproduced
+    prefix ended inside goes as a ``response.output_text.delta`` of the open item, with every
+    field the API gives one."""
+
+    __slots__ = ("_content", "_index", "_item", "_renumber", "_seq", "_stream")
+
+    def __init__(self, tail: dict[str, Any], stream: HedgedStream) -> None:
+        item = tail.get("item")
+        self._item = tail.get("item_id") or (item.get("id") if isinstance(item, dict) else None)
+        self._index = _int(tail.get("output_index"), 0)
+        self._content = _int(tail.get("content_index"), 0)
+        seq = tail.get("sequence_number")
+        self._seq: int | None = seq + 1 if type(seq) is int else None
+        self._renumber = _Renumber(self._index)
+        self._stream = stream
+
+    def _numbered(self, event: dict[str, Any]) -> bytes:
+        if self._seq is not None:
+            event["sequence_number"] = self._seq
+            self._seq += 1
+        return typed_event(_dumps(event))
+
+    def encode(self, delta: Delta) -> bytes:
+        if delta.raw is None:  # the rest of the event the reproduced prefix ended inside
+            if not delta.content:
+                return b""
+            event: dict[str, Any] = {
+                "type": "response.output_text.delta",
+                "item_id": self._item or "msg",
+                "output_index": self._index,
+                "content_index": self._content,
+                "delta": delta.content,
+                "logprobs": [],
+            }
+            return self._numbered(event)
+        event = event_of(delta)
+        if not event:
+            return typed_event(delta.raw)
+        if "output_index" in event:
+            index = event["output_index"] = self._renumber(event["output_index"])
+            if index == self._index and self._item is not None:
+                if "item_id" in event:
+                    event["item_id"] = self._item
+                if isinstance(event.get("item"), dict):
+                    event["item"] = {**event["item"], "id": self._item}
+        response = event.get("response")
+        if isinstance(response, dict) and delta.finish_reason is not None:
+            text = self._stream.text
+            event["response"] = recovered_response(response, self._stream.report, text)
+        return self._numbered(event)
 
 
 _FORWARDERS: dict[str, type[AgentForwarder]] = {

@@ -167,7 +167,13 @@ class GatewayApp:
             path, forwarder = agent_forwarder(api, config, by_group, metrics, secrets)
             self._forwarders[path] = forwarder
         self._routes = {**_ROUTES, **dict.fromkeys(self._forwarders, "POST")}
-        named = (m for g in config.groups for m in g.models if not any(c in m for c in "*?["))
+        named = [m for g in config.groups for m in g.models if not any(c in m for c in "*?[")]
+        # The models the replicas' overrides ask for: what each attempt's tokens count under.
+        named += [
+            r.overrides["model"]
+            for r in config.replicas
+            if isinstance(r.overrides.get("model"), str)
+        ]
         metrics.watch(self._all, named)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -202,6 +208,12 @@ class GatewayApp:
                 self.metrics.key_requests.labels(ex.record.key, status).inc()
             ACCESS_LOGGER.info(ex.record.line())
 
+    def _styled(self, path: str, answer: ErrorAnswer) -> ErrorAnswer:
+        """``answer`` in the shape of the API ``path`` speaks (each route answers in its own,
+        auth and limits included: a Messages client gets Anthropic's error object)."""
+        forwarder = self._forwarders.get(path)
+        return answer if forwarder is None else forwarder.style(answer)
+
     async def _route(self, ex: Exchange, path: str, method: str) -> None:
         refusal = _ambiguous(ex)
         if refusal is not None:
@@ -213,7 +225,7 @@ class GatewayApp:
                 await read_body(ex.receive, limit, None)
             # Then the connection is closed (RFC 9112 section 6.1 for CL + TE): the server
             # and a proxy in front may disagree where this request ends, and which is next.
-            await ex.error(refusal, [(b"connection", b"close")])
+            await ex.error(self._styled(path, refusal), [(b"connection", b"close")])
             return
         wanted = self._routes.get(path)
         if wanted is None:
@@ -221,7 +233,7 @@ class GatewayApp:
             return
         if method != wanted:
             answer = ErrorAnswer(405, f"{method} is not allowed on {path}", code="method")
-            await ex.error(answer, [(b"allow", wanted.encode())])
+            await ex.error(self._styled(path, answer), [(b"allow", wanted.encode())])
             return
         if path.startswith("/v1/") and self._keys:
             key = self._caller(ex)
@@ -229,17 +241,17 @@ class GatewayApp:
                 self.metrics.refused.labels("auth").inc()
                 answer = ErrorAnswer(
                     401,
-                    "a valid gateway key is required (Authorization: Bearer …)",
+                    "a valid gateway key is required (Authorization: Bearer …, or x-api-key)",
                     code="invalid_api_key",
                 )
-                await ex.error(answer, [(b"www-authenticate", b"Bearer")])
+                await ex.error(self._styled(path, answer), [(b"www-authenticate", b"Bearer")])
                 return
             ex.record.key = key.name
             if path not in self._forwarders:  # a chat request counts at its admission
                 over = await self.limiter.take_rate(key.name)
                 if over is not None:
                     self.metrics.refused.labels("key_rate").inc()
-                    await ex.error(_key_refusal("key_rate", over.retry_after))
+                    await ex.error(self._styled(path, _key_refusal("key_rate", over.retry_after)))
                     return
         forwarder = self._forwarders.get(path)
         if forwarder is not None:
@@ -281,7 +293,7 @@ class GatewayApp:
             answer = ErrorAnswer(
                 400, "X-Priority must be an integer", code="invalid_request", param="X-Priority"
             )
-            raise Rejected(forwarder._style(answer))
+            raise Rejected(forwarder.style(answer))
         return priority
 
     async def _forward(self, ex: Exchange, forwarder: ChatForwarder) -> None:
@@ -300,11 +312,11 @@ class GatewayApp:
             ticket = self.limiter.enter(ex.record.key, priority)
         except Draining:
             refused.labels("draining").inc()
-            await ex.error(forwarder._style(_draining(limits.retry_after)), _CLOSE)
+            await ex.error(forwarder.style(_draining(limits.retry_after)), _CLOSE)
             return
         except Refused as full:
             refused.labels(full.reason).inc()
-            await ex.error(forwarder._style(self._queue_refusal(full)))
+            await ex.error(forwarder.style(self._queue_refusal(full)))
             return
         ex.record.priority = priority
         timeout = limits.request_timeout
@@ -339,7 +351,7 @@ class GatewayApp:
                 message = f"the request body took longer than {name}={limit} s"
                 # Closed: the rest of the body may still come, and is not a request.
                 await ex.error(
-                    forwarder._style(ErrorAnswer(408, message, code="request_timeout")), _CLOSE
+                    forwarder.style(ErrorAnswer(408, message, code="request_timeout")), _CLOSE
                 )
                 return
             request, group, options, streaming = forwarder.prepare(ex, body)
@@ -347,7 +359,7 @@ class GatewayApp:
         except BodyTooLarge:
             refused.labels("body_size").inc()
             message = f"the request body is larger than max_body_bytes={limits.max_body_bytes}"
-            await ex.error(forwarder._style(ErrorAnswer(413, message, code="request_too_large")))
+            await ex.error(forwarder.style(ErrorAnswer(413, message, code="request_too_large")))
             return
         except Rejected as rejected:
             refused.labels("invalid").inc()
@@ -369,7 +381,7 @@ class GatewayApp:
                 "lower max_tokens"
             )
             answer = ErrorAnswer(429, message, code="tokens_limit_exceeded")
-            await ex.error(forwarder._style(answer))
+            await ex.error(forwarder.style(answer))
             return
         refusal = None
         try:
@@ -386,7 +398,7 @@ class GatewayApp:
             return
         if refusal is not None:
             refused.labels(refusal.reason).inc()
-            await ex.error(forwarder._style(self._queue_refusal(refusal)))
+            await ex.error(forwarder.style(self._queue_refusal(refusal)))
             return
         assert ticket.scope is not None
         metrics = self.metrics

@@ -644,8 +644,8 @@ def _replica(table: Mapping[str, Any], where: str, environ: Mapping[str, str]) -
             value = table[field]
             # TOML has no null: false is "none" for the fields that are not booleans.
             kwargs[field] = None if value is False and field in _NONE_FOR_FALSE else value
-    if kwargs.get("continuation") not in (None, "vllm", "llama.cpp"):
-        raise ConfigError(f'{where}.continuation must be "vllm", "llama.cpp" or false')
+    if kwargs.get("continuation") not in (None, "vllm", "llama.cpp", "anchor"):
+        raise ConfigError(f'{where}.continuation must be "vllm", "llama.cpp", "anchor" or false')
     if not isinstance(kwargs.get("fallback", False), bool):
         raise ConfigError(f"{where}.fallback must be true or false")
     if "probe" in table:

@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 
 import attrs
 
 from .. import AttemptError, HedgeError, ReplicasCooling, RequestFailed, StreamInterrupted
 from ..errors import ErrorKind
 
-__all__ = ["SHORT_RETRY_AFTER", "ErrorAnswer", "answer_for", "mask", "short"]
+__all__ = ["SHORT_RETRY_AFTER", "ErrorAnswer", "answer_for", "mask", "name_replicas", "short"]
 
 #: The longest ``Retry-After`` (seconds) after which the gateway says a retry can help: the
 #: openai SDK waits up to 120 s and refuses longer; older ones (and other clients) 60 s, and
@@ -54,6 +55,7 @@ _KIND_STATUS = {
     ErrorKind.CONNECTION: 502,
     ErrorKind.TIMEOUT: 504,
     ErrorKind.STALL: 504,
+    ErrorKind.SLOW_STREAM: 504,
     ErrorKind.PROTOCOL: 502,
     ErrorKind.UNKNOWN: 502,
 }
@@ -83,6 +85,24 @@ def mask(text: str, secrets: Sequence[str]) -> str:
     return text
 
 
+#: A URL an upstream error's message may name (the request line ``POST http://…`` that a
+#: 404's context adds, a TLS failure's): clients get the replica's configured name instead.
+_URL = re.compile(r"(?:(?:GET|POST|PUT|PATCH|DELETE|HEAD) )?https?://[^\s)\]'\",;]+")
+
+
+def name_replicas(text: str, urls: Mapping[str, str]) -> str:
+    """``text`` with every URL in it replaced by the name of the replica it belongs to
+    (``urls``: base URL -> configured name; the longest that starts it), or ``an upstream``:
+    a client of the gateway learns which replica answered, never where it lives."""
+
+    def named(found: re.Match[str]) -> str:
+        url = found.group(0).split(" ", 1)[-1]
+        best = max((base for base in urls if url.startswith(base)), key=len, default=None)
+        return f"replica {urls[best]!r}" if best is not None else "an upstream"
+
+    return _URL.sub(named, text) if "://" in text else text
+
+
 @attrs.frozen
 class ErrorAnswer:
     """One error answer: status, OpenAI error fields, ``Retry-After`` (seconds), and whether
@@ -95,6 +115,9 @@ class ErrorAnswer:
     param: str | None = None
     retry_after: float | None = None
     should_retry: bool = False
+    # The upstream API's own error type, for a route whose shape has its own types
+    # (Anthropic's: the SDK raises by it).
+    upstream_type: str | None = None
 
     def body(self) -> bytes:
         """``{"error": {"message", "type", "param", "code"}}`` as JSON bytes."""
@@ -137,11 +160,26 @@ def _min_retry_after(errors: Sequence[AttemptError]) -> float | None:
     return min(found) if found else None
 
 
+def _answer(error: AttemptError, message: str, **fields: object) -> ErrorAnswer:
+    """The answer for ``error``: its status, the upstream API's own ``code``, ``param`` and
+    ``type`` when it named them (agent clients branch on them: ``previous_response_not_found``
+    before they resend the history), else the kind."""
+    return ErrorAnswer(
+        _status_of(error),
+        message,
+        code=error.code or error.kind.value,
+        param=error.param,
+        upstream_type=error.api_type,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
 def _from_errors(
     summary: str, errors: Sequence[AttemptError], default_retry_after: float
 ) -> ErrorAnswer:
-    """One answer for the attempts' errors: their status when they agree; 503 when all said
-    "no capacity" in different ways; else 502 (the replicas failed in different ways)."""
+    """One answer for the attempts' errors: their status when they agree (with their
+    upstream code and param when they agree too); 503 when all said "no capacity" in
+    different ways; else 502 (the replicas failed in different ways)."""
     if not errors:
         return ErrorAnswer(503, summary, code="no_attempt", retry_after=default_retry_after)
     statuses = {_status_of(e) for e in errors}
@@ -156,11 +194,18 @@ def _from_errors(
     if status in _CAPACITY and retry_after is None:
         retry_after = default_retry_after
     message = last.message if len(errors) == 1 else f"{last.message} ({summary})"
+    same = len({(e.code, e.param, e.api_type) for e in errors}) == 1 and len(statuses) == 1
+    if same:
+        return _answer(last, message, retry_after=retry_after)
     return ErrorAnswer(status, message, code=last.kind.value, retry_after=retry_after)
 
 
 def answer_for(
-    exc: HedgeError, *, secrets: Sequence[str] = (), default_retry_after: float = 1.0
+    exc: HedgeError,
+    *,
+    secrets: Sequence[str] = (),
+    default_retry_after: float = 1.0,
+    replicas: Mapping[str, str] | None = None,
 ) -> ErrorAnswer:
     """The answer for a failed request.
 
@@ -177,9 +222,13 @@ def answer_for(
     * any other [`HedgeError`][trio_hedge.HedgeError]: 503 with its ``retry_after`` when it
       carries one.
 
-    ``secrets`` (a client's forwarded key, the gateway's keys) are masked in the message.
-    Every answer but ``ReplicasCooling``'s (``x-should-retry: true`` when its ``Retry-After``
-    is short) says ``x-should-retry: false``: the Hedger tried every replica it may.
+    An upstream API's own error ``code``, ``param`` and ``type``
+    ([`AttemptError.code`][trio_hedge.AttemptError]) are kept when every attempt gave the
+    same. ``secrets`` (a client's forwarded key, the gateway's keys) are masked in the
+    message, and every URL in it is replaced by its replica's configured name (``replicas``:
+    base URL -> name). Every answer but ``ReplicasCooling``'s (``x-should-retry: true`` when
+    its ``Retry-After`` is short) says ``x-should-retry: false``: the Hedger tried every
+    replica it may.
     """
     answer: ErrorAnswer
     if isinstance(exc, ReplicasCooling):
@@ -193,15 +242,11 @@ def answer_for(
         )
     elif isinstance(exc, StreamInterrupted):
         error = exc.error
-        answer = ErrorAnswer(
-            _status_of(error), error.message, code=error.kind.value, retry_after=error.retry_after
-        )
+        answer = _answer(error, error.message, retry_after=error.retry_after)
     elif isinstance(exc, RequestFailed):
         fatal = getattr(exc, "error", None)
         if isinstance(fatal, AttemptError):
-            answer = ErrorAnswer(
-                _status_of(fatal), fatal.message, code=fatal.kind.value, param=None
-            )
+            answer = _answer(fatal, fatal.message)
         else:
             summary = str(exc)
             answer = _from_errors(summary, exc.errors, default_retry_after)
@@ -210,4 +255,5 @@ def answer_for(
         if isinstance(retry_after, bool) or not isinstance(retry_after, (int, float)):
             retry_after = default_retry_after
         answer = ErrorAnswer(503, str(exc), code="unavailable", retry_after=float(retry_after))
-    return attrs.evolve(answer, message=mask(answer.message, secrets))
+    message = mask(answer.message, secrets)
+    return attrs.evolve(answer, message=name_replicas(message, replicas or {}))

@@ -297,6 +297,10 @@ class Completion:
                 self.head = {k: first[k] for k in keys if first.get(k) is not None}
         self.deltas.append(delta)
 
+    def recount(self, report: Report) -> None:
+        """After a recovery: make the answer's usage count what the client gets."""
+        recount(self.deltas, report)
+
     def body(self, request_id: str, model: str | None) -> bytes:
         content = "".join(d.content for d in self.deltas)
         reasoning = "".join(d.reasoning for d in self.deltas)
@@ -355,6 +359,8 @@ def _note(record: AccessRecord, report: Report) -> None:
     record.ttft = report.ttft
     record.tokens = report.token_count
     record.wasted_tokens = report.wasted_tokens
+    record.recoveries = report.recoveries or None
+    record.generated = report.tokens_by_model or None
 
 
 class ChatForwarder:
@@ -371,6 +377,8 @@ class ChatForwarder:
         self._hedgers = hedgers
         self._metrics = metrics
         self._secrets = tuple(secrets)
+        # Replicas by base URL: an upstream error's message names them, never their URLs.
+        self._names = {r.base_url: r.name for r in config.replicas}
 
     def prepare(
         self, ex: Exchange, body: bytes
@@ -432,6 +440,11 @@ class ChatForwarder:
         """What assembles a non-streamed answer from the winner's deltas."""
         return Completion()
 
+    def style(self, answer: ErrorAnswer) -> ErrorAnswer:
+        """An error answer in this API's shape (every answer on its route: auth and limits
+        too)."""
+        return self._style(answer)
+
     def _style(self, answer: ErrorAnswer) -> ErrorAnswer:
         """An error answer in this API's shape."""
         return answer
@@ -487,6 +500,9 @@ class ChatForwarder:
                 metrics.models.served(ex.record.model)  # a model label from now on
             if ex.record.tokens:
                 metrics.tokens.inc(ex.record.tokens)
+            report = ex.record.report
+            if report is not None:
+                metrics.generated_by(report)
 
     async def _race(
         self,
@@ -528,12 +544,14 @@ class ChatForwarder:
             finally:
                 report = stream.report
                 _note(record, report)
+                record.report = report
         except HedgeError as exc:
             answer = self._style(
                 answer_for(
                     exc,
                     secrets=(*self._secrets, *options.secrets),
                     default_retry_after=self._config.limits.retry_after,
+                    replicas=self._names,
                 )
             )
             record.error = answer.code
@@ -547,7 +565,7 @@ class ChatForwarder:
             assert report is not None
             note_usage(record, completion.deltas)
             if stream.recovered:
-                recount(completion.deltas, report)
+                completion.recount(report)
             data = completion.body(record.request_id, request.get("model"))
             await ex.json(200, data, _hedge_headers(report))
 

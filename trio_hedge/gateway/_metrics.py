@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .. import Hedger
+from .. import Hedger, Report
 from ..instrumentation import PrometheusHook
 from ..policy import ReplicaStatistics
 
@@ -218,6 +218,14 @@ class GatewayMetrics:
         self.tokens = Counter(
             "trio_hedge_gateway_tokens", "Content tokens relayed to clients.", **kw
         )
+        self.generated = Counter(
+            "trio_hedge_gateway_generated_tokens",
+            "Content tokens each model generated for the gateway's answers, by model and "
+            "replica (every attempt: winners, broken winners, recoveries, losers), as "
+            "received: what the fleet spent, to bill or budget by model.",
+            ["model", "replica"],
+            **kw,
+        )
         self.refused = Counter(
             "trio_hedge_gateway_refused",
             "Requests refused before any upstream attempt, by reason.",
@@ -277,6 +285,14 @@ class GatewayMetrics:
         self.models = ModelLabels(models)
         self.registry.register(_HedgerCollector(hedgers, self.models))
 
+    def generated_by(self, report: Report) -> None:
+        """Count what each attempt of ``report`` generated (``generated``: model labels as
+        `ModelLabels` allows, replicas by their configured names)."""
+        for attempt in report.attempts:
+            if attempt.tokens_received:
+                model = self.models.label(attempt.model or OTHER_MODELS)
+                self.generated.labels(model, attempt.replica).inc(attempt.tokens_received)
+
     def render(self) -> bytes:
         """The Prometheus text exposition (call inside Trio)."""
         return generate_latest(self.registry)
@@ -303,11 +319,16 @@ class AccessRecord:
     ttft: float | None = None
     tokens: int | None = None
     wasted_tokens: int | None = None
+    recoveries: int | None = None
+    # Content tokens each model generated for the answer (every attempt, as received).
+    generated: dict[str, int] | None = None
     error: str | None = None  # a kind or reason, never a message
     prompt_tokens: int | None = None  # the usage the answer reported
     completion_tokens: int | None = None
     priority: int | None = None  # its class in the admission queue
     queue_wait: float | None = None  # seconds it waited for its slot
+    # The request's report (not logged: the metrics read it when the request ends).
+    report: Report | None = attrs.field(default=None, repr=False)
 
     def line(self) -> str:
         """The JSON line (fields that are ``None`` left out)."""
@@ -325,4 +346,4 @@ class AccessRecord:
         return json.dumps(fields)
 
 
-_FIELDS = tuple(f.name for f in attrs.fields(AccessRecord))
+_FIELDS = tuple(f.name for f in attrs.fields(AccessRecord) if f.name != "report")

@@ -22,7 +22,16 @@ from .. import HedgedStream, Report
 from ..events import Delta
 from ._http import Exchange
 
-__all__ = ["ChunkRewriter", "event_of", "head_of", "recount", "recovered_usage", "relay_recovered"]
+__all__ = [
+    "AGENT_USAGE",
+    "CHAT_USAGE",
+    "ChunkRewriter",
+    "event_of",
+    "head_of",
+    "recount",
+    "recovered_usage",
+    "relay_recovered",
+]
 
 #: The fields that make chunks one completion (the first upstream's, kept after a recovery).
 HEAD_KEYS = ("id", "created", "model", "system_fingerprint")
@@ -48,30 +57,44 @@ def head_of(first: Delta | None) -> dict[str, Any]:
     return {k: chunk[k] for k in HEAD_KEYS if chunk.get(k) is not None}
 
 
-def recovered_usage(usage: Mapping[str, Any], report: Report) -> dict[str, Any]:
-    """The last upstream's ``usage`` after a recovery, counting what the client got:
+#: The usage fields of each API: (prompt, completion, total); Messages has no total.
+CHAT_USAGE = ("prompt_tokens", "completion_tokens", "total_tokens")
+AGENT_USAGE = ("input_tokens", "output_tokens", "total_tokens")
 
-    * ``completion_tokens``: the upstream's own count, minus the content tokens it
-      regenerated and were held back (a replay's reproduced prefix, ``held_back``), plus the
-      content tokens the client had when the recovery started (``tokens``);
-    * ``prompt_tokens``: the upstream's own for a replay (the original request again); for a
-      continuation, whose prompt also carried the text so far as an assistant message, less
-      the tokens of that text (an estimate: the engine may tokenise the prefix differently);
-    * ``total_tokens``: their sum. Other fields (details) are the last upstream's.
 
+def recovered_usage(
+    usage: Mapping[str, Any], report: Report, keys: tuple[str, str, str] = CHAT_USAGE
+) -> dict[str, Any]:
+    """The last upstream's ``usage`` after a recovery, counting what the client got (its one
+    usage: what it is charged):
+
+    * completion (``completion_tokens``; ``output_tokens``): the upstream's own count, minus
+      the content tokens it generated and were held back (a replay's reproduced prefix, an
+      anchor's repeat: ``held_back``), plus the content tokens the client had when the
+      recovery started (``tokens``);
+    * prompt (``prompt_tokens``; ``input_tokens``): the upstream's own for a replay (the
+      original request again); for a continuation or an anchor continuation, whose prompt
+      also carried the text so far (and the anchor's instruction), less those tokens
+      (``prompt_added``: an estimate, as an engine may tokenise the prefix differently);
+    * total: their sum, when the API has one. Other fields (details) are the last upstream's.
+
+    What each model generated for the answer, the tokens the client did not get included, is
+    in the report (``Report.tokens_by_model``), the access log and the per-model metric.
     Unchanged when the report's winner is no recovery."""
     record = next((a.recovery for a in report.attempts if a.number == report.winner), None)
     out = dict(usage)
     if record is None:
         return out
-    prompt = usage.get("prompt_tokens")
-    completion = usage.get("completion_tokens")
+    prompt_key, completion_key, total_key = keys
+    prompt = usage.get(prompt_key)
+    completion = usage.get(completion_key)
     if isinstance(completion, int):
-        out["completion_tokens"] = max(completion - record.held_back, 0) + record.tokens
-    if isinstance(prompt, int) and record.method == "continuation":
-        out["prompt_tokens"] = max(prompt - record.tokens, 0)
-    if isinstance(out.get("prompt_tokens"), int) and isinstance(out.get("completion_tokens"), int):
-        out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+        out[completion_key] = max(completion - record.held_back, 0) + record.tokens
+    if isinstance(prompt, int) and record.method != "replay":
+        out[prompt_key] = max(prompt - record.prompt_added, 0)
+    both = isinstance(out.get(prompt_key), int) and isinstance(out.get(completion_key), int)
+    if both and total_key in usage:
+        out[total_key] = out[prompt_key] + out[completion_key]
     return out
 
 

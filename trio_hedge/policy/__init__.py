@@ -11,7 +11,9 @@ Configuration (values, validated at construction):
   [`HedgeBudget`][trio_hedge.policy.HedgeBudget],
   [`RetryThrottle`][trio_hedge.policy.RetryThrottle], [`Backoff`][trio_hedge.policy.Backoff]: the
   brakes on extra requests; [`OutlierDetection`][trio_hedge.policy.OutlierDetection]: when a replica
-  is ejected; [`Attribution`][trio_hedge.policy.Attribution]: whose fault each kind of error is.
+  is ejected; [`Attribution`][trio_hedge.policy.Attribution]: whose fault each kind of error is;
+  [`RecoveryPolicy`][trio_hedge.policy.RecoveryPolicy] (with
+  [`ThroughputFloor`][trio_hedge.policy.ThroughputFloor]): the recovery phase after the commit.
 
 The race's advisor: [`Planner`][trio_hedge.policy.Planner] (the protocol the race consults at each
 decision) and [`StaticPlanner`][trio_hedge.policy.StaticPlanner] (a fixed, ordered list and delay).
@@ -30,8 +32,10 @@ learner), ``_quantiles`` (the estimators), ``_prefill`` (the prefill model), ``_
 (the hedge budget), ``_throttle`` (the retry throttle), ``_backoff`` (the back-off),
 ``_blame`` (whose fault an attempt's outcome is: every consumer asks it), ``_health``
 (replica health and ejection), ``_sizing`` (prompt size and size classes),
-``_stats`` (snapshots), ``_static`` (the static planner), ``_fleet`` (the state shared by
-every request of a Hedger), ``_planner`` (one request's decisions over that state).
+``_recovering`` (the recovery phase's deadline, hedge and throughput floor, and the
+streaming rates it compares with), ``_stats`` (snapshots), ``_static`` (the static
+planner), ``_fleet`` (the state shared by every request of a Hedger), ``_planner`` (one
+request's decisions over that state).
 """
 
 from .._plan import Planner
@@ -43,6 +47,7 @@ from ._delay import LearnedDelay
 from ._health import OutlierDetection
 from ._prefill import PrefillFit
 from ._quantiles import empirical_quantile, km_quantile
+from ._recovering import RecoveryPolicy, ThroughputFloor
 from ._sizing import SizeClasses, estimate_prompt_tokens
 from ._static import StaticPlanner
 from ._stats import DelayStatistics, HealthVerdict, HedgerStatistics, ReplicaStatistics
@@ -61,10 +66,12 @@ __all__ = [
     "OutlierDetection",
     "Planner",
     "PrefillFit",
+    "RecoveryPolicy",
     "ReplicaStatistics",
     "RetryThrottle",
     "SizeClasses",
     "StaticPlanner",
+    "ThroughputFloor",
     "empirical_quantile",
     "estimate_prompt_tokens",
     "km_quantile",

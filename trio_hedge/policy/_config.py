@@ -29,6 +29,7 @@ from ._blame import Attribution
 from ._budget import HedgeBudget
 from ._delay import LearnedDelay
 from ._health import OutlierDetection
+from ._recovering import RecoveryPolicy
 from ._throttle import RetryThrottle
 
 __all__ = ["HedgePolicy", "HedgerConfig"]
@@ -70,6 +71,12 @@ class _SharedFields:
     @staticmethod
     def max_recoveries(default: int) -> Any:
         return attrs.field(default=default, validator=integer(0))
+
+    @staticmethod
+    def recovery() -> Any:
+        return attrs.field(
+            factory=RecoveryPolicy, validator=attrs.validators.instance_of(RecoveryPolicy)
+        )
 
     @staticmethod
     def backoff() -> Any:
@@ -129,6 +136,10 @@ class HedgePolicy:
             to bound what recoveries re-send, so it ends with
             [`StreamInterrupted`][trio_hedge.StreamInterrupted] unless you ask
             (a [`Hedger`][trio_hedge.Hedger] recovers by default).
+        recovery: a [`RecoveryPolicy`][trio_hedge.policy.RecoveryPolicy]: a recovery's
+            first-token deadline (``max(2, min(30, 3 × hedge_after))`` seconds here; 30 with
+            ``hedge_after=None``) and its hedge (a second recovery after ``hedge_after``).
+            Default ``RecoveryPolicy()``.
         backoff: a [`Backoff`][trio_hedge.policy.Backoff] for repeated attempts on one replica
             (only with ``attempts_per_replica > 1``): the ``n``-th repeat waits up to
             ``min(0.1 × 2^(n−1), 5)`` seconds after that replica's last failure (full jitter,
@@ -153,6 +164,7 @@ class HedgePolicy:
     stall_timeout: float | None = _shared.stall_timeout()
     close_timeout: float = _shared.close_timeout()
     max_recoveries: int = _shared.max_recoveries(0)
+    recovery: RecoveryPolicy = _shared.recovery()  # noqa: RUF009 (an attrs field)
     backoff: Backoff | None = _shared.backoff()  # noqa: RUF009 (an attrs field)
     max_pushback_wait: float | None = _shared.max_pushback_wait()
 
@@ -196,6 +208,11 @@ class HedgerConfig:
             failure's [`StreamInterrupted`][trio_hedge.StreamInterrupted]. Each is an attempt
             (``trigger="recovery"``) under a failover's rules: the throttle, ejection and
             ``max_attempts``. ``0`` turns recovery off. Default 2 (``docs/recovery.md``).
+        recovery: a [`RecoveryPolicy`][trio_hedge.policy.RecoveryPolicy]: each recovery's
+            first-token deadline (from what the fleet learned for its replica, model and
+            prompt size; 2 to 30 s), its hedge (a second recovery when the first is slow,
+            within ``max_recoveries`` and the hedge budget) and the throughput floor (off).
+            Default ``RecoveryPolicy()``.
         budget: a [`HedgeBudget`][trio_hedge.policy.HedgeBudget] (default 10% + 0.5/s over 60 s) or
             ``None`` for no budget.
         throttle: a [`RetryThrottle`][trio_hedge.policy.RetryThrottle] (default 10 tokens, ratio
@@ -265,6 +282,7 @@ class HedgerConfig:
     stall_timeout: float | None = _shared.stall_timeout()
     close_timeout: float = _shared.close_timeout()
     max_recoveries: int = _shared.max_recoveries(2)
+    recovery: RecoveryPolicy = _shared.recovery()  # noqa: RUF009 (an attrs field)
     budget: HedgeBudget | None = attrs.field(
         factory=HedgeBudget, validator=optional_instance_of(HedgeBudget)
     )
@@ -305,4 +323,5 @@ class HedgerConfig:
             stall_timeout=self.stall_timeout,
             close_timeout=self.close_timeout,
             max_recoveries=self.max_recoveries,
+            recovery=self.recovery,
         )

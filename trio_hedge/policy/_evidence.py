@@ -15,6 +15,7 @@ import enum
 import attrs
 
 from ..errors import AttemptError
+from ..report import RecoveryRecord
 
 __all__ = ["AttemptEvidence", "Evidence", "Outcome", "Phase"]
 
@@ -61,6 +62,10 @@ class AttemptEvidence:
     error: AttemptError | None = None
     ended: float | None = None
     ttft: float | None = None
+    #: A recovery's own record (phase ``RECOVERY``): its first-token deadline, when its first
+    #: output came, whether it was sent as a hedge inside the recovery, why the winner
+    #: before it was replaced (``reason``: ``"slow_stream"`` is a crawl, not a break).
+    recovery: RecoveryRecord | None = None
 
 
 @attrs.define(slots=True)

@@ -35,6 +35,7 @@ from ._delay import DelayModel, LearnedDelay
 from ._health import ModelState, ModelStates, ReplicaState
 from ._load import ProbeState
 from ._quantiles import empirical_quantile
+from ._recovering import TokenRates
 from ._stats import DelayStatistics, HealthVerdict, HedgerStatistics, ReplicaStatistics
 from ._throttle import ThrottleState
 
@@ -76,6 +77,9 @@ class FleetCounts:
     #: Load probes: hedges refused on the engines' evidence, backups sent at once on it.
     saturated: int = 0
     at_once: int = 0
+    #: The recovery phase: recoveries sent as hedges; winners the throughput floor cut.
+    recovery_hedges: int = 0
+    slow_streams: int = 0
 
     def refused(self, reason: str, *, failover: bool) -> None:
         """Count a hedge (or failover) not sent, for ``reason``: ``"budget"``,
@@ -153,6 +157,8 @@ class FleetState:
         self.counts = FleetCounts()
         self.attribution: Attribution = config.attribution
         self.models = ModelStates(MODEL_STATES)
+        #: Each (replica, model)'s streaming rate after the commit (the throughput floor's).
+        self.rates = TokenRates()
         probes = probes or {}
         #: Each replica's engine evidence (``None``: not probed); ``probed``: any is.
         self.probes: list[ProbeState | None] = [
@@ -391,4 +397,6 @@ class FleetState:
             saturated_refusals=c.saturated,
             hedges_at_once=c.at_once,
             priority_refusals=c.priority,
+            recovery_hedges=c.recovery_hedges,
+            slow_streams=c.slow_streams,
         )

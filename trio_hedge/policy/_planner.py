@@ -599,6 +599,71 @@ class RequestPlanner:
         self._emit(kind, now, reason=reason)
         return False
 
+    # -- the recovery phase (after the commit) -----------------------------------------------
+
+    def recovery_deadline(self, source: Source, added_tokens: int) -> float:
+        """Seconds a recovery attempt on ``source`` may take to its first output before it is
+        abandoned (``RecoveryPolicy.deadline`` of the TTFT the fleet expects of that replica
+        for this model and the recovery's prompt: this request's plus ``added_tokens``)."""
+        replica = self._by_source[id(source)]
+        now = trio.current_time()
+        expected = self._expected_ttft(replica, self._recovery_tokens(added_tokens), now)
+        return self._fleet.config.recovery.deadline(expected)
+
+    def recovery_hedge_delay(self, source: Source, added_tokens: int) -> float | None:
+        """Seconds after a recovery attempt on ``source`` starts before a second recovery may
+        go as a hedge: this request's own ``hedge_after``, else the fleet's delay for the
+        recovery's prompt size; ``None`` when this request may not be hedged or
+        ``RecoveryPolicy.hedge`` is off (``may_hedge`` is asked then, as for any hedge)."""
+        if not self._hedgeable or not self._fleet.config.recovery.hedge:
+            return None
+        if self._hedge_after is not None:
+            return self._hedge_after
+        return self._size_delay(self._recovery_tokens(added_tokens), trio.current_time())
+
+    def throughput_floor(self, source: Source) -> tuple[float, int | None] | None:
+        """``(window, tokens)`` for a winner on ``source`` (``RecoveryPolicy.throughput_floor``
+        against the rate its replica learned for this model; ``tokens`` ``None`` while too
+        little is learned: the stream is timed, to learn, and not judged: no evidence is
+        never a reason to cut a stream), or ``None``: no floor, no timing."""
+        floor = self._fleet.config.recovery.throughput_floor
+        if floor is None:
+            return None
+        replica = self._by_source.get(id(source))
+        if replica is None:
+            return floor.window, None
+        rate = self._fleet.rates.rate(replica.index, self._model, floor.min_samples)
+        return floor.window, None if rate is None else floor.tokens_needed(rate)
+
+    def _recovery_tokens(self, added: int) -> int | None:
+        if self._tokens is None and not added:
+            return None
+        return (self._tokens or 0) + added
+
+    def _size_delay(self, tokens: int | None, now: float) -> float | None:
+        """The fleet's hedge delay for a prompt of ``tokens`` of this group (learned, or the
+        fixed one; ``None``: never on time)."""
+        model = self._fleet.model
+        if model is None:
+            fixed = self._fleet.config.hedge_after
+            assert fixed is None or isinstance(fixed, (int, float))
+            return None if fixed is None else float(fixed)
+        size_class = self._class if tokens is None else model.config.classes.of(tokens)
+        return model.delay(self._group, size_class, now, tokens)
+
+    def _expected_ttft(self, replica: ReplicaState, tokens: int | None, now: float) -> float | None:
+        """The TTFT the fleet expects of ``replica`` for a prompt of ``tokens``: the larger of
+        the group's delay for that size and the replica's peak-EWMA latency over the prompt's
+        predicted prefill (``None``: nothing known)."""
+        fleet = self._fleet
+        expected = self._size_delay(tokens, now)
+        if fleet.config.pick == "peak_ewma":
+            latency = replica.latency_now(now, fleet.config.latency_decay)
+            if latency > 0:
+                own = latency + fleet.prefill(self._group, tokens, now)
+                expected = own if expected is None else max(expected, own)
+        return expected
+
     # -- what happened -----------------------------------------------------------------------
 
     def attempt_changed(self, source: Source, record: AttemptRecord) -> None:
@@ -607,6 +672,11 @@ class RequestPlanner:
         outcome = record.outcome
         number = record.number
         kind: EventKind
+        if record.recovery is not None:
+            # The recovery's own evidence (its deadline, first output, whether hedged).
+            attempt = self._evidence.attempts.get(number)
+            if attempt is not None:
+                attempt.recovery = record.recovery
         if outcome is _ATTEMPTOUTCOME_RUNNING:
             kind = EventKind.ATTEMPT_STARTED
             self._start(replica, record, now)
@@ -677,6 +747,7 @@ class RequestPlanner:
             trigger=record.trigger,
             started=now,
             phase=_PHASE_RECOVERY if recovery else _PHASE_RACE,
+            recovery=record.recovery,
         )
         at_once = self._at_once is not None and number - 1 in self._at_once
         if record.trigger == "hedge":
@@ -694,6 +765,7 @@ class RequestPlanner:
             probe_key=self._probe_key,
             at_once=record.trigger == "hedge" and at_once,
             priority=self._priority,
+            recovery_hedge=record.recovery is not None and record.recovery.hedged,
         )
 
     def _ended(self, number: int, now: float) -> AttemptEvidence:
@@ -865,6 +937,7 @@ class RequestPlanner:
             since = now - QUERY_OF_DEATH_WINDOW
             served = frozenset(r.index for r in self._fleet.replicas if r.last_commit >= since)
         self._verdicts(Event(_HAPPENED_FINISHED, served_since=served), now)
+        writer.streamed(report, self._model)
         self._emit(EventKind.REQUEST_FINISHED, now, report=report)
 
 

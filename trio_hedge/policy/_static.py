@@ -31,7 +31,12 @@ class StaticPlanner:
     (``backoff_delay``, its jitter drawn from ``request_id`` by ``jitter_draw``) and for the
     ``Retry-After`` the replica answered, when that is within ``policy.max_pushback_wait``
     (a replica that asked for longer is not tried again by this request). When every replica
-    left is waiting, the next attempt starts when the first is free."""
+    left is waiting, the next attempt starts when the first is free.
+
+    A recovery after the commit (``policy.max_recoveries``) gets ``policy.recovery``'s
+    first-token deadline for a TTFT expected to be ``hedge_after`` (its ceiling when that is
+    ``None``), and a hedge after ``hedge_after`` when the policy hedges. No throughput floor:
+    nothing is learned here."""
 
     def __init__(
         self, sources: Sequence[Source], policy: HedgePolicy, *, request_id: str = ""
@@ -42,6 +47,8 @@ class StaticPlanner:
         self._used = [0] * len(self._sources)  # attempts each replica took
         self._next = 0  # position in the round robin
         self._delay = policy.hedge_after if policy.hedge else None
+        self._recovery = policy.recovery
+        self._expected = policy.hedge_after
         self._dead: set[int] = set()  # ids of sources at fault for this request
         self._backoff = policy.backoff
         self._max_wait = policy.max_pushback_wait
@@ -86,6 +93,12 @@ class StaticPlanner:
 
     def may_hedge(self) -> bool:
         return True
+
+    def recovery_deadline(self, source: Source, added_tokens: int) -> float:
+        return self._recovery.deadline(self._expected)
+
+    def recovery_hedge_delay(self, source: Source, added_tokens: int) -> float | None:
+        return self._delay if self._recovery.hedge else None
 
     def attempt_changed(self, source: Source, record: AttemptRecord) -> None:
         error = record.error

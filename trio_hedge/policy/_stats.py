@@ -225,6 +225,11 @@ class HedgerStatistics:
         priority_refusals: refused because the budget's remaining share is kept for
             requests of a higher priority class (``HedgeBudget.priority_reserve``; the
             request's class from ``Hedger.stream(priority=...)``).
+        recovery_hedges: recoveries sent as a hedge inside the recovery phase (a second
+            recovery while the first had no output after its hedge delay); counted in
+            ``recoveries`` too, and spent from the hedge budget.
+        slow_streams: winners the throughput floor took the answer from
+            (``RecoveryPolicy.throughput_floor``).
         requests_refused: requests that sent nothing and raised
             [`ReplicasCooling`][trio_hedge.ReplicasCooling] (counted neither in ``requests`` nor in
             ``finished``).
@@ -277,6 +282,8 @@ class HedgerStatistics:
     saturated_refusals: int = 0
     hedges_at_once: int = 0
     priority_refusals: int = 0
+    recovery_hedges: int = 0
+    slow_streams: int = 0
 
     @property
     def ejected(self) -> tuple[str, ...]:

@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from ..report import Report
+from ..report import AttemptOutcome, Report
 from ..state import Cooldown, DelaySample, Ejection, FleetStore, StateChange
 from ._fleet import FleetState
 from ._health import OutcomeWindow, ReplicaState
@@ -475,10 +475,12 @@ class FleetWriter:
         probe_key: int,
         at_once: bool,
         priority: int = 0,
+        recovery_hedge: bool = False,
     ) -> None:
         """An attempt started on ``replica`` (``key``: the request and attempt, waiting for a
         first token there); a primary deposits in the hedge budget for its class
-        ``priority``."""
+        ``priority``; ``recovery_hedge``: a recovery sent as a hedge inside the recovery
+        phase (it spends the hedge budget as a hedge does)."""
         fleet = self.fleet
         counts = fleet.counts
         replica.waiting[key] = now
@@ -503,6 +505,10 @@ class FleetWriter:
             counts.failovers += 1
         elif trigger == "recovery":
             counts.recoveries += 1
+            if recovery_hedge:
+                counts.recovery_hedges += 1
+                if fleet.budget is not None:
+                    fleet.budget.spend(now)  # a hedge inside the recovery: the same budget
 
     def ended(self, replica: ReplicaState, key: object) -> None:
         """An attempt on ``replica`` ended (failed, cancelled, or its request finished)."""
@@ -551,6 +557,25 @@ class FleetWriter:
         counts.refused(reason, failover=failover)
         if saturated:
             counts.saturated += 1
+
+    def streamed(self, report: Report, model: str) -> None:
+        """What a finished request's streams say (the throughput floor's evidence): winners
+        the floor took the answer from are counted, and each winner's streaming rate after
+        its commit is learned for its (replica, ``model``) when it ended unbroken with at
+        least ``min_tokens`` tokens (a stream the floor cut, or one that broke, teaches
+        nothing about its replica's rate)."""
+        fleet = self.fleet
+        fleet.counts.slow_streams += report.slow_streams
+        floor = fleet.config.recovery.throughput_floor
+        if floor is None:
+            return
+        by_name = {r.name: r for r in fleet.replicas}
+        for a in report.attempts:
+            if a.stream_rate is None or a.outcome is not AttemptOutcome.WON or a.error:
+                continue
+            replica = by_name.get(a.replica)
+            if replica is not None and a.tokens_received >= floor.min_tokens:
+                fleet.rates.observe(replica.index, model, a.stream_rate)
 
     def finished(self, report: Report, *, refused_request: bool) -> bool:
         """Count a request that ended; returns whether it counts as finished (it sent

@@ -313,6 +313,7 @@ class AnthropicSource(HTTPSource):
 
     _stream_decoder = MessagesDecoder
     _whole_decoder = staticmethod(decode_message_body)
+    _continue_limits = ("max_tokens",)
 
 
 AnthropicReplica._source_class = AnthropicSource

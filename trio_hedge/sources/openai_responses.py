@@ -39,7 +39,11 @@ I/O; with ``previous_response_id`` a replica that does not hold the previous res
 alone (``previous_response_not_found`` is the replica's fault, not the request's); with
 ``store`` on (the API's default) the stored response of each attempt that closes before its
 end without having sent answer text -- every loser -- is deleted
-(``DELETE {base_url}/responses/{id}``, best effort, within the close's bound).
+(``DELETE {base_url}/responses/{id}``, best effort, within the close's bound), and so is that
+of every attempt a recovery leaves behind (``discard``): the winner a recovery took over from
+(the truncated answer), a recovery that never took over, or one the caller did not read to its
+end. A stored request is recovered by replay only (its stored response must be the whole
+answer); with ``store: false`` the anchor method may continue it.
 """
 
 from __future__ import annotations
@@ -380,9 +384,23 @@ class ResponsesSource(HTTPSource):
         _refuse_stateful(replica.overrides, "overrides")  # an override may set them too
         store = replica.overrides.get("store", request.get("store", True))
         self._stored = store is not False
+        if self._stored:
+            # A stored response must be the whole answer, for previous_response_id to go
+            # on from it: an anchor continuation stores only its own part. Replay only.
+            self.continues = None
 
     _stream_decoder = ResponsesDecoder
     _whole_decoder = staticmethod(decode_response_body)
+    _continue_limits = ("max_output_tokens",)
+
+    def _with_turns(self, turns: list[dict[str, Any]]) -> dict[str, Any]:
+        """The request with ``turns`` after its ``input`` (a string input becomes its user
+        message)."""
+        given = self._body.get("input")
+        items: list[Any] = (
+            [{"role": "user", "content": given}] if isinstance(given, str) else list(given or ())
+        )
+        return {**self._body, "input": [*items, *turns]}
 
     def _attempt_kind(self) -> Callable[..., HTTPAttempt] | None:
         if not self._stored:
@@ -406,9 +424,10 @@ class ResponsesSource(HTTPSource):
 class _ResponsesAttempt(HTTPAttempt):
     """An attempt that deletes its stored response if it closes before its end having sent
     no answer text (a loser: under any first-token rule a loser never sent text the caller
-    read)."""
+    read), or when the engine says the caller does not keep it (`discard`: a recovery that
+    never took over, a winner a recovery took over from)."""
 
-    __slots__ = ("_cleanup", "_responses")
+    __slots__ = ("_cleanup", "_deleted", "_responses")
 
     def __init__(
         self,
@@ -422,15 +441,24 @@ class _ResponsesAttempt(HTTPAttempt):
     ) -> None:
         super().__init__(response, whole, redact, errors, decoder)
         self._responses = decoder
-        self._cleanup: Callable[[str], Coroutine[Any, Any, None]] | None = cleanup
+        self._cleanup = cleanup
+        self._deleted = False
 
     async def aclose(self) -> None:
         complete = self._finished
-        cleanup, self._cleanup = self._cleanup, None
         await super().aclose()
-        decoder = self._responses
-        if cleanup is not None and not complete and not decoder.sent_text and decoder.response_id:
-            await cleanup(decoder.response_id)
+        if not complete and not self._responses.sent_text:
+            await self._delete()
+
+    async def discard(self) -> None:
+        """The caller does not keep this response (``AttemptStream.discard``): delete it."""
+        await self._delete()
+
+    async def _delete(self) -> None:
+        response_id = self._responses.response_id
+        if response_id and not self._deleted:
+            self._deleted = True
+            await self._cleanup(response_id)
 
 
 ResponsesReplica._source_class = ResponsesSource

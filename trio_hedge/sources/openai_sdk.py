@@ -429,6 +429,12 @@ class OpenAISDKSource:
     def name(self) -> str:
         return self._name
 
+    @property
+    def model(self) -> str | None:
+        """The model this request asks for (`Source.model`)."""
+        model = self._kwargs.get("model")
+        return model if isinstance(model, str) and model else None
+
     def __repr__(self) -> str:
         return f"OpenAISDKSource(name={self._name!r})"
 

@@ -104,9 +104,16 @@ class Behaviour:
             ``error_delay``.
         error_delay: seconds before an error answer (headers and body together).
         error_message: the error's ``message`` (default: the status' reason phrase).
+        error_code: the error's ``code`` (OpenAI shapes; default the status's own, e.g.
+            ``"not_found"``), as an API names its own (``"previous_response_not_found"``).
+        error_param: the error's ``param`` (OpenAI shapes), e.g. ``"previous_response_id"``.
         retry_after: seconds for a ``Retry-After`` header on an error (``None``: no header).
             Non-integers are sent as decimals (``"0.5"``), which is non-standard but keeps
             tests fast.
+        slow_after: send that many tokens at ``token_delay``, then the rest one every
+            ``slow_token_delay`` seconds (a stream that crawls but stays alive). ``None``:
+            never.
+        slow_token_delay: seconds between tokens once ``slow_after`` were sent. Default 1.
         stall_after: send that many tokens, then stall forever (no finish, no ``[DONE]``).
         keepalive_interval: while stalled, send a ``: keep-alive`` SSE comment every so many
             seconds (``None``: stall silently).
@@ -141,6 +148,16 @@ class Behaviour:
             that message's text in its own answer (the tokens after as many characters, the
             first one cut if the text ends inside it); ``"llama.cpp"`` or ``None`` (default):
             it answers its whole answer, repeating the prefix, as llama.cpp's server does.
+            ``"anchor"``: a model that follows the anchor method's instruction (an assistant
+            turn, then a user turn quoting its last characters between ``<<<`` and ``>>>``;
+            any API): it repeats them as ``anchor_echo`` says, then answers what follows the
+            assistant turn's text in its own answer.
+        anchor_echo: how an ``"anchor"`` replica repeats the anchor: ``"keep"`` (exactly),
+            ``"trim"`` (the boundary whitespace dropped), ``"space"`` (whitespace runs and
+            line breaks of its own), ``"curly"`` (typographic quotes for plain ones),
+            ``"preamble"`` (a short sentence first), ``"lose"`` (its last non-space
+            character dropped), ``"twice"`` (repeated twice), ``"none"`` (no repeat at all,
+            as a model that does not follow instructions). Default ``"keep"``.
         context_window: answer 400 ``context_length_exceeded`` (vLLM's wording; on
             ``/v1/messages`` Anthropic's ``prompt is too long``) to a request whose prompt
             (the words of its messages) plus ``max_tokens`` (or ``max_completion_tokens``,
@@ -159,7 +176,11 @@ class Behaviour:
     status: int = attrs.field(default=200)
     error_delay: float = attrs.field(default=0.0, validator=_non_negative)
     error_message: str = ""
+    error_code: str | None = None
+    error_param: str | None = None
     retry_after: float | None = attrs.field(default=None, validator=_non_negative)
+    slow_after: int | None = attrs.field(default=None, validator=_non_negative_count)
+    slow_token_delay: float = attrs.field(default=1.0, validator=_non_negative)
     stall_after: int | None = attrs.field(default=None, validator=_non_negative_count)
     keepalive_interval: float | None = attrs.field(default=None)
     cut_after: int | None = attrs.field(default=None, validator=_non_negative_count)
@@ -174,7 +195,13 @@ class Behaviour:
     tool_calls: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_tool_calls)
     continuation: str | None = attrs.field(
         default=None,
-        validator=attrs.validators.optional(attrs.validators.in_(("vllm", "llama.cpp"))),
+        validator=attrs.validators.optional(attrs.validators.in_(("vllm", "llama.cpp", "anchor"))),
+    )
+    anchor_echo: str = attrs.field(
+        default="keep",
+        validator=attrs.validators.in_(
+            ("keep", "trim", "space", "curly", "preamble", "lose", "twice", "none")
+        ),
     )
     rejects_prefill: bool = False
     context_window: int | None = attrs.field(default=None, validator=_non_negative_count)
@@ -528,6 +555,52 @@ def _prefill(body: dict[str, Any]) -> str | None:
     return content if isinstance(content, str) else ""
 
 
+def _anchor_request(body: dict[str, Any]) -> tuple[str, str] | None:
+    """``(the assistant turn's text, the quoted anchor)`` of an anchor continuation: a
+    conversation (``messages``, or a Responses ``input`` list) ending with an assistant turn
+    and a user turn that quotes ``<<<anchor>>>``; else ``None``."""
+    turns = body.get("messages")
+    if not isinstance(turns, list):
+        turns = body.get("input")
+    if not isinstance(turns, list) or len(turns) < 2:
+        return None
+    said, asked = turns[-2], turns[-1]
+    if not (isinstance(said, dict) and isinstance(asked, dict)):
+        return None
+    text, instruction = said.get("content"), asked.get("content")
+    if said.get("role") != "assistant" or asked.get("role") != "user":
+        return None
+    if not isinstance(text, str) or not isinstance(instruction, str):
+        return None
+    start, end = instruction.rfind("<<<"), instruction.rfind(">>>")
+    if start < 0 or end < start:
+        return None
+    return text, instruction[start + 3 : end]
+
+
+_CURLY = str.maketrans({'"': "\u201c", "'": "\u2019"})
+
+
+def _echo(anchor: str, style: str) -> tuple[str, ...]:
+    """The tokens an ``"anchor"`` replica repeats ``anchor`` with (`Behaviour.anchor_echo`)."""
+    if style == "none":
+        return ()
+    if style == "trim":
+        anchor = anchor.strip()
+    elif style == "space":
+        anchor = "  " + anchor.replace(" ", "   \n ")
+    elif style == "curly":
+        anchor = anchor.translate(_CURLY)
+    elif style == "preamble":
+        anchor = "Continuing from there: " + anchor
+    elif style == "lose":
+        core = anchor.rstrip()
+        anchor = core[:-1] + anchor[len(core) :]
+    elif style == "twice":
+        anchor = anchor + " " + anchor
+    return tuple(re.findall(r"\s*\S+\s*", anchor)) or (anchor,)
+
+
 def _after(texts: tuple[str, ...], chars: int) -> tuple[str, ...]:
     """The tokens that follow the first ``chars`` characters of their text."""
     out: list[str] = []
@@ -561,10 +634,21 @@ def _render(b: Behaviour, record: RequestRecord, wire: Wire) -> list[Step]:
         and record.json.get("continue_final_message")
     ):
         b = attrs.evolve(b, tokens=_after(b.token_texts, len(prefill)))
+    elif b.continuation == "anchor" and (asked := _anchor_request(record.json)) is not None:
+        said, anchor = asked
+        echo = _echo(anchor, b.anchor_echo)
+        b = attrs.evolve(b, tokens=echo + _after(b.token_texts, len(said)))
     if b.is_error:
         extra = () if b.retry_after is None else (("retry-after", _seconds_header(b.retry_after)),)
         steps: list[Step] = [Wait(b.error_delay)] if b.error_delay else []
-        return steps + _json_answer(b.status, wire.error_body(b.status, b.error_message), extra)
+        body = wire.error_body(b.status, b.error_message)
+        error = body.get("error")
+        if isinstance(error, dict) and "code" in error:  # the OpenAI shapes
+            if b.error_code is not None:
+                error["code"] = b.error_code
+            if b.error_param is not None:
+                error["param"] = b.error_param
+        return steps + _json_answer(b.status, body, extra)
 
     texts = b.token_texts
     prompt = _prompt_tokens(record.json)
@@ -587,6 +671,8 @@ def _render(b: Behaviour, record: RequestRecord, wire: Wire) -> list[Step]:
         steps.append(Chunk(wire.reasoning(text)))
     for i, text in enumerate(texts):
         gap = b.ttft if i == 0 and not thinking else b.token_delay
+        if i and b.slow_after is not None and i >= b.slow_after:
+            gap = b.slow_token_delay
         if b.stall_after == i:
             return [*steps, Stall(b.keepalive_interval)]
         if gap:

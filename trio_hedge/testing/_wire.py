@@ -351,12 +351,14 @@ class MessagesWire(Wire):
         }
 
 
-def _responses_usage(usage: dict[str, int] | None) -> dict[str, int] | None:
+def _responses_usage(usage: dict[str, int] | None) -> dict[str, Any] | None:
     if usage is None:
         return None
     return {
         "input_tokens": usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage["total_tokens"],
     }
 
@@ -391,6 +393,10 @@ class ResponsesWire(Wire):
             "error": None,
             "incomplete_details": None,
             "usage": None,
+            # (Required of every response object by the API's types.)
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
             **extra,
         }
 

@@ -19,7 +19,7 @@ import re
 import ssl
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 import httpx
 
@@ -187,6 +187,35 @@ def _error_fields(obj: Any) -> tuple[str, list[str], int | None]:
                 else:
                     labels.append(value)
     return message, labels, status
+
+
+class _ApiFields(TypedDict, total=False):
+    code: str
+    param: str
+    api_type: str
+
+
+def _api_fields(obj: Any) -> _ApiFields:
+    """The upstream API's own ``code``, ``param`` and ``type`` of an error payload (OpenAI's
+    ``{"error": {...}}``, Anthropic's ``{"type": "error", "error": {...}}``, vLLM's flat
+    object), as ``AttemptError`` keyword arguments: what a relay hands on unchanged."""
+    if type(obj) is list and obj:
+        obj = obj[0]
+    if type(obj) is not dict:
+        return {}
+    inner = obj.get("error")
+    source = inner if type(inner) is dict else obj
+    out: _ApiFields = {}
+    for key in ("code", "param", "type"):
+        value = source.get(key)
+        if type(value) is str and value and value != "error" and len(value) <= 100:
+            if key == "code":
+                out["code"] = value
+            elif key == "param":
+                out["param"] = value
+            else:
+                out["api_type"] = value
+    return out
 
 
 class _Sent:
@@ -372,6 +401,7 @@ def _in_band_error(
         retryable=retryable,
         retry_after=retry_after,
         status_code=status,
+        **_api_fields(payload),
         context_window=window,
     )
 
@@ -444,8 +474,10 @@ def classify_http_error(
             payload = _loads(text)
         except ValueError:
             payload = None  # truncated by the caller's bound, or not JSON: use the text
+    fields: _ApiFields = {}
     if payload is not None:
         message, labels, _ = _error_fields(payload)
+        fields = _api_fields(payload)
     elif text[:1] in ("{", "["):
         # JSON cut by the caller's bound: pick the fields out of the text.
         found = _JSON_MESSAGE.search(text)
@@ -469,6 +501,7 @@ def classify_http_error(
         retry_after=parse_retry_after(headers, now=now),
         status_code=status,
         should_retry=should_retry,
+        **fields,
         context_window=(stated_window(text) if kind is ErrorKind.CONTEXT_LENGTH_EXCEEDED else None),
     )
 
@@ -651,5 +684,8 @@ def with_context(error: AttemptError, context: str) -> AttemptError:
         replica=error.replica,
         hint=error.hint,
         should_retry=error.should_retry,
+        code=error.code,
+        param=error.param,
+        api_type=error.api_type,
         context_window=error.context_window,
     )

@@ -53,6 +53,7 @@ __all__ = [
     "StreamDecoder",
     "TransportErrors",
     "attempt_for",
+    "is_guided",
 ]
 
 #: How much of an error body is read to classify it (bytes).
@@ -160,10 +161,54 @@ def _check_path(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> N
 _CONTINUATIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "vllm": ("appends", {"continue_final_message": True, "add_generation_prompt": False}),
     "llama.cpp": ("repeats", {}),
+    "anchor": ("anchor", {}),
 }
+#: The declarations another API's replica may make (the engines' own contracts are their
+#: chat endpoints'; the anchor method is an instruction, any API can take it).
+_ANY_API_CONTINUATIONS = ("anchor",)
+
+#: Body fields that constrain decoding (vLLM's ``guided_*`` and ``structured_outputs``,
+#: llama.cpp's ``grammar`` and ``json_schema``, SGLang's ``regex`` and ``ebnf``, Anthropic's
+#: ``output_format``): a continuation would restart the constraint at its root.
+_GUIDED_FIELDS = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "grammar",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "output_format",
+)
+
+
+def is_guided(body: Mapping[str, Any]) -> bool:
+    """Whether a request body asks for guided decoding: a ``response_format`` (chat) or
+    ``text.format`` (Responses) other than plain text, or a field of `_GUIDED_FIELDS`. Such
+    a request is never continued, only replayed and verified: the constraint would start
+    again at its root inside the answer (duplicated or nested JSON; NVIDIA Dynamo never
+    migrates such requests)."""
+    if any(body.get(name) not in (None, False) for name in _GUIDED_FIELDS):
+        return True
+    fmt = body.get("response_format")
+    text = body.get("text")
+    if isinstance(text, Mapping) and fmt is None:
+        fmt = text.get("format")
+    if fmt is None:
+        return False
+    kind = fmt.get("type") if isinstance(fmt, Mapping) else fmt
+    return kind != "text"
+
+
 #: The chat-completions fields that cap an answer's tokens (``max_tokens`` is the older
 #: name; both are honoured by vLLM and llama.cpp's server).
 _TOKEN_LIMITS = ("max_completion_tokens", "max_tokens")
+#: Tokens an anchor continuation's limit gets back for the repeat of the anchor (its ~40
+#: characters at 2 characters a token and more: generous, so the answer never stops
+#: earlier than it would have; at worst it runs this many tokens past the caller's limit).
+ANCHOR_REPEAT_TOKENS = 24
 
 
 def _token_limit(body: Mapping[str, Any], fields: Sequence[str]) -> int | None:
@@ -219,16 +264,25 @@ class Replica:
             as a final assistant message with ``continue_final_message: true,
             add_generation_prompt: false``; it answers only what follows), ``"llama.cpp"``
             (the same message, which its server continues by default; its answer repeats the
-            prefix, which is verified and stripped), or ``None`` (default: never asked to;
-            hosted APIs that reject assistant prefill, such as newer Claude models, answer
-            400). Without one, a recovery on this replica replays the request and verifies
-            it. Declare it; it is never guessed. Chat completions only (the engines'
-            contracts are their chat endpoints'): another API's replica raises
-            ``ValueError``. A backup's ``backup_priority`` goes in a continuation's body too,
-            and its ``max_tokens`` / ``max_completion_tokens`` are lowered by the tokens the
-            caller already has (never below 1). The engine re-tokenizes the text it is given,
-            so its answer is a continuation of that text, not always the very tokens the
-            first replica would have generated (docs/recovery.md, "On real engines").
+            prefix, which is verified and stripped), ``"anchor"`` (for targets without
+            assistant prefill, any API: the text so far as an assistant turn, then a user
+            turn asking the model to go on, repeating the text's last ~40 characters first;
+            the repeat is found, verified and trimmed, and a missing or doubled one fails the
+            recovery: ``docs/recovery.md``), or ``None`` (default: never asked to; hosted
+            APIs that reject assistant prefill, such as newer Claude models, answer 400).
+            Without one, a recovery on this replica replays the request and verifies it.
+            Declare it; it is never guessed. ``"vllm"`` and ``"llama.cpp"`` are for chat
+            completions (the engines' contracts are their chat endpoints'): another API's
+            replica raises ``ValueError``. A request under guided decoding (a
+            ``response_format`` JSON schema, a grammar, vLLM's ``guided_*``) is never
+            continued, only replayed. A backup's ``backup_priority`` goes in a
+            continuation's body too, and its token limit (``max_tokens`` /
+            ``max_completion_tokens``; Messages ``max_tokens``, Responses
+            ``max_output_tokens``) is lowered by the tokens the caller already has (never
+            below 1; an anchor continuation's gets the anchor's repeat back). The engine
+            re-tokenizes the text it is given, so its answer is a continuation of that text,
+            not always the very tokens the first replica would have generated
+            (docs/recovery.md, "On real engines").
         probe: read the engine's own load
             ([`LoadProbe`][trio_hedge.sources.probes.LoadProbe], or an engine name:
             ``"vllm"``, ``"llama.cpp"``, ``"sglang"``, ``"tgi"``) so a
@@ -276,7 +330,7 @@ class Replica:
     fallback: bool = attrs.field(
         default=False, validator=attrs.validators.instance_of(bool), kw_only=True
     )
-    continuation: Literal["vllm", "llama.cpp"] | None = attrs.field(
+    continuation: Literal["vllm", "llama.cpp", "anchor"] | None = attrs.field(
         default=None,
         validator=attrs.validators.optional(attrs.validators.in_(tuple(_CONTINUATIONS))),
         kw_only=True,
@@ -304,10 +358,17 @@ class Replica:
                 f"give the key as api_key or as an {key_header} header, not both "
                 "(both would be sent)"
             )
-        if self.continuation is not None and self.api != "chat":
+        if (
+            self.continuation is not None
+            and self.api != "chat"
+            and self.continuation not in _ANY_API_CONTINUATIONS
+        ):
             # The engines' continuation contracts are their chat-completions endpoints'; a
-            # recovery on another API's replica replays and verifies.
-            raise ValueError(f"continuation is for chat-completions replicas, not {self.api!r}")
+            # recovery on another API's replica replays and verifies, or goes by anchor.
+            raise ValueError(
+                f"continuation={self.continuation!r} is for chat-completions replicas, not "
+                f"{self.api!r} (which take 'anchor', or none: replay and verify)"
+            )
         protect_in_logs(self._redact)
 
     #: The API this kind of replica speaks (one request body fits one API, so the front doors
@@ -403,8 +464,12 @@ class HTTPSource:
         #: The most tokens an answer to this request may have (`Source.token_limit`).
         self.token_limit = _token_limit(body, self._limit_fields)
         declared = _CONTINUATIONS.get(replica.continuation or "")
-        #: How this source continues an answer (`Source.continues`), as its replica declares.
-        self.continues = None if declared is None else declared[0]
+        #: How this source continues an answer (`Source.continues`), as its replica declares;
+        #: never under guided decoding (`is_guided`: replay and verify only).
+        self.continues = None if declared is None or is_guided(body) else declared[0]
+        model = body.get("model")
+        #: The model this request asks the replica for (`Source.model`), or ``None``.
+        self.model: str | None = model if isinstance(model, str) and model else None
         # A backup's body: the engine may serve it after the tenants' requests (made on the
         # first backup: most requests have none).
         self._priority = replica.backup_priority
@@ -439,6 +504,8 @@ class HTTPSource:
     #: engine honours first, first; none for an API whose end by length is not a chat
     #: ``finish_reason`` (a recovery there replays, and the replay ends by length itself).
     _limit_fields: ClassVar[tuple[str, ...]] = ()
+    #: The body's fields that cap an answer's tokens, lowered in a continuation's body.
+    _continue_limits: ClassVar[tuple[str, ...]] = _TOKEN_LIMITS
     #: The decoder of one response body (``ChunkDecoder(redact=…)`` for chat completions).
     _stream_decoder: ClassVar[Callable[..., StreamDecoder]]
     #: How a whole ``application/json`` answer reads: ``(status, headers, body, *, redact)`` to
@@ -459,7 +526,9 @@ class HTTPSource:
         final assistant message with the engine's fields (and the priority: both apply)."""
         priority = None if info.number == 1 else self._priority
         if info.continue_from is not None and self.continues is not None:
-            return self._continuation(info.continue_from, info.continue_tokens, priority)
+            return self._continuation(
+                info.continue_from, info.continue_tokens, priority, info.instruction
+            )
         if priority is None:
             return self._content
         if self._backup_content is None:
@@ -467,21 +536,34 @@ class HTTPSource:
             self._backup_content = json.dumps(body, ensure_ascii=False).encode()
         return self._backup_content
 
-    def _continuation(self, text: str, tokens: int, priority: int | None) -> bytes:
+    def _continuation(
+        self, text: str, tokens: int, priority: int | None, instruction: str | None = None
+    ) -> bytes:
         """The body that asks this replica's engine to continue ``text`` (a recovery), the
         caller already having ``tokens`` of it: its token limits lowered by as many (never
-        below 1), as the engine counts only what it generates after the prefill."""
+        below 1), as the engine counts only what it generates after the prefill. With an
+        ``instruction`` (the anchor method), the text goes as an assistant turn and the
+        instruction as a user turn after it, and the limit gets back the tokens the
+        anchor's repeat takes (`ANCHOR_REPEAT_TOKENS`)."""
         assert self._replica.continuation is not None  # the race asks only sources that say
         fields = _CONTINUATIONS[self._replica.continuation][1]
-        messages = [*self._body.get("messages", ()), {"role": "assistant", "content": text}]
-        body = {**self._body, "messages": messages, **fields}
-        for name in _TOKEN_LIMITS:
+        turns = [{"role": "assistant", "content": text}]
+        if instruction is not None:
+            turns.append({"role": "user", "content": instruction})
+            tokens -= ANCHOR_REPEAT_TOKENS
+        body = {**self._with_turns(turns), **fields}
+        for name in self._continue_limits:
             limit = body.get(name)
             if type(limit) is int:
                 body[name] = max(1, limit - tokens)
         if priority is not None:
             body["priority"] = priority
         return json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
+
+    def _with_turns(self, turns: list[dict[str, Any]]) -> dict[str, Any]:
+        """The request's body with ``turns`` after its conversation (chat and Messages:
+        its ``messages``)."""
+        return {**self._body, "messages": [*self._body.get("messages", ()), *turns]}
 
     async def open(self, info: AttemptInfo) -> HTTPAttempt:
         headers = attempt_headers(self._headers, self._header_names, info)
