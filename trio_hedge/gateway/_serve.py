@@ -176,6 +176,12 @@ async def _accept_then_drain(
                         limits.drain_delay,
                     )
                     await server.linger(limits.drain_delay)
+                    # The balancer was told for drain_delay: the idle keep-alive connections
+                    # close now, with the listener. A balancer pools idle connections by
+                    # address, and one to a process restarted on the same port would hand a
+                    # request to this one (answered 503 while it drains): HAProxy did, in
+                    # 2 of 8 rolling restarts (test_a_rolling_restart_loses_no_request...).
+                    await server.close_idle()
                 limiter.start_draining()
                 accepting.cancel_scope.cancel()  # the listening sockets close
             if limiter.in_flight and not server.hurried:

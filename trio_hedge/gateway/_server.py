@@ -680,6 +680,11 @@ class Server:
             while not self._hurry:
                 await self._changed.wait()
 
+    async def close_idle(self) -> None:
+        """Close the idle keep-alive connections now, and each busy one once its request
+        ends (hypercorn's shutdown event: new requests can only come on new connections)."""
+        await self.context.terminated.set()
+
     async def drain(self, drain_timeout: float, cancel_all: Callable[[], None]) -> None:
         """Let the requests in flight finish for ``drain_timeout`` seconds (idle keep-alive
         connections stay open meanwhile), then ``cancel_all()`` them and give them
