@@ -24,6 +24,7 @@ import httpx
 import trio
 
 from .. import Hedger, Replica
+from ..state import FleetStore
 from ._agent import agent_forwarder
 from ._config import GatewayConfig, GatewayKey
 from ._errors import ErrorAnswer
@@ -106,6 +107,8 @@ class GatewayApp:
         agent_hedgers: per API (``"anthropic"``, ``"responses"``), one Hedger per group over
             the same replicas speaking that API (``_agent.py``); an API without them has no
             route (404).
+        store: the fleet store the Hedgers share their slow state through (``/readyz``
+            says its status; ``/metrics`` too). Default none: nothing shared.
 
     The caller owns the Hedgers and the client (``serve()`` opens and closes them).
     """
@@ -117,8 +120,11 @@ class GatewayApp:
         client: httpx.AsyncClient,
         metrics: GatewayMetrics,
         agent_hedgers: Mapping[str, Mapping[str, Hedger]] | None = None,
+        *,
+        store: FleetStore | None = None,
     ) -> None:
         self.config = config
+        self.store = store
         self.limiter = Limiter(config.limits.max_concurrent)
         self.metrics = metrics
         self._hedgers = hedgers
@@ -136,6 +142,8 @@ class GatewayApp:
         self._routes = {**_ROUTES, **dict.fromkeys(self._forwarders, "POST")}
         named = (m for g in config.groups for m in g.models if not any(c in m for c in "*?["))
         metrics.watch(self._all, named)
+        if store is not None:
+            metrics.watch_state({"fleet": store})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -353,7 +361,9 @@ class GatewayApp:
     async def _ready(self, ex: Exchange) -> None:
         """Ready while not draining and some replica is healthy in every Hedger that has it
         (evidence against a server on any route counts); ``groups``: each replica's worst
-        state over the routes, ``apis``: each route's own."""
+        state over the routes, ``apis``: each route's own; ``state``: the shared state's
+        status (``local``, ``ok``, ``degraded``: Redis unreachable, this process runs on its
+        own view and stays ready: fail open)."""
         apis: dict[str, dict[str, dict[str, str]]] = {}
         groups: dict[str, dict[str, str]] = {}
         for api, by_group in self._all.items():
@@ -368,7 +378,10 @@ class GatewayApp:
         eligible = any(s == "healthy" for g in groups.values() for s in g.values())
         draining = self.limiter.draining
         status = "draining" if draining else "ready" if eligible else "no eligible replica"
-        data = json.dumps({"status": status, "groups": groups, "apis": apis}).encode()
+        shared = "local" if self.store is None else self.store.status
+        data = json.dumps(
+            {"status": status, "state": shared, "groups": groups, "apis": apis}
+        ).encode()
         await ex.json(200 if status == "ready" else 503, data)
 
 

@@ -133,6 +133,14 @@ def add_commands(sub: Any) -> None:
         "stopped reading), ending its requests (default: 30)",
     )
     serve.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="gateway processes on the one port, under a supervisor that restarts one that "
+        "dies and drains all on SIGTERM (config: [server] workers; default: 1, no supervisor)",
+    )
+    serve.add_argument("--worker", help=argparse.SUPPRESS)  # a supervisor's worker: its spec
+    serve.add_argument(
         "--http1-only",
         action="store_true",
         help="serve HTTP/1.1 only, no h2c (config: [server] http2 = false)",
@@ -242,7 +250,8 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()), format="%(message)s", stream=sys.stderr
     )
-    for noisy in ("httpx", "httpcore", "trio_hedge.gateway.server"):  # a line per request
+    # A line per request (httpx, …), or per retry of an unreachable Redis (coredis).
+    for noisy in ("httpx", "httpcore", "trio_hedge.gateway.server", "coredis"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     api_key = None
     if args.api_key_env:
@@ -269,6 +278,7 @@ def _serve(args: argparse.Namespace) -> int:
             hedger=hedger,
             limits=limits,
             http2=False if args.http1_only else None,
+            workers=args.workers,
         )
     except (ConfigError, OSError) as exc:
         sys.stderr.write(f"trio-hedge: {exc}\n")
@@ -276,11 +286,38 @@ def _serve(args: argparse.Namespace) -> int:
     if args.gc_threshold:
         _, gen1, gen2 = gc.get_threshold()
         gc.set_threshold(args.gc_threshold, gen1, gen2)
+    raise_fd_limit()  # room for max_concurrent streams and their replicas' connections
+    if args.worker:
+        return _worker(config, args.worker)
+    if config.workers > 1:
+        from ._workers import supervise
+
+        try:
+            return trio.run(supervise, config, getattr(args, "argv", []))
+        except ListenError as exc:
+            return _cannot_listen(exc.filename, exc)
     try:
-        raise_fd_limit()  # room for max_concurrent streams and their replicas' connections
         trio.run(lambda: serve(config, handle_signals=True))
     except ListenError as exc:
         return _cannot_listen(exc.filename, exc)
+    return 0
+
+
+def _worker(config: Any, spec: str) -> int:
+    """One of a supervisor's workers: the gateway on the sockets it was handed."""
+    from ._serve import serve
+    from ._workers import parse_worker, watch_supervisor, worker_listeners
+
+    index, supervisor, fds = parse_worker(spec)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_supervisor, supervisor)
+            listeners = worker_listeners(fds)
+            await serve(config, handle_signals=True, listeners=listeners, worker=index)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
     return 0
 
 

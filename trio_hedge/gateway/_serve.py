@@ -3,6 +3,11 @@ long-lived [`Hedger`][trio_hedge.Hedger] per group over one shared connection po
 connections themselves are ``_server.py``'s (hypercorn's protocol code, each connection
 contained and its writes bounded).
 
+With ``[state] redis_url``, the fleet's slow state (ejections, cooldowns, the learned
+delay's samples) is shared with the fleet's other processes through Redis: one store per
+process, its sync loop in the gateway's nursery, every group's Hedgers (on every route)
+publishing to it and taking in what the others publish (``state/_redis.py``).
+
 Shutdown (SIGTERM or SIGINT, or ``stop.set()``): stop accepting, answer new requests on open
 connections with 503, let in-flight requests go on for ``drain_timeout`` seconds, then cancel
 them (each ends with an in-band error event, its upstream attempts closed), then close the
@@ -14,15 +19,18 @@ from __future__ import annotations
 import functools
 import logging
 import signal
+from collections.abc import Sequence
 
 import trio
 
 from .. import Hedger
 from ..hedger import LoadMonitor
+from ..policy._fleet import FleetState
+from ..state import FleetStore, LocalFleetStore, RedisFleetStore, StateChange
 from ..transport import make_client
 from ._agent import agent_hedgers
 from ._app import GatewayApp
-from ._config import GatewayConfig
+from ._config import GatewayConfig, StateConfig
 from ._limits import Limiter
 from ._metrics import GatewayMetrics
 from ._server import Server, default_max_connections, open_listeners
@@ -49,11 +57,34 @@ async def _signals(stop: trio.Event, limiter: Limiter, server: Server) -> None:
                 server.hurry()
 
 
+def fleet_store(state: StateConfig) -> FleetStore:
+    """The fleet store ``[state]`` asks for: Redis when it names a URL, else nobody's."""
+    if state.redis_url is None:
+        return LocalFleetStore()
+    return RedisFleetStore(state.redis_url, prefix=state.prefix, timeout=state.timeout)
+
+
+def _share(store: FleetStore, by_api: dict[str, dict[str, Hedger]]) -> dict[str, list[FleetState]]:
+    """Connect every Hedger's fleet to ``store`` under its group's name (SHARE: the fleet
+    writer will own this); the fleets of each group, whatever the route."""
+    fleets: dict[str, list[FleetState]] = {}
+    if store.status == "local":
+        return fleets  # nothing to publish: the planner then does no work for it
+    for by_group in by_api.values():
+        for group, hedger in by_group.items():
+            fleet = hedger._fleet
+            fleet.store, fleet.name = store, group
+            fleets.setdefault(group, []).append(fleet)
+    return fleets
+
+
 async def serve(
     config: GatewayConfig,
     *,
     stop: trio.Event | None = None,
     handle_signals: bool = False,
+    listeners: Sequence[trio.SocketListener] | None = None,
+    worker: int | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``config`` until ``stop`` is set (or, with ``handle_signals``, SIGTERM/SIGINT),
@@ -62,13 +93,20 @@ async def serve(
     ``await nursery.start(serve, config, stop=stop)`` returns the URLs it listens on
     (``["http://127.0.0.1:PORT"]``; port 0 picks a free one).
 
+    ``listeners``: sockets already listening (a ``--workers`` supervisor's, handed down),
+    in place of ``config.host:config.port``; closed at the end. ``worker``: this process's
+    index among the workers (logs, and the ``worker`` label of ``/metrics``).
+
     Raises:
         OSError: it cannot listen on ``config.host:config.port`` (the port taken, …),
             before anything else is opened; its message names the address.
     """
     stop = trio.Event() if stop is None else stop
-    listeners = await open_listeners(config.host, config.port, BACKLOG)
-    metrics = GatewayMetrics()
+    if listeners is None:
+        listeners = await open_listeners(config.host, config.port, BACKLOG)
+    listeners = list(listeners)
+    metrics = GatewayMetrics(worker)
+    store = fleet_store(config.state)
     hedgers: dict[str, Hedger] = {}
     by_api: dict[str, dict[str, Hedger]] = {}
     async with make_client() as client:
@@ -83,7 +121,14 @@ async def serve(
                 )
             # The same groups speaking Anthropic Messages and OpenAI Responses (_agent.py).
             by_api = agent_hedgers(config, client, [metrics.hook], monitor)
-            app = GatewayApp(config, hedgers, client, metrics, by_api)
+            fleets = _share(store, {"chat": hedgers, **by_api})
+
+            def apply(change: StateChange) -> None:
+                """Another process's change, into every route's fleet of its group."""
+                for fleet in fleets.get(change.fleet, ()):
+                    fleet.apply_remote(change)
+
+            app = GatewayApp(config, hedgers, client, metrics, by_api, store=store)
             limiter = app.limiter
             limits = config.limits
             server = Server(
@@ -95,9 +140,12 @@ async def serve(
             )
             async with monitor, trio.open_nursery() as nursery:
                 nursery.start_soon(server.watch)
+                await nursery.start(store.run, apply)  # started at once: never waits on Redis
                 if handle_signals:
                     nursery.start_soon(_signals, stop, limiter, server)
-                await _accept_then_drain(config, server, limiter, listeners, stop, task_status)
+                await _accept_then_drain(
+                    config, server, limiter, listeners, stop, task_status, worker
+                )
                 nursery.cancel_scope.cancel()  # served and drained: stop the helpers
         finally:
             for listener in listeners:
@@ -118,6 +166,7 @@ async def _accept_then_drain(
     listeners: list[trio.SocketListener],
     stop: trio.Event,
     task_status: trio.TaskStatus[list[str]],
+    worker: int | None = None,
 ) -> None:
     """Accept connections until ``stop``, then stop accepting and drain."""
     binds = [_url(listener) for listener in listeners]
@@ -134,7 +183,8 @@ async def _accept_then_drain(
                 )
                 groups = ", ".join(f"{g.name}: {'/'.join(g.replicas)}" for g in config.groups)
                 logger.info(
-                    "trio-hedge gateway listening on %s (%s); groups %s",
+                    "%strio-hedge gateway listening on %s (%s); groups %s",
+                    "" if worker is None else f"worker {worker}: ",
                     " ".join(binds),
                     "HTTP/1.1, h2c" if config.http2 else "HTTP/1.1 only",
                     groups,

@@ -28,6 +28,7 @@ from .._source import Source
 from ..events import EventHook, HedgeEvent
 from ..sources._bindable import BindableReplica
 from ..sources.probes import LoadProbe
+from ..state import Cooldown, DelaySample, FleetStore, StateChange
 from ._blame import Attribution
 from ._budget import BudgetState
 from ._config import HedgerConfig
@@ -157,6 +158,12 @@ class FleetState:
             (p.probe.interval for p in self.probes if p is not None), default=math.inf
         )
         self._serial = 0
+        #: Where this fleet's slow state is shared with the fleet's other processes, and
+        #: the fleet's name there (a gateway group): ``None``, nowhere. The gateway sets
+        #: both; the planner publishes each ejection, cooldown and delay sample it writes.
+        self.store: FleetStore | None = None
+        self.name = "default"
+        self._by_name = {r.name: r for r in self.replicas}
 
     def next_serial(self) -> int:
         """A number for a new request, distinct from every other request of this Hedger (its
@@ -292,6 +299,58 @@ class FleetState:
         replica.times_ejected += 1
         state.ejected_until = now + config.ejection_time(state.ejections)
         return state.ejected_until
+
+    def apply_remote(self, change: StateChange) -> None:
+        """Take in what another process of the fleet decided or observed (never this
+        process's own: the store does not hand it back): an ejection or a cooldown for its
+        remaining seconds, a TTFT sample into the delay learner at its age. This process's
+        own rules still hold: an ejection is not applied without outlier detection, nor past
+        the cap (``max_ejection_percent``: never the last replica, counted as
+        `health_failure` counts); a replica or size class this Hedger does not have, or a
+        sample older than the learner's window, is ignored; nothing is shortened."""
+        now = trio.current_time()
+        if isinstance(change, DelaySample):
+            model = self.model
+            if model is None or change.size_class >= model.config.classes.count:
+                return
+            if change.age >= model.config.window:
+                return
+            model.observe(
+                change.group,
+                change.size_class,
+                now - change.age,
+                change.seconds,
+                change.observed,
+                change.tokens,
+                change.replica,
+            )
+            return
+        replica = self._by_name.get(change.replica)
+        if replica is None:
+            return
+        until = now + change.seconds
+        if isinstance(change, Cooldown):
+            self.models.make(replica.index, change.model).push_back(now, change.seconds)
+            return
+        if self.config.outlier_detection is None:
+            return
+        if change.model is None:
+            if replica.ejected_until >= until:
+                return
+            whole = sum(1 for r in self.replicas if r.ejected(now))
+            if not replica.ejected(now) and whole >= self.ejection_limit:
+                self.counts.ejections_capped += 1
+                return
+            replica.ejected_until = until
+            return
+        state = self.models.get(replica.index, change.model)
+        if state is not None and state.ejected_until >= until:
+            return
+        out = replica.ejected(now) or (state is not None and state.ejected_until > now)
+        if not out and self._out_for(change.model, now) >= self.ejection_limit:
+            self.counts.ejections_capped += 1
+            return
+        self.models.make(replica.index, change.model).ejected_until = until
 
     def _probe_statistics(self, r: ReplicaState, now: float) -> dict[str, object]:
         state = self.probes[r.index]

@@ -31,6 +31,7 @@ from ..errors import AttemptError, ReplicasCooling
 from ..events import EventKind, HedgeEvent
 from ..report import AttemptOutcome, AttemptRecord, Report
 from ..sources._bindable import BindableReplica
+from ..state import Cooldown, DelaySample, Ejection
 from ._backoff import backoff_delay, jitter_draw
 from ._blame import Fault, informs_delay, is_slow, outgrew
 from ._fleet import FleetState
@@ -473,6 +474,10 @@ class RequestPlanner:
     def _ejected(self, replica: ReplicaState, until: float | None, reason: str, now: float) -> None:
         if until is not None:
             self._emit(EventKind.REPLICA_EJECTED, now, replica.name, reason=reason, until=until)
+            store = self._fleet.store
+            if store is not None:  # SHARE: the fleet's other processes (whole: not one model)
+                model = None if until == replica.ejected_until else self._model
+                store.publish(Ejection(self._fleet.name, replica.name, model, until - now, reason))
 
     def may_hedge(self) -> bool:
         """Whether a backup may go now. Only checks: the budget is spent when it starts."""
@@ -586,6 +591,7 @@ class RequestPlanner:
                 model.observe(
                     self._group, self._class, now, ran, False, tokens, replica.name, record.number
                 )
+                self._share_sample(replica, ran, False)  # SHARE
             fit = model.fit(self._group, now)
             if fit is not None:
                 x = model.tokens_of(self._class) if tokens is None else tokens
@@ -599,6 +605,24 @@ class RequestPlanner:
             # evidence that a replica is fast).
             excess = ran - fleet.prefill(self._group, tokens, now)
             replica.observe_lower_bound(now, max(excess, 0.0), fleet.config.latency_decay)
+
+    def _share_sample(self, replica: ReplicaState, seconds: float, observed: bool) -> None:
+        """SHARE: a delay sample this request just gave its learner, for the fleet's other
+        processes (nothing without a store)."""
+        store = self._fleet.store
+        if store is not None:
+            fleet = self._fleet
+            store.publish(
+                DelaySample(
+                    fleet.name,
+                    self._group,
+                    self._class,
+                    seconds,
+                    observed,
+                    self._tokens,
+                    replica.name,
+                )
+            )
 
     def _start(self, replica: ReplicaState, record: AttemptRecord, now: float) -> None:
         fleet = self._fleet
@@ -665,6 +689,7 @@ class RequestPlanner:
                     replica.name,
                     record.number,
                 )
+                self._share_sample(replica, record.ttft, True)  # SHARE
             if fleet.config.pick == "peak_ewma":
                 excess = record.ttft - fleet.prefill(self._group, self._tokens, now)
                 replica.observe_latency(now, max(excess, 0.0), fleet.config.latency_decay)
@@ -766,6 +791,10 @@ class RequestPlanner:
         """Server pushback: no attempt for this model goes to ``replica`` for ``seconds``."""
         state = self._fleet.models.make(replica.index, self._model)
         state.push_back(now, seconds)
+        store = self._fleet.store
+        if store is not None:  # SHARE: the fleet's other processes
+            reason = error.kind.value
+            store.publish(Cooldown(self._fleet.name, replica.name, self._model, seconds, reason))
         self._emit(
             EventKind.REPLICA_COOLING,
             now,

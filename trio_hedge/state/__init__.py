@@ -9,6 +9,10 @@ Two contracts, each with an in-process implementation and a Redis one (``coredis
   minute): reserve an estimate at admission, settle on the answer's reported usage, release on
   failure, expire when the process holding them dies (litellm-rs's admission leases).
 
+Back ends here: `LocalFleetStore` (shares nothing: one process's view),
+`RedisFleetStore` and `RedisKeyLedger` (every process of a fleet through one Redis; they
+import ``coredis``, the ``redis`` extra, only when they run).
+
 Fast state (the hedge budget, the retry throttle, in-flight counts, probe readings) stays in
 each process: see ``docs/gateway.md``, "Scale-out".
 """
@@ -25,6 +29,9 @@ from ._contracts import (
     StateChange,
     StoreStatus,
 )
+from ._nowhere import LocalFleetStore
+from ._redis import RedisFleetStore
+from ._redis_ledger import RedisKeyLedger
 
 __all__ = [
     "Cooldown",
@@ -33,7 +40,10 @@ __all__ = [
     "FleetStore",
     "KeyLedger",
     "Lease",
+    "LocalFleetStore",
     "Quota",
+    "RedisFleetStore",
+    "RedisKeyLedger",
     "Refusal",
     "StateChange",
     "StoreStatus",
