@@ -99,7 +99,9 @@ class Stream:
         return self.status == 200 and self.ended == "done"
 
 
-async def stream(port: int, out: Stream, body: dict[str, Any] | None = None, **headers: str) -> None:
+async def stream(
+    port: int, out: Stream, body: dict[str, Any] | None = None, **headers: str
+) -> None:
     """POST a streamed chat completion to ``127.0.0.1:port`` and read the answer into
     ``out`` (``out.started`` is set at its first token)."""
     payload = json.dumps({**(body or CHAT), "stream": True}).encode()

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 import trio
 import trio.testing
 
@@ -58,7 +57,9 @@ def _hedger(fleet: Fleet, name: str = "g", **config: Any) -> tuple[th.Hedger, Re
 
 def _ejected(hedger: th.Hedger) -> dict[str, tuple[str, ...]]:
     return {
-        r.name: ((("*",) if r.state == "ejected" and not r.ejected_models else ()) + r.ejected_models)
+        r.name: (
+            (("*",) if r.state == "ejected" and not r.ejected_models else ()) + r.ejected_models
+        )
         for r in hedger.statistics().replicas
     }
 
@@ -166,7 +167,9 @@ async def test_a_sample_keeps_its_age(autojump_clock: trio.testing.MockClock) ->
         b_side._fleet.apply_remote(DelaySample("g", "m", 0, 0.2, True, 10, "a", age))
     model = b_side._fleet.model
     assert model is not None
-    assert [round(trio.current_time() - at, 6) for _, (at, *_) in model.samples(trio.current_time())] == [250.0]
+    assert [
+        round(trio.current_time() - at, 6) for _, (at, *_) in model.samples(trio.current_time())
+    ] == [250.0]
     await trio.sleep(49.0)
     assert len(model.samples(trio.current_time())) == 1
     await trio.sleep(2.0)

@@ -30,6 +30,10 @@ DEADLINE = 60
 PACED = Behaviour(ttft=0.0, token_delay=0.05, tokens=40)
 
 
+def _alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
+
+
 async def _workers(gw: Process, count: int) -> list[int]:
     """The supervisor's workers, once ``count`` of them listen."""
     for i in range(count):
@@ -65,8 +69,7 @@ async def test_workers_share_one_port_and_metrics_sum_them(tmp_path: Path) -> No
             assert re.search(r'trio_hedge_gateway_trio_tasks\{worker="[01]"\}', metrics)
             gw.process.send_signal(signal.SIGTERM)
             assert await gw.process.wait() == 0
-        for pid in pids:
-            assert not Path(f"/proc/{pid}").exists()
+        assert not any(_alive(pid) for pid in pids)
 
 
 async def test_a_worker_killed_mid_stream_costs_only_its_own_clients() -> None:
@@ -131,8 +134,7 @@ async def test_one_sigterm_drains_every_worker() -> None:
             assert await gw.process.wait() == 0
             with pytest.raises(OSError):  # nobody listens any more
                 await trio.open_tcp_stream("127.0.0.1", port)
-        for pid in pids:
-            assert not Path(f"/proc/{pid}").exists()
+        assert not any(_alive(pid) for pid in pids)
 
 
 async def test_one_worker_by_default_starts_no_supervisor() -> None:

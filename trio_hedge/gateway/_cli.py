@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import logging
 import math
 import os
@@ -282,6 +283,12 @@ def _serve(args: argparse.Namespace) -> int:
         )
     except (ConfigError, OSError) as exc:
         sys.stderr.write(f"trio-hedge: {exc}\n")
+        return 2
+    if config.state.redis_url is not None and importlib.util.find_spec("coredis") is None:
+        sys.stderr.write(
+            "trio-hedge: [state] redis_url needs the redis extra (coredis is missing): "
+            "pip install 'trio-hedge[redis]'\n"
+        )
         return 2
     if args.gc_threshold:
         _, gen1, gen2 = gc.get_threshold()

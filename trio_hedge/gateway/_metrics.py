@@ -329,7 +329,7 @@ class GatewayMetrics:
         from prometheus_client import multiprocess
 
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry, self._multiprocess)
+        multiprocess.MultiProcessCollector(registry, self._multiprocess)  # type: ignore[no-untyped-call]
         for collector in self._live:
             registry.register(collector)
         return generate_latest(registry)

@@ -17,6 +17,7 @@ connections and the pool. A second signal cancels at once.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import signal
 from collections.abc import Sequence
@@ -58,9 +59,18 @@ async def _signals(stop: trio.Event, limiter: Limiter, server: Server) -> None:
 
 
 def fleet_store(state: StateConfig) -> FleetStore:
-    """The fleet store ``[state]`` asks for: Redis when it names a URL, else nobody's."""
+    """The fleet store ``[state]`` asks for: Redis when it names a URL, else nobody's.
+
+    Raises:
+        ImportError: a Redis URL without the ``redis`` extra (``coredis``).
+    """
     if state.redis_url is None:
         return LocalFleetStore()
+    if importlib.util.find_spec("coredis") is None:
+        raise ImportError(
+            "[state] redis_url needs the redis extra: pip install 'trio-hedge[redis]'",
+            name="coredis",
+        )
     return RedisFleetStore(state.redis_url, prefix=state.prefix, timeout=state.timeout)
 
 

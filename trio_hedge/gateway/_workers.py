@@ -117,7 +117,7 @@ class _Supervisor:
         with contextlib.suppress(Exception):  # bookkeeping only: never fatal
             from prometheus_client import multiprocess
 
-            multiprocess.mark_process_dead(pid, self.folder)
+            multiprocess.mark_process_dead(pid, self.folder)  # type: ignore[no-untyped-call]
 
     async def watch_signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:

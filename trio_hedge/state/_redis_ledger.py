@@ -375,8 +375,9 @@ class RedisKeyLedger:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Hold the connection, renew this process's leases every third of ``lease_ttl``,
-        retry settlements that did not reach Redis, and try an unreachable Redis again every
-        ``interval``. Started at once (never waits for Redis); runs until cancelled."""
+        retry settlements that did not reach Redis, and look whether Redis is there every
+        ``interval`` (the status follows). Started at once (never waits for Redis); runs
+        until cancelled."""
         task_status.started()
         try:
             while True:
@@ -396,24 +397,23 @@ class RedisKeyLedger:
     async def _upkeep(self) -> None:
         renew_every = self._ttl_ms / 3000
         next_renewal = trio.current_time()
+        client = self._client
+        assert client is not None
         while True:
             try:
-                if self._link.status != "ok":
-                    client = self._client
-                    assert client is not None
+                if trio.current_time() >= next_renewal:
+                    await self._renew()
+                    next_renewal = trio.current_time() + renew_every
+                else:  # is Redis there? (the status says so even while nothing is held)
                     await self._link.call(client.ping)
                 while self._pending:
                     lease, tokens = self._pending[0]
                     if not await self._settle(lease, tokens):
                         break
                     self._pending.popleft()
-                if trio.current_time() >= next_renewal:
-                    await self._renew()
-                    next_renewal = trio.current_time() + renew_every
             except Unreachable as exc:
                 self._link.lost(str(exc))
-            wait = renew_every if self._link.status == "ok" else self._interval
-            with trio.move_on_at(min(next_renewal, trio.current_time() + wait)):
+            with trio.move_on_at(min(next_renewal, trio.current_time() + self._interval)):
                 await self._wake.wait()
             self._wake = trio.Event()
 
