@@ -67,7 +67,7 @@ def test_state_mistakes_are_named_never_quoting_the_url(
 
 @pytest.mark.parametrize("workers", [0, 65, True, "2"])
 def test_workers_are_bounded(workers: object) -> None:
-    with pytest.raises(ConfigError, match="workers must be an int in 1..64"):
+    with pytest.raises(ConfigError, match=r"workers must be an int in 1\.\.64"):
         parse_config({**BASE, "server": {"workers": workers}})
 
 

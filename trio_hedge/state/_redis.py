@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import math
 import uuid
 from collections import deque
@@ -58,8 +57,6 @@ if TYPE_CHECKING:  # pragma: no cover
     import coredis
 
 __all__ = ["RedisFleetStore"]
-
-logger = logging.getLogger("trio_hedge.state")
 
 #: Seconds between two rounds of the sync loop (send, then fetch): an ejection one process
 #: decides reaches the others within about two rounds.
@@ -252,11 +249,6 @@ def decode(value: object, elapsed: float) -> StateChange | None:
     return None
 
 
-def _key_parts(kind: str, value: list[Any]) -> list[Any]:
-    """What names a change's state key: (fleet, replica, model) or (fleet, group, class)."""
-    return [value[1], value[2], value[3]]
-
-
 class RedisFleetStore:
     """A [`FleetStore`][trio_hedge.state.FleetStore] shared by every process of a fleet
     through one Redis (see the module docs for what is kept where).
@@ -430,7 +422,8 @@ class RedisFleetStore:
                     continue
                 text = json.dumps(value, separators=(",", ":"))
                 values.append(text)
-                keys.append(self._key(kind, _key_parts(kind, value)))
+                # The state key: (fleet, replica, model) or (fleet, group, size class).
+                keys.append(self._key(kind, value[1:4]))
                 args += [kind, max(1, math.ceil(ttl * 1000)), text]
             if not values:
                 continue

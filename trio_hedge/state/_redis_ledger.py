@@ -24,7 +24,6 @@ again every ``interval``.
 
 from __future__ import annotations
 
-import logging
 import math
 import uuid
 from collections import deque
@@ -47,8 +46,6 @@ if TYPE_CHECKING:  # pragma: no cover
     import coredis
 
 __all__ = ["RedisKeyLedger"]
-
-logger = logging.getLogger("trio_hedge.state")
 
 #: Seconds a concurrency refusal asks the client to wait (a lease has no known end).
 CONCURRENCY_RETRY = 1.0
