@@ -4,6 +4,7 @@ processes holds a client's connection (``/proc``: Linux)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -19,23 +20,34 @@ CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "
 
 
 class Process:
-    """A ``python -m trio_hedge`` child whose output lines are read as they come."""
+    """A ``python -m trio_hedge`` child whose output is read as it comes, all the time (a
+    gateway under load writes an access-log line per request: a pipe nobody reads fills up
+    and the gateway blocks on its next line)."""
 
     def __init__(self, process: trio.Process) -> None:
         self.process = process
         self._buffer = b""
         self.lines: list[str] = []
-        self._seen = 0
+        self._ended = False
+        self._changed = trio.Event()
 
-    async def _more(self) -> bool:
+    async def pump(self) -> None:
+        """Read the output until it ends (in the nursery that runs the process)."""
         assert self.process.stdout is not None
-        chunk = await self.process.stdout.receive_some()
-        if not chunk:
-            return False
-        self._buffer += chunk
-        *done, self._buffer = self._buffer.split(b"\n")
-        self.lines += [d.decode() for d in done]
-        return True
+        try:
+            while chunk := await self.process.stdout.receive_some():
+                self._buffer += chunk
+                *done, self._buffer = self._buffer.split(b"\n")
+                if done:
+                    self.lines += [d.decode() for d in done]
+                    self._changed.set()
+                    self._changed = trio.Event()
+        finally:
+            if self._buffer:
+                self.lines.append(self._buffer.decode())
+                self._buffer = b""
+            self._ended = True
+            self._changed.set()
 
     async def line_with(self, text: str, *, after: int = 0) -> str:
         """Wait for an output line (from line ``after`` on) containing ``text`` (bound it
@@ -44,15 +56,14 @@ class Process:
             for line in self.lines[after:]:
                 if text in line:
                     return line
-            if not await self._more():
+            if self._ended:
                 raise AssertionError(f"exited without {text!r}: {self.lines}")
+            await self._changed.wait()
 
     async def rest(self) -> list[str]:
-        while await self._more():
-            pass
-        if self._buffer:
-            self.lines.append(self._buffer.decode())
-            self._buffer = b""
+        """Every line, once the output has ended."""
+        while not self._ended:
+            await self._changed.wait()
         return self.lines
 
     async def port(self) -> int:
@@ -73,14 +84,36 @@ class Process:
         return sorted(found)
 
 
+async def _terminate_then_kill(process: trio.Process) -> None:
+    """Cancelled: SIGTERM, and SIGKILL 5 s later (trio's own default warns first, which the
+    test suite's ``-W error`` turns into an exception before the kill: the child lived on)."""
+    with contextlib.suppress(OSError):
+        process.terminate()
+    with trio.move_on_after(5):
+        await process.wait()
+        return
+    with contextlib.suppress(OSError):
+        process.kill()
+
+
 async def start(nursery: trio.Nursery, *args: str, **options: Any) -> Process:
-    """``python -m trio_hedge *args`` in ``nursery``, stdout and stderr as one stream."""
+    """``python -m trio_hedge *args`` in ``nursery``, stdout and stderr as one stream, read
+    all the time."""
     command = [sys.executable, "-m", "trio_hedge", *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **options.pop("env", {})}
     run = functools.partial(
-        trio.run_process, command, stdout=-1, stderr=-2, check=False, env=env, **options
+        trio.run_process,
+        command,
+        stdout=-1,
+        stderr=-2,
+        check=False,
+        env=env,
+        deliver_cancel=_terminate_then_kill,
+        **options,
     )
-    return Process(await nursery.start(run))
+    process = Process(await nursery.start(run))
+    nursery.start_soon(process.pump)
+    return process
 
 
 @attrs.define
