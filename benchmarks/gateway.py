@@ -638,19 +638,43 @@ async def _measure_workers(
     """``args.short`` concurrent short streams through each target, ``args.rounds`` times
     (alternating): elapsed seconds, CPU seconds of the gateway's processes, failures."""
     out: dict[str, dict[str, list[float]]] = {
-        t.name: {"elapsed": [], "cpu": [], "failures": []} for t in scaling
+        t.name: {"elapsed": [], "cpu": [], "failures": [], "client": [], "upstream": []}
+        for t in scaling
     }
+    upstream = [
+        pid for pid in _children(os.getpid()) if b"_common.py" in _cmdline(pid)
+    ]  # the upstream SSE server's process
     for t in scaling:
         await run_many(t, 20, 4, 0)  # warm-up: every worker's first connections
     for _ in range(max(3, args.rounds)):
         for t in scaling:
             assert t.proxy is not None
-            cpu0 = t.proxy.cpu()
+            cpu0, own0, up0 = t.proxy.cpu(), time.process_time(), _cpu_of(upstream)
             elapsed, failures, _ = await run_many(t, args.short, 8, 0)
             out[t.name]["cpu"].append(t.proxy.cpu() - cpu0)
+            out[t.name]["client"].append(time.process_time() - own0)
+            out[t.name]["upstream"].append(_cpu_of(upstream) - up0)
             out[t.name]["elapsed"].append(elapsed)
             out[t.name]["failures"].append(failures)
     return out
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _cpu_of(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _CLK
+    return total
 
 
 def _print_workers(
@@ -663,24 +687,49 @@ def _print_workers(
         title=f"{args.short:,} concurrent short streams (8 tokens), fresh connections, "
         f"{max(3, args.rounds)} rounds each, alternating; nproc={os.cpu_count()}"
     )
-    for c in ("gateway", "streams/s per round", "best", "CPU ms per stream", "failures"):
+    columns = (
+        "gateway",
+        "streams/s per round",
+        "best",
+        "CPU ms per stream: gateway / client / upstream",
+        "failures",
+    )
+    for c in columns:
         table.add_column(c, justify="left" if c == "gateway" else "right")
     best: dict[str, float] = {}
+    per_stream: dict[str, tuple[float, float, float]] = {}
     for t in scaling:
         x = r[t.name]
         rates = [args.short / e for e in x["elapsed"]]
         best[t.name] = max(rates)
-        cpu = sum(x["cpu"]) / (args.short * len(x["cpu"])) * 1000
+        n = args.short * len(x["cpu"])
+        per_stream[t.name] = (
+            sum(x["cpu"]) / n * 1000,
+            sum(x["client"]) / n * 1000,
+            sum(x["upstream"]) / n * 1000,
+        )
         table.add_row(
             t.name,
             ", ".join(f"{v:,.0f}" for v in rates),
             f"{best[t.name]:,.0f}",
-            f"{cpu:.2f}",
+            " / ".join(f"{v:.2f}" for v in per_stream[t.name]),
             str(int(sum(x["failures"]))),
         )
     console.print(table)
     one, many = (best[t.name] for t in scaling)
     ratio = many / one
+    # What the machine allows: every stream costs the gateway, the client and the upstream
+    # CPU on the same cores; one worker uses at most one core itself.
+    cores = os.cpu_count() or 1
+    gw1, client1, up1 = per_stream[scaling[0].name]
+    gwn, clientn, upn = per_stream[scaling[1].name]
+    bound1 = min(1000 / gw1, cores * 1000 / (gw1 + client1 + up1))
+    boundn = min(args.workers * 1000 / gwn, cores * 1000 / (gwn + clientn + upn))
+    console.print(
+        f"info: the machine's bound from these CPU costs (no other load): 1 worker "
+        f"{bound1:,.0f} streams/s, {args.workers} workers {boundn:,.0f} streams/s: at most "
+        f"{boundn / bound1:.2f}x"
+    )
     console.print(
         verdict(
             ratio >= 1.7,
@@ -758,16 +807,17 @@ async def _measure_lean(
                 key = "direct" if side is direct else "through"
                 out[t.name][key].append(s.ttft if s.ok else math.nan)
     for t in through:
-        assert t.proxy is not None
-        spent: list[float] = []
-        failures = tokens = 0
-        for _ in range(args.rounds):
+        out[t.name].update(cpu=[], tokens=0, failures=0)
+    # Rounds interleaved over the paths: a change in the machine's load meanwhile falls on
+    # every path alike.
+    for _ in range(args.rounds):
+        for t in through:
+            assert t.proxy is not None
             cpu0 = t.proxy.cpu()
             _, failed, rs = await run_many(t, LEAN_STREAMS, args.lean_tokens, LEAN_PACE_MS)
-            spent.append(t.proxy.cpu() - cpu0)
-            tokens += sum(r.tokens for r in rs)
-            failures += failed
-        out[t.name].update(cpu=spent, tokens=tokens, failures=failures)
+            out[t.name]["cpu"].append(t.proxy.cpu() - cpu0)
+            out[t.name]["tokens"] += sum(r.tokens for r in rs)
+            out[t.name]["failures"] += failed
     return out
 
 
