@@ -33,7 +33,9 @@ DEADLINE = 60
 def _config(
     tmp_path: Path, name: str, redis: str, replicas: list[FakeReplica], extra: str = ""
 ) -> Path:
-    lines = ["[state]", f'redis_url = "{redis}"', "", "[hedger]", 'pick = "in_order"', extra, ""]
+    # A timeout a busy machine does not reach by accident: Redis is lost here by being killed.
+    lines = ["[state]", f'redis_url = "{redis}"', "timeout = 2", "", "[hedger]"]
+    lines += ['pick = "in_order"', extra, ""]
     for r in replicas:
         lines += ["[[replicas]]", f'name = "{r.name}"', f'base_url = "{r.url}"', ""]
     path = tmp_path / f"{name}.toml"
