@@ -598,6 +598,12 @@ def main(argv: list[str] | None = None) -> int:
                 port = _gateway_port(shared_log)
                 proxy = Proxy(REDIS_ROW, shared, port, gw.path)
                 through.append(Target(REDIS_ROW, port, gw.path, "m", proxy))
+                again_log = Path(tmp) / "gateway-control.log"
+                again = _start_default_gateway(upstream, again_log)
+                extra.append(again)
+                port = _gateway_port(again_log)
+                proxy = Proxy(CONTROL_ROW, again, port, gw.path)
+                through.append(Target(CONTROL_ROW, port, gw.path, "m", proxy))
             scaling: list[Target] = []
             if args.workers > 1:
                 for count in (1, args.workers):
@@ -630,6 +636,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 REDIS_ROW = "gateway, defaults + Redis"
+#: With --redis: the defaults gateway once more, in a process of its own (an A/A control).
+CONTROL_ROW = "gateway, defaults (control)"
 
 
 async def _measure_workers(
@@ -902,6 +910,13 @@ def _print_lean(
                 f"with Redis: CPU per paced token {shared_cpu:.0f} µs = {shared_cpu / cpu:.2f}x "
                 "without's (unchanged: <= 1.05x)",
             )
+        )
+    if CONTROL_ROW in figures:
+        again50, again_cpu = figures[CONTROL_ROW]
+        console.print(
+            f"info: the control (the same defaults gateway in a second process): added TTFT "
+            f"P50 {again50 - added50:+.2f} ms, CPU per token {again_cpu / cpu:.2f}x: "
+            "differences between rows within that are this machine's noise"
         )
     console.print(f"info: load average at the end {os.getloadavg()[0]:.2f}")
 
