@@ -28,6 +28,7 @@ class Fail:
     at: float = 0.1
     kind: ErrorKind = ErrorKind.SERVER_ERROR
     retry_after: float | None = None
+    status: int | None = None  # the HTTP status it stands for (a 500: a query of death?)
 
 
 Behave = Callable[[str, AttemptInfo], "Script | Fail"]
@@ -44,7 +45,12 @@ class _Failing:
 
     async def __anext__(self) -> str:
         await trio.sleep_until(self._start + self._fail.at)
-        raise AttemptError(self._fail.kind, "scripted failure", retry_after=self._fail.retry_after)
+        raise AttemptError(
+            self._fail.kind,
+            "scripted failure",
+            retry_after=self._fail.retry_after,
+            status_code=self._fail.status,
+        )
 
     async def aclose(self) -> None:
         self._ledger.closed.append((self._name, self._info.number, trio.current_time()))

@@ -23,6 +23,7 @@ class Script:
     fail_at: float | None = None  # seconds after the attempt opens
     fail_kind: ErrorKind = ErrorKind.SERVER_ERROR
     fail_after_tokens: int | None = None  # fail mid-stream after this many tokens
+    cut_kind: ErrorKind = ErrorKind.STREAM_TRUNCATED  # ... with this kind
     stall_after_tokens: int | None = None  # go silent forever after this many tokens
     close_delay: float = 0.0  # seconds aclose() takes (a slow close: TLS, a busy server)
     reasoning: bool = False  # the tokens are reasoning deltas, not content
@@ -55,7 +56,7 @@ class _ScriptedIterator:
             await trio.sleep_until(self._start + s.fail_at)
             raise AttemptError(s.fail_kind, f"scripted {s.fail_kind.value}")
         if self._sent == s.fail_after_tokens:
-            raise AttemptError(ErrorKind.STREAM_TRUNCATED, "scripted cut")
+            raise AttemptError(s.cut_kind, f"scripted {s.cut_kind.value} after the commit")
         if self._sent == s.stall_after_tokens:
             await trio.sleep_forever()
         if self._sent >= s.tokens:

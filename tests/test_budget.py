@@ -156,38 +156,39 @@ async def test_throttle_stops_hedging_under_failures_and_lets_it_resume(
     )
     events: list[th.events.HedgeEvent] = []
     hedger = th.Hedger(fleet.sources(), config, on_event=[events.append])
-    # Phase 1: the fleet fails: every attempt fails at once and takes 1 token. Two requests
-    # fail over (10 → 6); the third's failure leaves 5, at or below max_tokens / 2, so its
-    # failover is refused too (gRFC A6: no retries either) and the request fails.
-    for i in range(3):
+    # Phase 1: the fleet fails: every attempt fails at once. Each request's first failure
+    # goes on credit (its failover decided at that failure, while tokens > 5), its second
+    # takes a token, and the credit is debited at its end, unserved: 10 → 8 → 6 → 4. The
+    # fourth request's failover is refused (gRFC A6: no retries either) and it fails: 3.
+    for i in range(4):
         report = await run(hedger.stream(None))
         triggers = [a.trigger for a in report.attempts]
-        assert triggers == (["primary", "failover"] if i < 2 else ["primary"])
+        assert triggers == (["primary", "failover"] if i < 3 else ["primary"])
         assert isinstance(report.error, th.AllAttemptsFailed)
     stats = hedger.statistics()
-    assert stats.throttle_tokens == pytest.approx(5.0)
-    assert (stats.failovers, stats.failovers_refused, stats.failover_throttle_refusals) == (2, 1, 1)
+    assert stats.throttle_tokens == pytest.approx(3.0)
+    assert (stats.failovers, stats.failovers_refused, stats.failover_throttle_refusals) == (3, 1, 1)
     assert stats.throttle_refusals == stats.hedges_refused == 0  # not counted as hedges
 
     # Phase 2: a is slow (3 s), b fast. A request would hedge at 1.0 s, but the throttle
-    # refuses while tokens ≤ 5: the first success (on a alone) adds 0.1 (5.0 → 5.1), and
-    # the next requests are hedged again.
+    # refuses while tokens ≤ 5: each success (on a alone) adds 0.1, and from the 21st
+    # (3.0 → 5.1) the requests are hedged again.
     phase["a"] = Script(ttft=3.0, tokens=1)
     del phase["b"]
     hedged = []
-    for _ in range(8):
+    for _ in range(24):
         report = await run(hedger.stream(None))
         hedged.append(report.hedged)
         assert report.hedges_refused == (not report.hedged)
-    assert hedged == [False] + [True] * 7
+    assert hedged == [False] * 21 + [True] * 3
     stats = hedger.statistics()
-    assert stats.throttle_refusals == 1
-    assert stats.hedges_sent == 7
+    assert stats.throttle_refusals == 21
+    assert stats.hedges_sent == 3
     refused = [(e.kind, e.reason) for e in events if e.reason == "throttle"]
-    assert refused == [
-        (EventKind.FAILOVER_REFUSED, "throttle"),
-        (EventKind.HEDGE_REFUSED, "throttle"),
-    ]
+    assert (
+        refused
+        == [(EventKind.FAILOVER_REFUSED, "throttle")] + [(EventKind.HEDGE_REFUSED, "throttle")] * 21
+    )
 
 
 # -- failovers are extra requests too (gRFC A6: no retries at or below half the tokens) ----------
@@ -203,13 +204,15 @@ async def test_failovers_stop_with_the_throttle(autojump_clock: trio.testing.Moc
     events: list[th.events.HedgeEvent] = []
     hedger = th.Hedger(fleet.sources(), config, on_event=[events.append])
     reports = [await run(hedger.stream(None)) for _ in range(8)]
-    # The first request fails over three times (10 → 6 tokens); the second one's failure
-    # leaves 5, at max_tokens / 2: from then on every request gets its primary alone.
-    assert [len(r.attempts) for r in reports] == [4] + [1] * 7
+    # The first request fails over three times, its first failure on credit (10 → 7, and its
+    # credit debited at its end: 6); the second's failover is decided at its (credited) first
+    # failure, 6 > 5, and its second failure leaves 5: from then on every request gets its
+    # primary alone, and each unserved one's credit is debited.
+    assert [len(r.attempts) for r in reports] == [4, 2] + [1] * 6
     assert [a.started_at for a in reports[0].attempts] == [0.0, 0.25, 0.5, 0.75]
     assert all(isinstance(r.error, th.AllAttemptsFailed) for r in reports)
     stats = hedger.statistics()
-    assert (stats.attempts, stats.failovers, stats.throttle_tokens) == (11, 3, 0.0)
+    assert (stats.attempts, stats.failovers, stats.throttle_tokens) == (12, 4, 0.0)
     assert (stats.failovers_refused, stats.failover_throttle_refusals) == (7, 7)
     assert stats.hedges_refused == 0
     refused = [(e.kind, e.reason) for e in events if e.kind is EventKind.FAILOVER_REFUSED]
@@ -252,7 +255,10 @@ async def test_failover_refusals_reach_the_instrumentation(
     hooks = [PrometheusHook(registry), LoggingHook()]
     hedger = th.Hedger(fleet.sources(), config, on_event=hooks)
     caplog.set_level(logging.INFO, logger="trio_hedge")
-    await run(hedger.stream(None))  # a fails: 1 token left, at max_tokens / 2
+    # The first request's failover goes on credit; its second failure leaves 1 token, at
+    # max_tokens / 2: the second request's failover is refused.
+    for _ in range(2):
+        await run(hedger.stream(None))
     value = registry.get_sample_value
     assert value("trio_hedge_failovers_refused_total", {"reason": "throttle"}) == 1
     assert value("trio_hedge_hedges_refused_total", {"reason": "throttle"}) is None
@@ -276,8 +282,9 @@ async def test_failover_refusals_are_span_events(autojump_clock: trio.testing.Mo
         hedge_after=1.0, budget=None, throttle=RetryThrottle(max_tokens=2), outlier_detection=None
     )
     hedger = th.Hedger(fleet.sources(), config, on_event=[OpenTelemetryHook(provider)])
-    await run(hedger.stream(None))
-    (request,) = [s for s in spans.get_finished_spans() if s.parent is None]
+    for _ in range(2):  # the second request's failover is refused (as above)
+        await run(hedger.stream(None))
+    request = [s for s in spans.get_finished_spans() if s.parent is None][-1]
     events = [(e.name, dict(e.attributes or {})) for e in request.events]
     assert ("failover_refused", {"trio_hedge.reason": "throttle"}) in events
 

@@ -1,5 +1,5 @@
 """What a Hedger's fleet publishes to its store and takes in from the fleet's other processes
-(``FleetState.store``, ``FleetState.apply_remote``), in virtual time: each ejection, cooldown
+(``FleetWriter.store``, ``FleetWriter.apply_remote``), in virtual time: each ejection, cooldown
 and delay sample it writes is published once, as the contract's value; another process that
 applies them avoids the replica, cools it for that model, and learns the same delay; its own
 rules still hold (the ejection cap, outlier detection off, its window), and a request whose
@@ -50,7 +50,7 @@ def _hedger(fleet: Fleet, name: str = "g", **config: Any) -> tuple[th.Hedger, Re
     fields.update(config)
     hedger = th.Hedger(fleet.sources(), th.HedgerConfig(**fields))
     store = Recording()
-    hedger._fleet.store = store
+    hedger._writer.store = store
     hedger._fleet.name = name
     return hedger, store
 
@@ -66,7 +66,7 @@ def _ejected(hedger: th.Hedger) -> dict[str, tuple[str, ...]]:
 
 def _replay(changes: list[StateChange], into: th.Hedger) -> None:
     for change in changes:
-        into._fleet.apply_remote(change)
+        into._writer.apply_remote(change, trio.current_time())
 
 
 async def test_an_ejection_one_process_decides_is_honoured_by_another(
@@ -96,7 +96,9 @@ async def test_an_ejection_one_process_decides_is_honoured_by_another(
 async def test_pushback_for_one_model_is_shared_for_that_model_only(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    limited = Fail(at=0.05, kind=ErrorKind.RATE_LIMIT, retry_after=30.0)
+    # A Retry-After below max_pushback_wait (10 s) is a wait: a cooldown (a longer one is
+    # an outage: an ejection for the model, shared the same way).
+    limited = Fail(at=0.05, kind=ErrorKind.RATE_LIMIT, retry_after=5.0)
 
     def behave(replica: str, info: th.sources.AttemptInfo) -> Script | Fail:
         return limited if replica == "a" and info.request_id.startswith("x") else FAST
@@ -104,7 +106,7 @@ async def test_pushback_for_one_model_is_shared_for_that_model_only(
     a_side, store = _hedger(Fleet(["a", "b"], behave))
     await run(a_side.stream({"model": "x"}, request_id="x0"))
     assert [c for c in store.changes if not isinstance(c, DelaySample)] == [
-        Cooldown("g", "a", "x", 30.0, "rate_limit")
+        Cooldown("g", "a", "x", 5.0, "rate_limit")
     ]
     b_side, _ = _hedger(Fleet(["a", "b"], lambda _r, _i: FAST))
     _replay(store.changes, b_side)
@@ -164,7 +166,8 @@ async def test_a_sample_keeps_its_age(autojump_clock: trio.testing.MockClock) ->
     b_side, _ = _hedger(Fleet(["a", "b"], lambda _r, _i: FAST), hedge_after=th.LearnedDelay())
     await trio.sleep(1000.0)
     for age in (250.0, 301.0):
-        b_side._fleet.apply_remote(DelaySample("g", "m", 0, 0.2, True, 10, "a", age))
+        sample = DelaySample("g", "m", 0, 0.2, True, 10, "a", age)
+        b_side._writer.apply_remote(sample, trio.current_time())
     model = b_side._fleet.model
     assert model is not None
     assert [

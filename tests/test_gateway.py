@@ -21,7 +21,7 @@ import openai
 import pytest
 import trio
 
-from trio_hedge.gateway import Limits
+from trio_hedge.gateway import GatewayKey, Limits
 from trio_hedge.gateway._config import DEFAULT_HEDGER
 from trio_hedge.testing import Behaviour, FakeReplica, fake_replicas
 
@@ -330,6 +330,25 @@ async def test_client_disconnect_closes_every_upstream_attempt(when: str) -> Non
 # -- headers -------------------------------------------------------------------------------
 
 
+async def test_idempotency_keys_are_namespaced_per_gateway_key() -> None:
+    # Two tenants of the gateway choose the same Idempotency-Key: forwarded as it came (on
+    # c6222d8), the upstream, which sees one client (the gateway), would run one request and
+    # replay its answer to the other tenant. Each key's name prefixes it.
+    keys = [GatewayKey("sk-team-one-secret", "one"), GatewayKey("sk-team-two-secret", "two")]
+    async with fake_replicas(FAST, names=["a"]) as (a,):
+        config = config_for([a], keys=keys)
+        async with Gateway(config) as gw, httpx.AsyncClient() as http:
+            for secret in ("sk-team-one-secret", "sk-team-two-secret"):
+                response = await http.post(
+                    f"{gw.url}/chat/completions",
+                    json=CHAT,
+                    headers={"authorization": f"Bearer {secret}", "idempotency-key": "k-1"},
+                )
+                assert response.status_code == 200
+    sent = [r.headers["idempotency-key"] for r in a.requests]
+    assert sent == ["one:k-1", "two:k-1"]
+
+
 async def test_request_headers_steer_the_race() -> None:
     limits = Limits(hedge_after_max=0.3, drain_timeout=1.0)
     slowish = Behaviour(ttft=0.6, tokens=2)
@@ -537,14 +556,69 @@ async def test_health_readiness_metrics_and_pushback() -> None:
     assert 4 <= int(cooling.headers["retry-after"]) <= 5
     assert [len(r.requests) for r in replicas] == [1, 1]
     assert not_ready.status_code == 503
-    assert not_ready.json()["groups"] == {"default": {"a": "cooling", "b": "cooling"}}
+    assert not_ready.json()["groups"] == {"default": {"a": "degraded", "b": "degraded"}}
     assert health.status_code == 200
     for line in (
         'trio_hedge_gateway_requests_total{path="/v1/chat/completions",status="503"} 2.0',
         'trio_hedge_gateway_requests_total{path="/readyz",status="200"} 1.0',
         'trio_hedge_attempts_total{outcome="failed",replica="a",trigger="primary"} 1.0',
         'trio_hedge_gateway_replica_state{api="chat",group="default",replica="b",'
-        'state="cooling"} 1.0',
+        'state="degraded"} 1.0',
         "trio_hedge_gateway_in_flight 0.0",
     ):
         assert line in metrics
+
+
+def _replica(name: str, state: str = "healthy", **models: tuple[str, ...]) -> Any:
+    from trio_hedge.policy import ReplicaStatistics
+
+    fields = dict.fromkeys(
+        ("in_flight", "attempts", "wins", "failures", "times_ejected", "consecutive_failures"), 0
+    )
+    return ReplicaStatistics(
+        name=name,
+        state=state,
+        cooling_for=0.0,
+        ejected_for=0.0,
+        latency=0.0,
+        cooling_models=models.get("cooling", ()),
+        ejected_models=models.get("ejected", ()),
+        **fields,
+    )
+
+
+READINESS = [
+    # (name, the chat route's replicas, status)
+    ("every replica healthy", [_replica("a"), _replica("b")], "ready"),
+    # Issue 27: a serves model x, b serves y; one failing request per model ejected each for
+    # the model it does not serve. On c6222d8 each counted as ejected whole: 503.
+    (
+        "each replica out for the model it does not serve",
+        [_replica("a", "degraded", ejected=("y",)), _replica("b", "degraded", ejected=("x",))],
+        "ready",
+    ),
+    (
+        "every replica cooling for the one model",
+        [_replica("a", "degraded", cooling=("m",)), _replica("b", "degraded", cooling=("m",))],
+        "no eligible replica",
+    ),
+    (
+        "one ejected whole, the other out for the model",
+        [_replica("a", "ejected"), _replica("b", "degraded", ejected=("m",))],
+        "no eligible replica",
+    ),
+    (
+        "every replica ejected whole",
+        [_replica("a", "ejected"), _replica("b", "ejected")],
+        "no eligible replica",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "replicas", "status"), READINESS, ids=[r[0] for r in READINESS])
+def test_readiness_reads_scopes(name: str, replicas: list[Any], status: str) -> None:
+    from trio_hedge.gateway._app import readiness
+
+    got, body = readiness({"chat": {"default": replicas}}, draining=False)
+    assert got == status and body["status"] == status
+    assert readiness({"chat": {"default": replicas}}, draining=True)[0] == "draining"

@@ -251,10 +251,10 @@ async def test_readiness_follows_every_route() -> None:
     assert not_ready.status_code == 503, not_ready.text
     body = json.loads(not_ready.text)
     assert body["status"] == "no eligible replica"
-    assert body["groups"] == {"default": {"a": "cooling", "b": "cooling"}}
+    assert body["groups"] == {"default": {"a": "degraded", "b": "degraded"}}
     assert body["apis"] == {
         "chat": {"default": {"a": "healthy", "b": "healthy"}},
-        "anthropic": {"default": {"a": "cooling", "b": "cooling"}},
+        "anthropic": {"default": {"a": "degraded", "b": "degraded"}},
         "responses": {"default": {"a": "healthy", "b": "healthy"}},
     }
 

@@ -172,9 +172,9 @@ async def test_redis_killed_and_restarted_under_load_fails_no_request(
             logs = [await gw.rest() for gw, _ in gateways]
     assert len(results) > during > 0
     assert [s.status for s in results if not s.whole] == []
-    for lines in logs:
-        assert sum("is unreachable" in line for line in lines) == 1
-        assert sum("reachable again" in line for line in lines) == 1
+    for lines in logs:  # one line each way per loss, not one per failing round
+        lost = sum("is unreachable" in line for line in lines)
+        assert lost >= 1 and sum("reachable again" in line for line in lines) == lost
 
 
 async def test_a_gateway_started_while_redis_is_down_serves_and_joins_later(

@@ -34,6 +34,26 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists()
 
 
+async def _on_every_worker(
+    clients: trio.Nursery, port: int, pids: list[int], *, batch: int = 8, batches: int = 20
+) -> tuple[list[Stream], dict[int, int | None]]:
+    """Open streams in batches until every worker holds one (the kernel hands a connection
+    to whichever worker accepts first: one batch may all go to one); each stream's owner."""
+    streams: list[Stream] = []
+    owners: dict[int, int | None] = {}
+    for _ in range(batches):
+        fresh = [Stream() for _ in range(batch)]
+        for s in fresh:
+            clients.start_soon(stream, port, s)
+        for s in fresh:
+            await s.started.wait()
+            owners[id(s)] = owner(port, s.client_port, pids)
+        streams += fresh
+        if set(owners.values()) >= set(pids):
+            break
+    return streams, owners
+
+
 async def _workers(gw: Process, count: int) -> list[int]:
     """The supervisor's workers, once ``count`` of them listen."""
     for i in range(count):
@@ -78,14 +98,9 @@ async def test_a_worker_killed_mid_stream_costs_only_its_own_clients() -> None:
         with trio.fail_after(DEADLINE):
             port = await gw.port()
             pids = await _workers(gw, 2)
-            streams = [Stream() for _ in range(16)]
             async with trio.open_nursery() as clients:
-                for s in streams:
-                    clients.start_soon(stream, port, s)
-                for s in streams:
-                    await s.started.wait()
-                owners = {id(s): owner(port, s.client_port, pids) for s in streams}
-                victim = next(p for p in pids if p in owners.values())  # one that serves some
+                streams, owners = await _on_every_worker(clients, port, pids)
+                victim = pids[0]
                 killed_at = trio.current_time()
                 os.kill(victim, signal.SIGKILL)
                 line_at = len(gw.lines)
@@ -118,14 +133,9 @@ async def test_one_sigterm_drains_every_worker() -> None:
         with trio.fail_after(DEADLINE):
             port = await gw.port()
             pids = await _workers(gw, 2)
-            streams = [Stream() for _ in range(16)]
             async with trio.open_nursery() as clients:
-                for s in streams:
-                    clients.start_soon(stream, port, s)
-                for s in streams:
-                    await s.started.wait()
-                owners = {owner(port, s.client_port, pids) for s in streams}
-                assert owners == set(pids)  # both workers had streams in flight
+                streams, owners = await _on_every_worker(clients, port, pids)
+                assert set(owners.values()) == set(pids)  # both workers had streams in flight
                 gw.process.send_signal(signal.SIGTERM)
                 await gw.line_with("SIGTERM: draining 2 workers")
                 for _ in pids:

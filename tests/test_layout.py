@@ -200,14 +200,26 @@ def test_data_flows_one_way() -> None:
 
 #: The policy's modules, bottom up: each imports policy modules of lower layers only. The
 #: estimators, prompt sizing and the brakes are leaves; the prefill model uses the
-#: estimators; the delay learner uses both; the configs hold the parts; the fleet and the
-#: planners use it all (docs/layout.md).
+#: estimators; the delay learner uses both; the judge reads a request's evidence with the
+#: attribution; the configs hold the parts; the fleet holds the state, its one writer applies
+#: the judge's verdicts to it, and the planners use it all (docs/layout.md).
 POLICY_LAYERS: tuple[tuple[str, ...], ...] = (
-    ("_quantiles", "_sizing", "_budget", "_throttle", "_backoff", "_health", "_blame", "_load"),
-    ("_prefill",),
+    (
+        "_quantiles",
+        "_sizing",
+        "_budget",
+        "_throttle",
+        "_backoff",
+        "_health",
+        "_blame",
+        "_load",
+        "_evidence",
+    ),
+    ("_prefill", "_judge"),
     ("_delay",),
     ("_config", "_stats"),
     ("_static", "_fleet"),
+    ("_writer",),
     ("_planner",),
 )
 

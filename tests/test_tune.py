@@ -320,7 +320,8 @@ async def test_a_hedgers_samples_are_replayed_from_their_attempts_start(
     primary, backup = report.attempts
     assert (primary.started_at, backup.started_at) == (0.0, 1.0)  # from the request's start
     assert records == [
-        TTFTRecord(1e6 + t0, "default", 100, "a", 1, 1.5, False),  # cancelled at the commit
+        # Lost: censored when its backup was sent (1.0 s), not at its cancel (1.5 s).
+        TTFTRecord(1e6 + t0, "default", 100, "a", 1, 1.0, False),
         TTFTRecord(1e6 + t0 + 1.0, "default", 100, "b", 2, 0.5, True),
     ]
 

@@ -109,6 +109,10 @@ class AttemptError(Exception):
         message: a human-readable description; never contains credentials.
         hint: a short way to fix a misconfiguration (``"base_url usually ends in /v1"``),
             which the request's one-line summary carries too, or ``None``.
+        context_window: for a context-length error, the window (tokens) the server stated
+            (``maximum context length is 4096 tokens``, llama-server's ``n_ctx``), or
+            ``None``: a window is learned only from a size the server states, never from
+            the request's estimated size.
     """
 
     def __init__(
@@ -121,8 +125,10 @@ class AttemptError(Exception):
         status_code: int | None = None,
         replica: str | None = None,
         hint: str | None = None,
+        context_window: int | None = None,
     ) -> None:
         super().__init__(message)
+        self.context_window = context_window
         self.kind = kind
         self.message = message
         self.hint = hint

@@ -33,7 +33,11 @@ class Planner(Protocol):
     And a method ``hedge_on_evidence(number) -> float | None``: asked while the race waits
     out attempt ``number``'s hedge delay; ``0.0`` sends the backup now, a positive number
     asks again after that many seconds, ``None`` never asks again (the Hedger's, with load
-    probes: a reading that arrived during the wait says the primary's replica is queued)."""
+    probes: a reading that arrived during the wait says the primary's replica is queued).
+
+    And a method ``winner_broke(error) -> bool``: told at once when the committed winner
+    fails after the commit (a cut, a stall, an in-band error), before any recovery; returns
+    whether a recovery may be tried (without the method: whether ``error`` is retryable)."""
 
     async def next_source(self, number: int, trigger: str) -> Source | None:
         """The source for attempt ``number`` (``trigger`` says why it starts), or ``None``

@@ -299,14 +299,19 @@ class HedgedStream:
     async def _broken(self, error: AttemptError) -> Sequence[Delta]:
         """The winner failed after the commit: go on with the answer on another replica (its
         first deltas are then pending: returns an empty batch), or raise
-        `StreamInterrupted` for ``error``, the original failure, whatever the recoveries met."""
-        if not self._recoveries_left or self._nursery is None:
-            self._fail(error)
+        `StreamInterrupted` for ``error``, the original failure, whatever the recoveries met.
+        The planner hears of the break at once (``winner_broke``: the break is judged where it
+        happens, and it says whether a recovery may go at all: not for the request's own
+        fault, which would fail the same way anywhere)."""
         rec = self._recorder
         broken = self._winner_number
         state = rec.attempt(broken)
         if error.replica is None:
             error.replica = state.replica
+        told = getattr(self._planner, "winner_broke", None)
+        recoverable = told(error) if told is not None else error.retryable
+        if not recoverable or not self._recoveries_left or self._nursery is None:
+            self._fail(error)
         state.error = error
         state.ended_at = trio.current_time()
         winner, self._winner, self._direct = self._winner, None, None

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -68,9 +68,10 @@ from .events import EventHook
 from .policy._config import HedgerConfig
 from .policy._fleet import FleetState
 from .policy._load import ProbeState
-from .policy._planner import RequestPlanner
+from .policy._planner import RequestPlanner, rules_of
 from .policy._sizing import estimate_prompt_tokens
 from .policy._stats import HedgerStatistics
+from .policy._writer import FleetWriter
 from .sources._bindable import BindableReplica, is_bindable
 from .sources.openai._http import HeaderNames, Replica
 from .sources.probes import LoadProbe
@@ -118,10 +119,19 @@ class Hedger:
             replicas it probes are read from its pollers (one per replica for all of them),
             the others' own probes polled by this Hedger. Default none: the Hedger decides
             from its own view only, exactly as without this argument.
+        fleet_of: another Hedger whose fleet state this one shares: each replica's health,
+            cooldowns and ejections, the learned delays, the hedge budget, the throttle and
+            the load probes' readings (its pollers). For the same servers reached through
+            another API (a gateway's chat, Messages and Responses routes): a replica one
+            route found dead is out for the others, and they learn one delay and spend one
+            budget. ``replicas`` must have the same names in the same order, ``config``
+            must be the other's (default: it is), and ``probes`` must be ``None``. Its
+            counters (``statistics()``) are the shared ones. Default ``None``.
 
     Raises:
         TypeError, ValueError: bad replicas (empty, wrong type, duplicate names), config or
-            probes (an unknown replica name, a non-HTTP replica's probe without a reader).
+            probes (an unknown replica name, a non-HTTP replica's probe without a reader),
+            or a ``fleet_of`` whose replica names or config differ.
     """
 
     def __init__(
@@ -133,7 +143,17 @@ class Hedger:
         headers: HeaderNames | None = None,
         on_event: Iterable[EventHook] = (),
         probes: Mapping[str, LoadProbe | str] | LoadMonitor | None = None,
+        fleet_of: Hedger | None = None,
     ) -> None:
+        if fleet_of is not None:
+            if not isinstance(fleet_of, Hedger):
+                raise TypeError(f"fleet_of must be a Hedger, not {type(fleet_of).__name__}")
+            if config is None:
+                config = fleet_of.config
+            elif config != fleet_of.config:
+                raise ValueError("a Hedger sharing another's fleet state must share its config")
+            if probes is not None:
+                raise ValueError("probes come from the Hedger whose fleet state is shared")
         config = HedgerConfig() if config is None else config
         if not isinstance(config, HedgerConfig):
             raise TypeError(f"config must be a HedgerConfig, not {type(config).__name__}")
@@ -155,7 +175,31 @@ class Hedger:
         else:
             own = probes_of(replicas, probes)
         states.update((i, p) for i, (p, _) in own.items())
-        self._fleet = FleetState(config, replicas, list(on_event), states)
+        self._fleet: FleetState
+        self._writer: FleetWriter
+        if fleet_of is not None:
+            names = tuple(r.name for r in replicas)
+            if names != fleet_of.replica_names:
+                raise ValueError(
+                    f"replica names {names} differ from the shared fleet's {fleet_of.replica_names}"
+                )
+            own = {}  # the other Hedger polls them
+            self._fleet, self._writer = fleet_of._fleet, fleet_of._writer
+            self._fleet.on_event.extend(h for h in on_event if h not in self._fleet.on_event)
+        else:
+            self._fleet = FleetState(config, replicas, list(on_event), states)
+            # The fleet's one writer: every request's verdicts go through it.
+            self._writer = FleetWriter(self._fleet)
+        #: The replicas requests are bound to, by the fleet's index.
+        self._replicas: tuple[Any, ...] = tuple(replicas)
+        self._rules = rules_of(self._fleet)  # what the judge reads of the config
+        # What of a request only some replicas can answer, by kind of replica.
+        rules: set[Callable[[Mapping[str, Any]], tuple[str, ...]]] = set()
+        for r in replicas:
+            rule = getattr(type(r), "affinities", None)
+            if callable(rule):
+                rules.add(rule)
+        self._affinity_rules = tuple(rules)
         self._own_probes = own
         self._pollers = Pollers()
         # The checks each request must pass (one per kind of replica bound to requests),
@@ -340,9 +384,18 @@ class Hedger:
             allowed = request.get("max_tokens")
         if context_tokens is not None and isinstance(allowed, int) and allowed > 0:
             context_tokens += allowed
+        affinities: tuple[str, ...] = ()
+        if request is not None:
+            for rule in self._affinity_rules:
+                affinities += tuple(rule(request))
         planner = RequestPlanner(
             self._fleet,
             bind,
+            writer=self._writer,
+            rules=self._rules,
+            replicas=self._replicas,
+            affinities=affinities,
+            tokens_exact=prompt_tokens is not None,
             request_id=request_id,
             group=group,
             size_class=size_class,

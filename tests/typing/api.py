@@ -131,6 +131,8 @@ async def production() -> None:
         LoadMonitor(replicas, client=client) as monitor,
     ):
         shared = Hedger(replicas, fixed, probes=monitor)
+        sibling = Hedger(replicas, fleet_of=shared)  # another API of the same servers
+        assert_type(sibling.statistics().replicas[0].slow_attempts, int)
         assert_type(monitor.replica_names, tuple[str, ...])
         assert_type(hedger.config, HedgerConfig)
         assert_type(other.hedge_delay(prompt_tokens=100), float | None)

@@ -36,7 +36,6 @@ import httpx
 
 from .. import HedgedStream, Hedger, Replica
 from ..events import Delta, EventHook
-from ..hedger import LoadMonitor
 from ..sources.anthropic import AnthropicReplica
 from ..sources.openai_responses import ResponsesReplica
 from ._config import GatewayConfig
@@ -87,10 +86,12 @@ def agent_hedgers(
     config: GatewayConfig,
     client: httpx.AsyncClient,
     hooks: Sequence[EventHook],
-    probes: LoadMonitor | None = None,
+    chat: Mapping[str, Hedger],
 ) -> dict[str, dict[str, Hedger]]:
-    """Per API, one Hedger per group over the group's replicas speaking that API; their
-    probed replicas read from ``probes`` (the gateway's one poller per replica)."""
+    """Per API, one Hedger per group over the group's replicas speaking that API, sharing
+    the fleet state of the group's chat Hedger (``chat``): health, cooldowns, ejections,
+    learned delays, the hedge budget, the throttle and the probes' readings belong to the
+    (replica, model) and the group, not to the route a request came in on."""
     out: dict[str, dict[str, Hedger]] = {}
     for api in APIS:
         out[api] = {
@@ -99,7 +100,7 @@ def agent_hedgers(
                 group.hedger,
                 client=client,
                 on_event=list(hooks),
-                probes=probes,
+                fleet_of=chat[group.name],
             )
             for group in config.groups
         }

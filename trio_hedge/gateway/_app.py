@@ -16,7 +16,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from typing import Any
 
@@ -24,6 +24,7 @@ import httpx
 import trio
 
 from .. import Hedger, Replica
+from ..policy import ReplicaStatistics
 from ..state import FleetStore
 from ._agent import agent_forwarder
 from ._config import GatewayConfig, GatewayKey
@@ -359,34 +360,61 @@ class GatewayApp:
         await ex.json(200, data)
 
     async def _ready(self, ex: Exchange) -> None:
-        """Ready while not draining and some replica is healthy in every Hedger that has it
-        (evidence against a server on any route counts); ``groups``: each replica's worst
-        state over the routes, ``apis``: each route's own; ``state``: the shared state's
-        status (``local``, ``ok``, ``degraded``: Redis unreachable, this process runs on its
-        own view and stays ready: fail open)."""
-        apis: dict[str, dict[str, dict[str, str]]] = {}
-        groups: dict[str, dict[str, str]] = {}
-        for api, by_group in self._all.items():
-            apis[api] = {}
-            for name, hedger in by_group.items():
-                states = {r.name: r.state for r in hedger.statistics().replicas}
-                apis[api][name] = states
-                merged = groups.setdefault(name, {})
-                for replica, state in states.items():
-                    worst = max(state, merged.get(replica, state), key=_READY_ORDER.index)
-                    merged[replica] = worst
-        eligible = any(s == "healthy" for g in groups.values() for s in g.values())
-        draining = self.limiter.draining
-        status = "draining" if draining else "ready" if eligible else "no eligible replica"
-        shared = "local" if self.store is None else self.store.status
-        data = json.dumps(
-            {"status": status, "state": shared, "groups": groups, "apis": apis}
-        ).encode()
-        await ex.json(200 if status == "ready" else 503, data)
+        """``GET /readyz``: `readiness` of every Hedger's statistics, 503 unless ready; and
+        ``state``: the shared state's status (``local``, ``ok``, ``degraded``: Redis
+        unreachable, this process runs on its own view and stays ready: fail open)."""
+        stats = {
+            api: {name: hedger.statistics().replicas for name, hedger in by_group.items()}
+            for api, by_group in self._all.items()
+        }
+        status, body = readiness(stats, draining=self.limiter.draining)
+        body["state"] = "local" if self.store is None else self.store.status
+        await ex.json(200 if status == "ready" else 503, json.dumps(body).encode())
+
+
+def readiness(
+    stats: Mapping[str, Mapping[str, Sequence[ReplicaStatistics]]], *, draining: bool
+) -> tuple[str, dict[str, Any]]:
+    """``(status, body)`` of ``/readyz`` from each route's (API's) groups' replica
+    statistics: ``"draining"``, ``"ready"`` or ``"no eligible replica"``.
+
+    Ready while not draining and some group is serving: a replica of it is in service (not
+    ejected whole) and no model it has seen has every replica out (ejected or cooling for
+    that model). Evidence on any route counts. A replica out for one model only serves the
+    others: with replicas serving different models, a failing request per model once took
+    the gateway out (readiness reads the scopes). ``groups``: each replica's worst state over
+    the routes, ``apis``: each route's own."""
+    apis: dict[str, dict[str, dict[str, str]]] = {}
+    groups: dict[str, dict[str, str]] = {}
+    out: dict[str, dict[str, set[str]]] = {}  # group -> model -> replicas out for it
+    whole: dict[str, set[str]] = {}  # group -> replicas ejected whole
+    for api, by_group in stats.items():
+        apis[api] = {}
+        for name, replicas in by_group.items():
+            states = {r.name: r.state for r in replicas}
+            apis[api][name] = states
+            merged = groups.setdefault(name, {})
+            for replica, state in states.items():
+                merged[replica] = max(state, merged.get(replica, state), key=_READY_ORDER.index)
+            models = out.setdefault(name, {})
+            for r in replicas:
+                if r.state == "ejected":
+                    whole.setdefault(name, set()).add(r.name)
+                for model in (*r.cooling_models, *r.ejected_models):
+                    models.setdefault(model, set()).add(r.name)
+    eligible = False
+    for name, members in groups.items():
+        down = whole.get(name, set())
+        if len(down) < len(members) and all(
+            len(outs | down) < len(members) for outs in out.get(name, {}).values()
+        ):
+            eligible = True
+    status = "draining" if draining else "ready" if eligible else "no eligible replica"
+    return status, {"status": status, "groups": groups, "apis": apis}
 
 
 #: A replica's states, best first: its worst over the routes is its /readyz state.
-_READY_ORDER = ("healthy", "cooling", "ejected")
+_READY_ORDER = ("healthy", "degraded", "ejected")
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

@@ -118,7 +118,9 @@ class RequestOptions:
     @classmethod
     def from_exchange(cls, ex: Exchange, config: GatewayConfig) -> RequestOptions:
         """``X-Hedge: off|on``, ``X-Hedge-After: <seconds>`` (clamped to the configured
-        range), ``Idempotency-Key``, and the client's ``Authorization`` when forwarded.
+        range), ``Idempotency-Key`` (prefixed with the gateway key's name, ``name:key``, so
+        tenants' keys never collide upstream), and the client's ``Authorization`` when
+        forwarded.
 
         Raises:
             Rejected: 400 for a value that is not understood.
@@ -144,6 +146,11 @@ class RequestOptions:
         key = ex.header(b"idempotency-key")
         if key is not None and (not key or not key.isascii() or not key.isprintable()):
             raise _bad("Idempotency-Key must be printable ASCII", "Idempotency-Key")
+        tenant = ex.record.key
+        if key is not None and tenant is not None:
+            # Each gateway key's own namespace: two tenants choosing the same key must not
+            # collide at the upstream, which sees one client (the gateway's own key).
+            key = f"{tenant}:{key}"
         headers = None
         secrets: tuple[str, ...] = ()
         authorization = ex.header(b"authorization")

@@ -51,7 +51,7 @@ __all__ = [
 #: The logger of the access log: one JSON object per line, per request.
 ACCESS_LOGGER = logging.getLogger("trio_hedge.gateway.access")
 
-_STATES = ("healthy", "cooling", "ejected")
+_STATES = ("healthy", "degraded", "ejected")
 
 
 def _count_tasks() -> int:
@@ -106,7 +106,8 @@ class _HedgerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         state = GaugeMetricFamily(
             "trio_hedge_gateway_replica_state",
-            "1 for the replica's current state (healthy, cooling, ejected), per API and group.",
+            "1 for the replica's current state (healthy, degraded: out for some models only, "
+            "ejected), per API and group.",
             labels=["api", "group", "replica", "state"],
         )
         in_flight = GaugeMetricFamily(

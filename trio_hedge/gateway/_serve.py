@@ -20,13 +20,13 @@ import functools
 import importlib.util
 import logging
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import trio
 
 from .. import Hedger
 from ..hedger import LoadMonitor
-from ..policy._fleet import FleetState
+from ..policy._writer import FleetWriter
 from ..state import FleetStore, LocalFleetStore, RedisFleetStore, StateChange
 from ..transport import make_client
 from ._agent import agent_hedgers
@@ -74,18 +74,18 @@ def fleet_store(state: StateConfig) -> FleetStore:
     return RedisFleetStore(state.redis_url, prefix=state.prefix, timeout=state.timeout)
 
 
-def _share(store: FleetStore, by_api: dict[str, dict[str, Hedger]]) -> dict[str, list[FleetState]]:
-    """Connect every Hedger's fleet to ``store`` under its group's name (SHARE: the fleet
-    writer will own this); the fleets of each group, whatever the route."""
-    fleets: dict[str, list[FleetState]] = {}
+def _share(store: FleetStore, hedgers: Mapping[str, Hedger]) -> dict[str, FleetWriter]:
+    """Connect each group's one fleet (every route's Hedger shares it: ``fleet_of``) to
+    ``store`` under the group's name: its writer publishes what it decides there. The
+    writers by group (none when nothing is shared: the writer then does no work for it)."""
+    writers: dict[str, FleetWriter] = {}
     if store.status == "local":
-        return fleets  # nothing to publish: the planner then does no work for it
-    for by_group in by_api.values():
-        for group, hedger in by_group.items():
-            fleet = hedger._fleet
-            fleet.store, fleet.name = store, group
-            fleets.setdefault(group, []).append(fleet)
-    return fleets
+        return writers
+    for group, hedger in hedgers.items():
+        hedger._fleet.name = group
+        hedger._writer.store = store
+        writers[group] = hedger._writer
+    return writers
 
 
 async def serve(
@@ -130,13 +130,14 @@ async def serve(
                     replicas, group.hedger, client=client, on_event=[metrics.hook], probes=monitor
                 )
             # The same groups speaking Anthropic Messages and OpenAI Responses (_agent.py).
-            by_api = agent_hedgers(config, client, [metrics.hook], monitor)
-            fleets = _share(store, {"chat": hedgers, **by_api})
+            by_api = agent_hedgers(config, client, [metrics.hook], hedgers)
+            writers = _share(store, hedgers)
 
             def apply(change: StateChange) -> None:
-                """Another process's change, into every route's fleet of its group."""
-                for fleet in fleets.get(change.fleet, ()):
-                    fleet.apply_remote(change)
+                """Another process's change, to its group's fleet (every route's)."""
+                writer = writers.get(change.fleet)
+                if writer is not None:
+                    writer.apply_remote(change, trio.current_time())
 
             app = GatewayApp(config, hedgers, client, metrics, by_api, store=store)
             limiter = app.limiter

@@ -216,7 +216,14 @@ class HedgerConfig:
             primary raises [`ReplicasCooling`][trio_hedge.ReplicasCooling] at once (saying until
             when) and a later attempt is not sent. ``None`` waits as long as the caller's cancel
             scope allows. Default 10: a rate-limit window usually ends within seconds, and a
-            caller who waits longer should say so (a batch job: raise it).
+            caller who waits longer should say so (a batch job: raise it). It is also the
+            ceiling past which a ``Retry-After`` is an outage, not a wait: that replica is
+            ejected for that model for the time it asked (at most ``max_ejection``), as an
+            SDK refuses to wait past 120 s.
+        rate_limit_cooldown: seconds a 429 *without* ``Retry-After`` cools its replica for
+            that model (and raises its latency estimate to at least that, so the pick moves
+            off it), in ``[0, 60]``. Default 1.0: a replica rate-limiting every request was
+            the first attempt of 30 requests in 30 when a 429 said nothing.
         fallback_wait: seconds a peer may keep an attempt waiting before a replica marked
             as a fallback (``Replica.fallback``) takes it: a peer cooling for at most this
             long is waited for, and a peer that answered a single 500 or pushback
@@ -272,6 +279,13 @@ class HedgerConfig:
     )
     backoff: Backoff | None = _shared.backoff()  # noqa: RUF009 (an attrs field)
     max_pushback_wait: float | None = _shared.max_pushback_wait()
+    rate_limit_cooldown: float = attrs.field(default=1.0, validator=number(0.0))
+
+    @rate_limit_cooldown.validator
+    def _check_rate_limit_cooldown(self, attribute: attrs.Attribute[float], value: float) -> None:
+        if value > 60:
+            raise ValueError(f"rate_limit_cooldown must be <= 60 seconds, not {value!r}")
+
     fallback_wait: float = attrs.field(default=1.0, validator=number(0.0))
     pick: Literal["peak_ewma", "least_loaded", "in_order"] = attrs.field(
         default="peak_ewma",

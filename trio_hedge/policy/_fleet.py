@@ -28,7 +28,6 @@ from .._source import Source
 from ..events import EventHook, HedgeEvent
 from ..sources._bindable import BindableReplica
 from ..sources.probes import LoadProbe
-from ..state import Cooldown, DelaySample, FleetStore, StateChange
 from ._blame import Attribution
 from ._budget import BudgetState
 from ._config import HedgerConfig
@@ -122,7 +121,11 @@ class FleetState:
         replicas: Sequence[BindableReplica | Source],
         on_event: list[EventHook],
         probes: Mapping[int, LoadProbe | ProbeState] | None = None,
+        *,
+        name: str = "default",
     ) -> None:
+        #: The fleet's name in a shared store (a gateway group's).
+        self.name = name
         self.config = config
         self.on_event = on_event
         self.replicas = [
@@ -158,12 +161,8 @@ class FleetState:
             (p.probe.interval for p in self.probes if p is not None), default=math.inf
         )
         self._serial = 0
-        #: Where this fleet's slow state is shared with the fleet's other processes, and
-        #: the fleet's name there (a gateway group): ``None``, nowhere. The gateway sets
-        #: both; the planner publishes each ejection, cooldown and delay sample it writes.
-        self.store: FleetStore | None = None
-        self.name = "default"
-        self._by_name = {r.name: r for r in self.replicas}
+        #: Requests whose first failure is on the throttle's credit now (``_writer.py``).
+        self.credits = 0
 
     def next_serial(self) -> int:
         """A number for a new request, distinct from every other request of this Hedger (its
@@ -180,9 +179,13 @@ class FleetState:
         now: float,
         prefill: Callable[[int], float | None] | None = None,
     ) -> ReplicaState:
-        """Where an attempt goes among ``eligible``: the lowest peak-EWMA cost, or, for a
-        replica whose engine reading is fresh, its predicted TTFT (`predicted`); ``prefill``
-        is the request's prefill model (seconds for a number of tokens)."""
+        """Where an attempt goes among ``eligible``: the lowest peak-EWMA cost -- its recent
+        TTFT times one plus its attempts waiting for a first token -- and for a replica whose
+        engine reading is fresh, its recent TTFT *plus* the queue wait the reading predicts
+        (`predicted`): the engine's evidence adds to what the Hedger saw of the replica,
+        never replaces it (a replica known to take 2 s, idle on its engine's page, is no
+        faster than one known to take 0.1 s); ``prefill`` is the request's prefill model
+        (seconds for a number of tokens)."""
         pick = self.config.pick
         if pick == "in_order" or len(eligible) == 1:
             return eligible[0]
@@ -197,7 +200,7 @@ class FleetState:
             if self.probed:
                 predicted = self.predicted(r, now, prefill, count=True)
                 if predicted is not None:
-                    cost = predicted
+                    cost = r.latency_now(now, decay) + predicted
             key = (cost, n)  # ties: fewer attempts, then the given order
             if key < best_key:
                 best, best_key = r, key
@@ -255,103 +258,6 @@ class FleetState:
         if self.on_event:
             emit(self.on_event, event, scopes)
 
-    def health_failure(self, replica: ReplicaState, model: str, now: float) -> float | None:
-        """Count one failure in ``replica``'s run, seen by a request for ``model``; eject it
-        if it is due and the cap (``max_ejection_percent``, never the last replica) has room
-        among the replicas out for ``model``: ejected whole or for that model. An ejection
-        for another model does not fill it (one request for a model only some replicas serve
-        would otherwise keep a failing replica in for every caller). Returns when the
-        ejection ends, or ``None`` (not ejected)."""
-        config = self.config.outlier_detection
-        if not replica.failure(now, config):
-            return None
-        assert config is not None
-        if self._out_for(model, now) >= self.ejection_limit:
-            self.counts.ejections_capped += 1
-            return None
-        replica.eject(now, config)
-        return replica.ejected_until
-
-    def _out_for(self, model: str, now: float) -> int:
-        """How many replicas are out for ``model`` now: ejected whole or for it."""
-        out = 0
-        models = self.models
-        for r in self.replicas:
-            state = models.get(r.index, model)
-            out += r.ejected_until > now or (state is not None and state.ejected_until > now)
-        return out
-
-    def eject_for_model(self, replica: ReplicaState, model: str, now: float) -> float | None:
-        """Eject ``replica`` for ``model`` at once (an error that is its own fault for that
-        model), under the same cap, counted among the replicas out for that model. Returns
-        when the ejection ends, or ``None`` (not ejected: out already, or the cap)."""
-        config = self.config.outlier_detection
-        if config is None:
-            return None
-        current = self.models.get(replica.index, model)
-        if replica.ejected(now) or (current is not None and current.ejected_until > now):
-            return None
-        if self._out_for(model, now) >= self.ejection_limit:
-            self.counts.ejections_capped += 1
-            return None
-        state = self.models.make(replica.index, model)
-        state.ejections += 1
-        replica.times_ejected += 1
-        state.ejected_until = now + config.ejection_time(state.ejections)
-        return state.ejected_until
-
-    def apply_remote(self, change: StateChange) -> None:
-        """Take in what another process of the fleet decided or observed (never this
-        process's own: the store does not hand it back): an ejection or a cooldown for its
-        remaining seconds, a TTFT sample into the delay learner at its age. This process's
-        own rules still hold: an ejection is not applied without outlier detection, nor past
-        the cap (``max_ejection_percent``: never the last replica, counted as
-        `health_failure` counts); a replica or size class this Hedger does not have, or a
-        sample older than the learner's window, is ignored; nothing is shortened."""
-        now = trio.current_time()
-        if isinstance(change, DelaySample):
-            model = self.model
-            if model is None or change.size_class >= model.config.classes.count:
-                return
-            if change.age >= model.config.window:
-                return
-            model.observe(
-                change.group,
-                change.size_class,
-                now - change.age,
-                change.seconds,
-                change.observed,
-                change.tokens,
-                change.replica,
-            )
-            return
-        replica = self._by_name.get(change.replica)
-        if replica is None:
-            return
-        until = now + change.seconds
-        if isinstance(change, Cooldown):
-            self.models.make(replica.index, change.model).push_back(now, change.seconds)
-            return
-        if self.config.outlier_detection is None:
-            return
-        if change.model is None:
-            if replica.ejected_until >= until:
-                return
-            whole = sum(1 for r in self.replicas if r.ejected(now))
-            if not replica.ejected(now) and whole >= self.ejection_limit:
-                self.counts.ejections_capped += 1
-                return
-            replica.ejected_until = until
-            return
-        state = self.models.get(replica.index, change.model)
-        if state is not None and state.ejected_until >= until:
-            return
-        out = replica.ejected(now) or (state is not None and state.ejected_until > now)
-        if not out and self._out_for(change.model, now) >= self.ejection_limit:
-            self.counts.ejections_capped += 1
-            return
-        self.models.make(replica.index, change.model).ejected_until = until
-
     def _probe_statistics(self, r: ReplicaState, now: float) -> dict[str, object]:
         state = self.probes[r.index]
         if state is None:
@@ -379,10 +285,17 @@ class FleetState:
             if entry.ejected_until > now:
                 ejected_models.append(model)
                 ejected_until = max(ejected_until, entry.ejected_until)
-        ejected_until = max(ejected_until, r.ejected_until)
+        # The replica's own state is its whole-replica scope: an ejection or cooldown for a
+        # model is that model's (``ejected_models``, ``cooling_models``), and a replica
+        # serving other models is not out (readiness reads the scopes).
         state = (
-            "ejected" if ejected_until > now else "cooling" if cooling_until > now else "healthy"
+            "ejected"
+            if r.ejected_until > now
+            else "degraded"
+            if cooling_models or ejected_models
+            else "healthy"
         )
+        ejected_until = max(ejected_until, r.ejected_until)
         return ReplicaStatistics(
             name=r.name,
             state=state,
@@ -399,6 +312,8 @@ class FleetState:
             else 0.0,
             lingering=len(r.lingering),
             lost_races=r.lost_races,
+            judged_attempts=0 if r.outcomes is None else r.outcomes.counts(now)[0],
+            slow_attempts=0 if r.outcomes is None else r.outcomes.counts(now)[1],
             cooling_models=tuple(sorted(cooling_models)),
             ejected_models=tuple(sorted(ejected_models)),
             **self._probe_statistics(r, now),  # type: ignore[arg-type]

@@ -44,10 +44,23 @@ class OutlierDetection:
         consecutive_failures: failures in a row that eject a replica. Default 5 (Envoy).
         base_ejection: the first ejection's length. Default 10.
         max_ejection: the longest ejection. Default 300 (Envoy).
-        count_slow: whether an attempt that was hedged for lack of a first token within the
-            hedge delay, and then lost to a later attempt of the same request after waiting
-            the fleet's own delay (not a caller's shorter ``hedge_after``), counts as a
-            failure in its replica's run. Default ``True``.
+        count_slow: whether slowness may eject a replica, *relative to the others*: an
+            attempt that was hedged for lack of a first token and then lost to a later attempt
+            of the same request after waiting the fleet's own delay (not a caller's shorter
+            ``hedge_after``) counts as slow in its replica's window of ``slow_window``
+            seconds; a replica whose share of slow attempts (at least ``slow_min_volume``
+            judged) is ``slow_margin`` above another replica's is ejected, never when fewer
+            than two replicas would be left in for the model (a request needs one to hedge
+            to). A lost race is never a failure in the run: busy is not broken (two
+            llama-server replicas behind another tenant's prompts: the run rule ejected a
+            replica that never failed and refused a third of the hedges). Envoy's
+            success-rate detection compares hosts the same way. Default ``True``.
+        slow_window: seconds over which slow attempts are counted. Default 60.
+        slow_min_volume: judged attempts (won, or lost after the fleet's delay) a replica
+            needs in the window before its share counts, and another replica to be compared
+            with. Default 10 (Envoy's ``success_rate_request_volume`` is 100, for RPCs).
+        slow_margin: how far above the best other replica's share of slow attempts a
+            replica's must be to eject it, in ``(0, 1]``. Default 0.5.
         max_ejection_percent: at most this percentage of the replicas is ejected at any
             moment, rounded down (Envoy's ``max_ejection_percent``: a replica is ejected
             only if ``ejected + 1 <= percent × replicas / 100``). At least one replica may
@@ -79,9 +92,14 @@ class OutlierDetection:
     base_ejection: float = attrs.field(default=10.0, validator=number(0.0, open_lo=True))
     max_ejection: float = attrs.field(default=300.0, validator=number(0.0, open_lo=True))
     count_slow: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    slow_window: float = attrs.field(default=60.0, validator=number(0.0, open_lo=True))
+    slow_min_volume: int = attrs.field(default=10, validator=integer(1))
+    slow_margin: float = attrs.field(default=0.5, validator=number(0.0, open_lo=True))
     max_ejection_percent: float = attrs.field(default=100 / 3, validator=_percent)
 
     def __attrs_post_init__(self) -> None:
+        if self.slow_margin > 1:
+            raise ValueError(f"slow_margin must be <= 1, not {self.slow_margin!r}")
         if self.base_ejection > self.max_ejection:
             raise ValueError(
                 f"base_ejection ({self.base_ejection}) must be <= max_ejection "
@@ -132,6 +150,13 @@ class ReplicaState:
     # reading, and without one (its own view). Per Hedger: the reading may be shared.
     probe_decisions: int = 0
     own_view_decisions: int = 0
+    # When it last gave a first token (a commit, any request's): a 500 every replica gave is
+    # a query of death only if they served others meanwhile.
+    last_commit: float = float("-inf")
+    # Its judged attempts (answered first, lost after the fleet's delay, failed) lately.
+    outcomes: OutcomeWindow | None = None
+    # Why it was last ejected (whole), for statistics and logs.
+    reason: str = ""
 
     def latency_now(self, now: float, decay: float) -> float:
         """The peak-EWMA TTFT estimate now: the last value, decayed toward zero with time
@@ -188,9 +213,9 @@ class ReplicaState:
         return self.ejected_until > now
 
     def success(self) -> None:
+        """A request it served ended without a break: its run and ejection count reset."""
         self.consecutive = 0
         self.ejections = 0
-        self.wins += 1
 
     def failure(self, now: float, config: OutlierDetection | None) -> bool:
         """Count one failure in its run; returns whether the replica is due for ejection
@@ -217,12 +242,53 @@ class ModelState:
     cooling_until: float = float("-inf")
     ejected_until: float = float("-inf")
     ejections: int = 0  # for this model, since its last success there
-    # The smallest request (estimated prompt tokens plus max_tokens) it answered a
-    # context-length error to: its window is smaller (learned, _blame.outgrew).
-    too_long_at: float = float("inf")
+    # Its context window for this model, as a context-length error stated it (tokens), or
+    # None: an estimated request size never teaches it (_judge: "context").
+    window: int | None = None
+    # Why it last cooled or was ejected for this model, for statistics and logs.
+    reason: str = ""
 
     def push_back(self, now: float, seconds: float) -> None:
         self.cooling_until = max(self.cooling_until, now + seconds)
+
+
+class OutcomeWindow:
+    """A replica's judged attempts over a sliding window (internal; ``slots`` counters, like
+    the hedge budget's): how many answered first, lost a race after the fleet's delay
+    (slow), or failed by its own fault. What the ejection rules compare between replicas."""
+
+    __slots__ = ("_count", "_slot_width", "_slots", "_totals")
+
+    def __init__(self, window: float, slots: int = 10) -> None:
+        self._slot_width = window / slots
+        self._count = slots
+        self._slots: list[list[int]] = []  # [slot index, judged, slow, failed]
+        self._totals = [0, 0, 0]
+
+    def _current(self, now: float) -> list[int]:
+        index = math.floor(now / self._slot_width)
+        oldest = index - self._count + 1
+        slots, totals = self._slots, self._totals
+        while slots and slots[0][0] < oldest:
+            old = slots.pop(0)
+            for i in range(3):
+                totals[i] -= old[i + 1]
+        if not slots or slots[-1][0] != index:
+            slots.append([index, 0, 0, 0])
+        return slots[-1]
+
+    def record(self, now: float, *, slow: bool = False, failed: bool = False) -> None:
+        slot = self._current(now)
+        bumps = (1, int(slow), int(failed))
+        for i in range(3):
+            slot[i + 1] += bumps[i]
+            self._totals[i] += bumps[i]
+
+    def counts(self, now: float) -> tuple[int, int, int]:
+        """``(judged, slow, failed)`` in the window."""
+        self._current(now)
+        judged, slow, failed = self._totals
+        return judged, slow, failed
 
 
 class ModelStates:

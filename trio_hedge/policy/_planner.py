@@ -10,17 +10,19 @@
   that;
 * **whether a hedge or failover may go** -- the budget and the throttle, checked at the
   moment;
-* **what happened** -- each attempt's start, commit, failure or cancellation updates the
-  delay learner, the replica's health and load, the budget, the throttle and the counters,
-  as far as ``_blame.py`` says the evidence of this request blames the replica (some
-  verdicts wait for the request's end).
+* **what happened** -- each attempt's start, first token, failure, cancellation or break
+  after the commit, and the request's end, goes into the request's evidence
+  (``_evidence.py``); the judge (``_judge.py``) turns it into verdicts, and the fleet's one
+  writer (``_writer.py``) applies them. This module keeps no rule about blame: it records,
+  asks and announces.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import trio
@@ -31,11 +33,24 @@ from ..errors import AttemptError, ReplicasCooling
 from ..events import EventKind, HedgeEvent
 from ..report import AttemptOutcome, AttemptRecord, Report
 from ..sources._bindable import BindableReplica
-from ..state import Cooldown, DelaySample, Ejection
 from ._backoff import backoff_delay, jitter_draw
-from ._blame import Fault, informs_delay, is_slow, outgrew
+from ._blame import outgrew
+from ._evidence import AttemptEvidence, Evidence, Outcome, Phase
 from ._fleet import FleetState
 from ._health import ReplicaState
+from ._judge import (
+    QUERY_OF_DEATH_WINDOW,
+    Effect,
+    Event,
+    Rules,
+    Verdict,
+    judge,
+    recoverable,
+    stated_window,
+    transient,
+)
+from ._judge import EventKind as Happened
+from ._writer import Applied, FleetWriter
 
 #: Seconds between two looks at a cold learner's delay for an attempt that waits on it.
 COLD_RECHECK = 0.05
@@ -44,9 +59,6 @@ __all__ = ["RequestPlanner"]
 
 #: Keys of requests unique across Hedgers: the attempts a shared load probe counts.
 _PROBE_KEYS = itertools.count(1)
-
-#: Cancelled attempts a replica may count as still being prefilled (a memory bound).
-_MAX_LINGERING = 1024
 
 
 class RequestPlanner:
@@ -60,6 +72,11 @@ class RequestPlanner:
         fleet: FleetState,
         bind: Callable[[BindableReplica | Source], Source],
         *,
+        writer: FleetWriter | None = None,
+        rules: Rules | None = None,
+        replicas: Sequence[BindableReplica | Source] | None = None,
+        affinities: tuple[str, ...] = (),
+        tokens_exact: bool = False,
         request_id: str,
         group: str,
         size_class: int,
@@ -70,7 +87,12 @@ class RequestPlanner:
         context_tokens: int | None = None,
     ) -> None:
         self._fleet = fleet
+        self._writer = FleetWriter(fleet) if writer is None else writer
+        self._rules = rules_of(fleet) if rules is None else rules
         self._make_source = bind
+        # What each of the fleet's replicas is for this request's Hedger (another API's
+        # replica of the same server, when Hedgers share a fleet).
+        self._replicas = [r.source for r in fleet.replicas] if replicas is None else list(replicas)
         self._request_id = request_id
         self._serial = fleet.next_serial()  # this request, whatever its id
         # This request among every Hedger's sharing a load probe (a LoadMonitor).
@@ -91,17 +113,22 @@ class RequestPlanner:
         self._running: dict[int, ReplicaState] = {}  # attempt number -> replica
         # Replica index -> when this request may try it again (back-off); made on first use.
         self._retry_at: dict[int, float] | None = None
-        # Attempts a hedge was sent for, (number, started, the fleet's delay): slow if
-        # another attempt wins after it waited the fleet's delay (_blame.is_slow).
-        self._hedged_over: list[tuple[int, float, float | None]] | None = None
         self._fleet_delays: dict[int, float | None] | None = None  # attempt -> fleet's delay
-        # Errors whose fault the request's end decides (_blame.Fault.UNDECIDED).
-        self._undecided: list[tuple[ReplicaState, AttemptError]] | None = None
-        self._taken = 0  # throttle thousandths this request's failures took (refunded if served)
         self._scopes: Scopes = {}  # the hooks' context managers open for this request's attempts
         self._key = object()  # HedgeEvent.request_key: this request, whatever its id
-        self._winner: ReplicaState | None = None
         self._started = 0
+        # What this request saw (the judge reads it), and the failovers (or recoveries) the
+        # throttle allowed at the failure (or break) that caused each, oldest first.
+        self._evidence = Evidence(
+            model=self._model,
+            group=group,
+            size_class=size_class,
+            tokens=tokens,
+            tokens_exact=tokens_exact,
+            need=context_tokens,
+            affinities=affinities,
+        )
+        self._retries: deque[bool] = deque()
         self._finished = False
         # The context window the request needs (estimated prompt plus max_tokens), and whether
         # a replica answered it a context-length error (then only a declared larger window).
@@ -140,7 +167,7 @@ class RequestPlanner:
             return False
         models = self._fleet.models
         state = models.get(replica.index, self._model) if len(models) else None
-        return state is None or need < state.too_long_at
+        return state is None or state.window is None or need <= state.window
 
     def fails_over(self, error: AttemptError) -> bool:
         """Whether a request-fault ``error`` may still fail over: a context-length error,
@@ -283,7 +310,7 @@ class RequestPlanner:
     def _bind(self, replica: ReplicaState) -> Source:
         source = self._bound.get(replica.index)
         if source is None:
-            source = self._make_source(replica.source)
+            source = self._make_source(self._replicas[replica.index])
             self._bound[replica.index] = source
             self._by_source[id(source)] = replica
         return source
@@ -293,18 +320,26 @@ class RequestPlanner:
         primary = number == 1
         throttle = fleet.throttle
         # A recovery after the commit goes as a failover does (throttle, ejection, the plan).
+        # The throttle decided at the failure (or break) that causes it (gRFC A6's check, at
+        # the failure: a scheduler batch later, other requests' failures had emptied it).
         retry = trigger == "failover" or trigger == "recovery"
-        if retry and throttle is not None and not throttle.allows:
-            # gRFC A6: at or below half the tokens, no retries either (a primary always goes).
-            if self._candidates():
-                self._refuse("throttle", trio.current_time(), failover=True)
-            return None
+        if retry:
+            allowed = (
+                self._retries.popleft() if self._retries else (throttle is None or throttle.allows)
+            )
+            if not allowed:
+                # gRFC A6: at or below half the tokens, no retries either (a primary always
+                # goes).
+                if self._candidates():
+                    self._refuse("throttle", trio.current_time(), failover=True)
+                return None
         config = fleet.config
         wait = config.max_pushback_wait
         start = trio.current_time()
         deadline = math.inf if wait is None else start + wait
         if self._began is None:
             self._began = start  # the race begins with its primary
+            self._evidence.began = start
         timeout = config.first_token_timeout
         if timeout is not None and trigger != "recovery":
             # Nor past the race's first_token_timeout: a replica cooling beyond it could not
@@ -349,6 +384,9 @@ class RequestPlanner:
             if self._cold is None:
                 self._cold = set()
             self._cold.add(number)  # looked at again as the fleet's first samples arrive
+        attempt = self._evidence.attempts.get(number)
+        if attempt is not None:
+            attempt.fleet_delay = delay
         if self._hedge_after is not None:
             delay = self._hedge_after  # the caller's own delay for this request, as given
         assert delay is not None  # hedgeable without a delay of its own
@@ -404,6 +442,9 @@ class RequestPlanner:
             return False
         assert self._fleet_delays is not None
         self._fleet_delays[number] = fresh
+        attempt = self._evidence.attempts.get(number)
+        if attempt is not None:
+            attempt.fleet_delay = fresh
         self._cold.discard(number)
         return True
 
@@ -510,14 +551,6 @@ class RequestPlanner:
             )
             fleet.emit(event, self._scopes)
 
-    def _ejected(self, replica: ReplicaState, until: float | None, reason: str, now: float) -> None:
-        if until is not None:
-            self._emit(EventKind.REPLICA_EJECTED, now, replica.name, reason=reason, until=until)
-            store = self._fleet.store
-            if store is not None:  # SHARE: the fleet's other processes (whole: not one model)
-                model = None if until == replica.ejected_until else self._model
-                store.publish(Ejection(self._fleet.name, replica.name, model, until - now, reason))
-
     def may_hedge(self) -> bool:
         """Whether a backup may go now. Only checks: the budget is spent when it starts."""
         candidates = self._candidates()
@@ -546,12 +579,15 @@ class RequestPlanner:
 
     def _refuse(self, reason: str, now: float, *, failover: bool = False) -> bool:
         """Count and announce a hedge (or failover) not sent, for ``reason``: ``budget``,
-        ``throttle`` or ``no_replica``."""
-        fleet = self._fleet
-        fleet.counts.refused(reason, failover=failover)
-        if self._saturated:
-            self._saturated = False
-            fleet.counts.saturated += 1
+        ``throttle`` or ``no_replica``. A refused hedge is evidence too: the attempt it would
+        have backed up had nowhere to hedge (``_judge``: "unhedgeable")."""
+        saturated, self._saturated = self._saturated, False
+        self._writer.refused(reason, failover=failover, saturated=saturated)
+        if not failover:
+            for number in self._running:
+                attempt = self._evidence.attempts[number]
+                if attempt.phase is Phase.RACE and attempt.refused is None:
+                    attempt.refused = reason
         kind = EventKind.FAILOVER_REFUSED if failover else EventKind.HEDGE_REFUSED
         self._emit(kind, now, reason=reason)
         return False
@@ -562,6 +598,7 @@ class RequestPlanner:
         replica = self._by_source[id(source)]
         now = trio.current_time()
         outcome = record.outcome
+        number = record.number
         kind: EventKind
         if outcome is AttemptOutcome.RUNNING:
             kind = EventKind.ATTEMPT_STARTED
@@ -571,211 +608,121 @@ class RequestPlanner:
             self._won(replica, record, now)
         elif outcome is AttemptOutcome.FAILED:
             kind = EventKind.ATTEMPT_FAILED
-            self._end(record.number)
+            attempt = self._ended(number, now)
             if record.error is not None:
-                self._failed(replica, record.error, now)
+                self._failed(replica, attempt, record.error, now)
         elif outcome is AttemptOutcome.CANCELLED or outcome is AttemptOutcome.TIMEOUT:
-            # Lost, cancelled by the caller, or stopped by first_token_timeout: no blame here
-            # (a hedged attempt that lost was blamed at the commit), a censored sample.
             kind = EventKind.ATTEMPT_CANCELLED
-            self._end(record.number)
-            # A recovery is never hedged (it loses no race), and its time without new text
-            # includes reproducing the answer so far: no sample, not even a censored one.
-            recovery = record.trigger == "recovery"
-            lost = self._winner is not None and not recovery
-            if lost:
-                replica.lost_races += 1
-            probe = self._fleet.probes[replica.index] if self._fleet.probed else None
-            if probe is not None and record.ttft is None:
-                probe.cancelled(now)  # its prefill may run: no poll may keep it alive
-            if (
-                not recovery
-                and record.ttft is None
-                and record.started_at is not None
-                and record.ended_at is not None
-            ):
-                ran = record.ended_at - record.started_at
-                sample = informs_delay(
-                    ended_by_fleet=lost or outcome is AttemptOutcome.TIMEOUT,
-                    ran=ran,
-                    fleet_delay=self._asked_delay(record.number, now),
-                )
-                self._censored(replica, record, ran, now, sample=sample)
+            attempt = self._ended(number, now)
+            self._cancelled(replica, attempt, outcome, now)
         else:  # pragma: no cover - the race reports no other outcome
             return
         self._emit(kind, now, replica.name, record=record)
 
-    def _asked_delay(self, number: int, now: float) -> float | None:
-        """The delay the fleet would hedge attempt ``number`` at, as asked when it started
-        (else now: a request that may not hedge asks none, nor a planner driven without
-        ``hedge_delay``)."""
-        asked = self._fleet_delays
-        if asked is not None and number in asked:
-            return asked[number]
-        return self._fleet_delay(number, now)
+    def _verdicts(self, event: Event, now: float) -> Applied:
+        """Judge ``event`` on this request's evidence, have the writer apply the verdicts,
+        announce what changed, and note what the request's evidence must remember."""
+        evidence = self._evidence
+        verdicts = judge(self._rules, evidence, event)
+        applied = self._writer.apply(
+            verdicts,
+            now,
+            model=self._model,
+            group=self._group,
+            size_class=self._class,
+            tokens=self._tokens,
+        )
+        for verdict in verdicts:
+            self._remember(verdict, applied)
+        for replica, until, reason, _model in applied.ejected:
+            self._emit(EventKind.REPLICA_EJECTED, now, replica.name, reason=reason, until=until)
+        for replica, until, reason in applied.cooled:
+            self._emit(EventKind.REPLICA_COOLING, now, replica.name, reason=reason, until=until)
+        return applied
 
-    def _censored(
-        self, replica: ReplicaState, record: AttemptRecord, ran: float, now: float, *, sample: bool
-    ) -> None:
-        """An attempt cancelled after ``ran`` seconds without a first token: its TTFT is at
-        least that (right-censored) for the delay learner (if ``sample``: _blame.informs_delay)
-        and for its replica's latency; and its server may still be prefilling it (llama.cpp
-        notices a disconnect only when the prefill ends): it counts as in flight there until
-        the prefill model's median for its size has passed since it started."""
-        fleet = self._fleet
-        tokens = self._tokens
-        model = fleet.model
-        if model is not None:
-            if sample:
-                model.observe(
-                    self._group, self._class, now, ran, False, tokens, replica.name, record.number
-                )
-                self._share_sample(replica, ran, False)  # SHARE
-            fit = model.fit(self._group, now)
-            if fit is not None:
-                x = model.tokens_of(self._class) if tokens is None else tokens
-                expected = fit.median(x)
-                if expected > ran:
-                    lingering = replica.lingering
-                    if len(lingering) < _MAX_LINGERING:
-                        lingering.append((now - ran + expected, now - ran))
-        if fleet.config.pick == "peak_ewma":
-            # A lower bound: it only ever raises the estimate (_blame: a lost race is no
-            # evidence that a replica is fast).
-            excess = ran - fleet.prefill(self._group, tokens, now)
-            replica.observe_lower_bound(now, max(excess, 0.0), fleet.config.latency_decay)
-
-    def _share_sample(self, replica: ReplicaState, seconds: float, observed: bool) -> None:
-        """SHARE: a delay sample this request just gave its learner, for the fleet's other
-        processes (nothing without a store)."""
-        store = self._fleet.store
-        if store is not None:
-            fleet = self._fleet
-            store.publish(
-                DelaySample(
-                    fleet.name,
-                    self._group,
-                    self._class,
-                    seconds,
-                    observed,
-                    self._tokens,
-                    replica.name,
-                )
-            )
+    def _remember(self, verdict: Verdict, applied: Applied) -> None:
+        evidence = self._evidence
+        effect = verdict.effect
+        if effect is Effect.CREDIT:
+            evidence.asked_credit = True
+            evidence.credit = applied.credit is True
+        elif effect is Effect.DEBIT and not evidence.asked_credit:  # pragma: no cover
+            evidence.asked_credit = True
+        elif effect is Effect.CREDIT_RELEASED or effect is Effect.CREDIT_DEBITED:
+            evidence.credit = False
+        elif effect is Effect.REFUND:
+            evidence.taken = 0
+        if effect is Effect.CREDIT or effect is Effect.DEBIT:
+            evidence.taken += applied.taken
+            applied.taken = 0  # (counted once, whichever verdict took it)
 
     def _start(self, replica: ReplicaState, record: AttemptRecord, now: float) -> None:
-        fleet = self._fleet
-        counts = fleet.counts
+        number = record.number
         self._started += 1
         self._used[replica.index] += 1
-        self._running[record.number] = replica
-        replica.waiting[(self, record.number)] = now
-        probe = fleet.probes[replica.index] if fleet.probed else None
-        if probe is not None:
-            probe.started(now, self._tokens or 0, self._probe_key)
-        replica.in_flight += 1
-        replica.attempts += 1
-        counts.attempts += 1
-        counts.prompt_sent += self._tokens or 0
-        if record.number == 1:
-            counts.requests += 1
-            if fleet.budget is not None:
-                fleet.budget.request(now)
+        self._running[number] = replica
+        recovery = record.trigger == "recovery"
+        evidence = self._evidence
+        evidence.attempts[number] = AttemptEvidence(
+            number=number,
+            replica=replica.index,
+            name=replica.name,
+            trigger=record.trigger,
+            started=now,
+            phase=Phase.RECOVERY if recovery else Phase.RACE,
+        )
+        at_once = self._at_once is not None and number - 1 in self._at_once
         if record.trigger == "hedge":
-            counts.hedges_sent += 1
-            if self._at_once is not None and record.number - 1 in self._at_once:
-                counts.at_once += 1
-            if fleet.budget is not None:
-                fleet.budget.spend(now)  # spent now it really started, not when checked
-            # The attempt before had no first token within the hedge delay. Whether that
-            # makes it slow is known only at the end: only if another attempt wins, after it
-            # waited as long as the fleet would have (not the caller's own shorter delay).
-            before = self._running.get(record.number - 1)
-            started = None if before is None else before.waiting.get((self, record.number - 1))
-            if started is not None:
-                if self._hedged_over is None:
-                    self._hedged_over = []
-                number = record.number - 1
-                self._hedged_over.append((number, started, self._asked_delay(number, now)))
-        elif record.trigger == "failover":
-            counts.failovers += 1
-        elif record.trigger == "recovery":
-            counts.recoveries += 1
+            # The attempt before had no first token by now: a backup was sent for it.
+            before = evidence.attempts.get(number - 1)
+            if before is not None and before.outcome is Outcome.RUNNING:
+                before.hedged_after = now - before.started
+        self._writer.started(
+            replica,
+            (self, number),
+            number,
+            record.trigger,
+            now,
+            tokens=self._tokens,
+            probe_key=self._probe_key,
+            at_once=record.trigger == "hedge" and at_once,
+        )
 
-    def _won(self, replica: ReplicaState, record: AttemptRecord, now: float) -> None:
-        fleet = self._fleet
-        self._winner = replica
-        replica.success()
-        fleet.models.succeeded(replica.index, self._model)
-        if fleet.throttle is not None:
-            fleet.throttle.success()
-            if self._taken:  # the fleet served this request: its failures were no storm
-                fleet.throttle.refund(self._taken)
-                self._taken = 0
-        replica.waiting.pop((self, record.number), None)
-        if record.trigger == "recovery":
-            return  # its time to new text is no TTFT (it may have reproduced a long prefix)
-        if record.ttft is not None:  # None: an empty answer won, with no token to time
-            model = fleet.model
-            if model is not None:
-                model.observe(
-                    self._group,
-                    self._class,
-                    now,
-                    record.ttft,
-                    True,
-                    self._tokens,
-                    replica.name,
-                    record.number,
-                )
-                self._share_sample(replica, record.ttft, True)  # SHARE
-            if fleet.config.pick == "peak_ewma":
-                excess = record.ttft - fleet.prefill(self._group, self._tokens, now)
-                replica.observe_latency(now, max(excess, 0.0), fleet.config.latency_decay)
-            if record.started_at is not None:
-                fleet.ttfts.append((now, record.started_at + record.ttft))
-        if record.trigger == "hedge":
-            fleet.counts.backup_wins += 1
-        hedged_over, self._hedged_over = self._hedged_over, None
-        outlier = fleet.config.outlier_detection
-        if hedged_over is not None and outlier is not None and outlier.count_slow:
-            for number, started, fleet_delay in hedged_over:
-                slow = self._running.get(number)  # still running: it loses now
-                if slow is not None and is_slow(
-                    another_won=number != record.number,
-                    waited=now - started,
-                    fleet_delay=fleet_delay,
-                ):
-                    self._ejected(slow, fleet.health_failure(slow, self._model, now), "slow", now)
-
-    def _end(self, number: int) -> None:
+    def _ended(self, number: int, now: float) -> AttemptEvidence:
         replica = self._running.pop(number, None)
         if replica is not None:
-            replica.in_flight -= 1
-            replica.waiting.pop((self, number), None)
+            self._writer.ended(replica, (self, number))
+        attempt = self._evidence.attempts[number]
+        attempt.ended = now
+        return attempt
 
-    def _failed(self, replica: ReplicaState, error: AttemptError, now: float) -> None:
-        fleet = self._fleet
-        fault = fleet.attribution.fault(error)
+    def _won(self, replica: ReplicaState, record: AttemptRecord, now: float) -> None:
+        evidence = self._evidence
+        number = record.number
+        attempt = evidence.attempts[number]
+        attempt.outcome = Outcome.WON
+        attempt.ttft = record.ttft
+        evidence.winner = number
+        recovery = record.trigger == "recovery"
+        self._writer.answered(replica, (self, number))
+        self._writer.committed(replica, now, hedge=record.trigger == "hedge")
+        if record.ttft is not None and record.started_at is not None and not recovery:
+            self._writer.commit_time(now, record.started_at + record.ttft)
+        self._verdicts(Event(Happened.COMMITTED, number), now)
+
+    def _failed(
+        self, replica: ReplicaState, attempt: AttemptEvidence, error: AttemptError, now: float
+    ) -> None:
+        attempt.outcome = Outcome.FAILED
+        attempt.error = error
         if outgrew(error):
-            self._outgrew(replica)
-        retry_after = error.retry_after
-        # Pushback cools the replica for this model, unless the error is the request's (or
-        # waits for the evidence: a quota error's pushback is as much the caller's as it).
-        if retry_after and retry_after > 0 and fault not in (Fault.REQUEST, Fault.UNDECIDED):
-            self._cool(replica, retry_after, error, now)
-        if fault is Fault.REPLICA:
-            replica.failures += 1
-            self._ejected(
-                replica, fleet.health_failure(replica, self._model, now), error.kind.value, now
-            )
-        elif fault is Fault.MISCONFIGURED:
-            self._misconfigured(replica, error, now)
-        elif fault is Fault.UNDECIDED:
-            if self._undecided is None:
-                self._undecided = []
-            self._undecided.append((replica, error))
+            self._outgrew(replica, error)
+        self._verdicts(Event(Happened.FAILED, attempt.number), now)
+        # The failover this failure causes is decided now, at the failure.
+        throttle = self._fleet.throttle
+        self._retries.append(throttle is None or throttle.allows)
         index = replica.index
+        fleet = self._fleet
         if error.replica_fault:
             self._used[index] = self._per_replica  # it would answer the same: not again
         elif self._used[index] < self._per_replica and fleet.config.backoff is not None:
@@ -790,9 +737,7 @@ class RequestPlanner:
             if self._retry_at is None:
                 self._retry_at = {}
             self._retry_at[index] = now + backoff_delay(repeat, backoff, draw)
-        if (fault is Fault.REPLICA or fault is Fault.PUSHBACK) and fleet.throttle is not None:
-            self._taken += fleet.throttle.failure()
-        if fault is Fault.REPLICA or fault is Fault.PUSHBACK:
+        if transient(self._rules, error):
             self._retry_before_falling_back(replica, error)
 
     def _retry_before_falling_back(self, replica: ReplicaState, error: AttemptError) -> None:
@@ -816,79 +761,98 @@ class RequestPlanner:
         self._retried.add(index)
         used[index] -= 1
 
-    def _outgrew(self, replica: ReplicaState) -> None:
-        """``replica`` answered that the request does not fit its window: learn it (for this
-        model, from this request's own size), and need more than its window from now on."""
-        need = self._need
-        if need is not None:
-            state = self._fleet.models.make(replica.index, self._model)
-            state.too_long_at = min(state.too_long_at, need)
+    def _outgrew(self, replica: ReplicaState, error: AttemptError) -> None:
+        """``replica`` answered that the request does not fit its window: from now on this
+        request needs more than that window (the one the error states, else its declared
+        one): only a replica that says it has room is tried. (The fleet learns the window
+        from a stated size only: the judge's "context" rule.)"""
         self._outgrown = True
-        self._need = max(need or 0, (replica.context_window or 0) + 1)
+        window = stated_window(error) or replica.context_window or 0
+        self._need = max(self._need or 0, window + 1)
 
-    def _cool(self, replica: ReplicaState, seconds: float, error: AttemptError, now: float) -> None:
-        """Server pushback: no attempt for this model goes to ``replica`` for ``seconds``."""
-        state = self._fleet.models.make(replica.index, self._model)
-        state.push_back(now, seconds)
-        store = self._fleet.store
-        if store is not None:  # SHARE: the fleet's other processes
-            reason = error.kind.value
-            store.publish(Cooldown(self._fleet.name, replica.name, self._model, seconds, reason))
-        self._emit(
-            EventKind.REPLICA_COOLING,
-            now,
-            replica.name,
-            reason=error.kind.value,
-            until=state.cooling_until,
-        )
+    def _cancelled(
+        self,
+        replica: ReplicaState,
+        attempt: AttemptEvidence,
+        outcome: AttemptOutcome,
+        now: float,
+    ) -> None:
+        """Lost, cancelled by the caller, or stopped by first_token_timeout."""
+        recovery = attempt.phase is Phase.RECOVERY
+        lost = self._evidence.winner is not None and not recovery
+        if outcome is AttemptOutcome.TIMEOUT:
+            attempt.outcome = Outcome.TIMEOUT
+        else:
+            attempt.outcome = Outcome.LOST if lost else Outcome.CANCELLED
+        expected = None
+        ran = now - attempt.started
+        fleet = self._fleet
+        if attempt.ttft is None and not recovery:
+            if attempt.fleet_delay is None:
+                # Never asked (a request that may not hedge): what the fleet would have
+                # waited, for whether a caller's cancel is a sample.
+                attempt.fleet_delay = self._fleet_delay(attempt.number, now)
+            model = fleet.model
+            fit = None if model is None else model.fit(self._group, now)
+            if fit is not None:
+                assert model is not None
+                x = model.tokens_of(self._class) if self._tokens is None else self._tokens
+                expected = fit.median(x)
+        if attempt.ttft is None:
+            self._writer.cancelled(replica, now, lost=lost, ran=ran, expected=expected)
+        self._verdicts(Event(Happened.CANCELLED, attempt.number), now)
 
-    def _misconfigured(self, replica: ReplicaState, error: AttemptError, now: float) -> None:
-        """An error that is ``replica``'s own fault for this model: ejected for it at once."""
-        replica.failures += 1
-        until = self._fleet.eject_for_model(replica, self._model, now)
-        self._ejected(replica, until, error.kind.value, now)
+    def winner_broke(self, error: AttemptError) -> bool:
+        """The winner failed after the commit (a cut, a stall, a malformed event, an in-band
+        error): judged now, at the break (one failure for its replica, its throttle token),
+        and the recovery's throttle decided now too. Returns whether a recovery may be tried
+        at all: not when the error is the request's own fault, which would fail the same way
+        anywhere (``_judge``: "after-commit-request")."""
+        evidence = self._evidence
+        number = evidence.winner
+        now = trio.current_time()
+        if number is None:  # pragma: no cover - the stream breaks only after a commit
+            return False
+        attempt = evidence.attempts[number]
+        attempt.outcome = Outcome.BROKE
+        attempt.error = error
+        attempt.ended = now
+        self._verdicts(Event(Happened.BROKE, number), now)
+        throttle = self._fleet.throttle
+        self._retries.clear()
+        self._retries.append(throttle is None or throttle.allows)
+        return recoverable(self._rules, error)
 
     def request_finished(self, report: Report) -> None:
         if self._finished:
             return
         self._finished = True
-        fleet = self._fleet
-        counts = fleet.counts
+        writer = self._writer
         for number, replica in self._running.items():
-            replica.in_flight -= 1
-            replica.waiting.pop((self, number), None)
+            writer.ended(replica, (self, number))
         self._running.clear()
         now = trio.current_time()
-        if not report.attempts:
-            if isinstance(report.error, ReplicasCooling):
-                counts.refused_requests += 1
+        refused = isinstance(report.error, ReplicasCooling)
+        if not writer.finished(report, refused_request=refused):
+            if refused:
                 self._emit(EventKind.REQUEST_FINISHED, now, report=report)
             return  # else cancelled before anything was sent (e.g. while every replica cooled)
-        counts.finished += 1
-        if report.error is not None:
-            counts.failed += 1
-        winner = self._winner
-        undecided, self._undecided = self._undecided, None
-        if undecided is not None:
-            # The evidence is complete: a key, quota or "not found" error was its replica's
-            # only if another replica served this same request (_blame.Attribution.settle).
-            settle = fleet.attribution.settle
-            for replica, failure in undecided:
-                served = winner is not None and winner is not replica
-                if settle(served_elsewhere=served) is Fault.MISCONFIGURED:
-                    self._misconfigured(replica, failure, now)
-        broke = [a for a in report.attempts if a.outcome is AttemptOutcome.WON and a.error]
-        if broke:
-            # A winner that failed after the commit (a stall, a cut), recovered elsewhere or
-            # not: its replica's health suffers.
-            by_name = {r.name: r for r in fleet.replicas}
-            for record in broke:
-                assert record.error is not None
-                at = by_name.get(record.replica)
-                if at is not None and fleet.attribution.after_commit(record.error) is Fault.REPLICA:
-                    at.failures += 1
-                    until = fleet.health_failure(at, self._model, now)
-                    self._ejected(at, until, record.error.kind.value, now)
-        counts.wasted += report.wasted_tokens
-        counts.prompt_resent += report.prompt_tokens_resent or 0
+        # The replicas that served another request lately: a request every replica answered
+        # 500 while the fleet served others is a query of death (the judge's rule).
+        since = now - QUERY_OF_DEATH_WINDOW
+        served = frozenset(r.index for r in self._fleet.replicas if r.last_commit >= since)
+        self._verdicts(Event(Happened.FINISHED, served_since=served), now)
         self._emit(EventKind.REQUEST_FINISHED, now, report=report)
+
+
+def rules_of(fleet: FleetState) -> Rules:
+    """The judge's rules from a Hedger's configuration."""
+    config = fleet.config
+    outlier = config.outlier_detection
+    return Rules(
+        attribution=config.attribution,
+        count_slow=outlier is not None and outlier.count_slow,
+        max_pushback_wait=config.max_pushback_wait,
+        rate_limit_cooldown=config.rate_limit_cooldown,
+        max_ejection=300.0 if outlier is None else outlier.max_ejection,
+    )

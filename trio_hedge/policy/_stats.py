@@ -61,8 +61,10 @@ class ReplicaStatistics:
 
     Attributes:
         name: the replica's name.
-        state: ``"healthy"``, ``"cooling"`` (server pushback, for some model) or
-            ``"ejected"`` (for every model, or for some: ``ejected_models``).
+        state: its own scope: ``"ejected"`` (for every model: its run of failures, or
+            slow beside the others), ``"degraded"`` (cooling or ejected for some models
+            only: ``cooling_models``, ``ejected_models``; it serves the others) or
+            ``"healthy"``.
         in_flight: attempts running on it now (a committed winner counts until its stream
             ends).
         attempts: attempts started on it since the Hedger was created.
@@ -84,6 +86,11 @@ class ReplicaStatistics:
             flight by the ``peak_ewma`` pick).
         lost_races: its attempts cancelled because another attempt of the same request won,
             since the Hedger was created.
+        judged_attempts: its attempts judged for speed in the last ``slow_window`` seconds
+            (``OutlierDetection``): those that got a first token, and those that lost a race
+            after waiting the fleet's own delay.
+        slow_attempts: of those, the ones that lost after the fleet's delay: slow. A
+            replica is ejected for slowness only relative to the others (``count_slow``).
         cooling_models: the models it is cooling for now (pushback is kept per model).
         ejected_models: the models it is ejected for now (an error that was its own fault
             for that model), not counting an ejection for every model (``state``).
@@ -120,6 +127,8 @@ class ReplicaStatistics:
     latency: float = 0.0
     lingering: int = 0
     lost_races: int = 0
+    judged_attempts: int = 0
+    slow_attempts: int = 0
     cooling_models: tuple[str, ...] = ()
     ejected_models: tuple[str, ...] = ()
     probe: str = "off"
@@ -233,13 +242,13 @@ class HedgerStatistics:
 
     @property
     def ejected(self) -> tuple[str, ...]:
-        """Names of the replicas ejected now."""
-        return tuple(r.name for r in self.replicas if r.state == "ejected")
+        """Names of the replicas ejected now, whole or for some model."""
+        return tuple(r.name for r in self.replicas if r.state == "ejected" or r.ejected_models)
 
     @property
     def cooling(self) -> tuple[str, ...]:
-        """Names of the replicas cooling now."""
-        return tuple(r.name for r in self.replicas if r.state == "cooling")
+        """Names of the replicas cooling now (server pushback, for some model)."""
+        return tuple(r.name for r in self.replicas if r.cooling_models)
 
     def __str__(self) -> str:
         """One field per line, and one per replica, delay or prefill fit, for

@@ -343,6 +343,13 @@ class ResponsesReplica(Replica):
 
     api: ClassVar[str] = "responses"
 
+    @staticmethod
+    def affinities(request: Mapping[str, Any]) -> tuple[str, ...]:
+        """What of ``request`` only some replicas can answer: a ``previous_response_id``
+        (the response is stored on the replica that made it). A "not found" for such a
+        request is nobody's fault (the judge's "affinity" rule)."""
+        return ("previous_response_id",) if request.get("previous_response_id") else ()
+
     def check_request(self, request: object) -> None:
         """Raise ``TypeError``/``ValueError`` unless ``request`` is a Responses JSON body (a
         mapping that encodes to strict JSON) that can be hedged: ``background`` set or a

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import email.utils
 import http
+import json
 import math
 import re
 import ssl
@@ -323,6 +324,34 @@ def _kind_for(
     return (ErrorKind.SERVER_ERROR if in_band else ErrorKind.PROTOCOL), None
 
 
+#: The window a context-length error states: vLLM's and OpenAI's "maximum context length is
+#: 4096 tokens", Anthropic's "210000 tokens > 200000 maximum", TGI's "must be <= 4096",
+#: SGLang's "the model's context length (4096 tokens)", llama-server's ``"n_ctx": 4096``.
+_STATED_WINDOW = (
+    re.compile(r"maximum context length is (\d[\d,]*)", re.IGNORECASE),
+    re.compile(r"> ?(\d[\d,]*) maximum", re.IGNORECASE),
+    re.compile(r"must be <= ?(\d[\d,]*)", re.IGNORECASE),
+    re.compile(
+        r"context (?:length|window|size) (?:is |of )?\(?(\d[\d,]*)(?: tokens)?\)?", re.IGNORECASE
+    ),
+    re.compile(r'"n_ctx"\s*:\s*(\d+)'),
+)
+
+
+def stated_window(text: str) -> int | None:
+    """The context window (tokens) a context-length error's text states, or ``None``."""
+    for pattern in _STATED_WINDOW:
+        found = pattern.search(text)
+        if found is not None:
+            try:
+                value = int(found.group(1).replace(",", ""))
+            except ValueError:  # pragma: no cover - the pattern matched digits
+                continue
+            if 0 < value < 10**9:
+                return value
+    return None
+
+
 def _in_band_error(
     payload: Any,
     headers: Mapping[str, str] | None = None,
@@ -334,13 +363,24 @@ def _in_band_error(
     message, labels, code = _error_fields(payload)
     kind, retryable = _kind_for(code, message, labels, in_band=True, sent=sent)
     retry_after = parse_retry_after(headers) if headers else None
+    window = None
+    if kind is ErrorKind.CONTEXT_LENGTH_EXCEEDED:
+        window = stated_window(message) or stated_window(_json_text(payload))
     return AttemptError(
         kind,
         _truncate(redact(message)) or "error event in the stream",
         retryable=retryable,
         retry_after=retry_after,
         status_code=status,
+        context_window=window,
     )
+
+
+def _json_text(payload: Any) -> str:
+    try:
+        return json.dumps(payload)[:4096]
+    except (TypeError, ValueError):
+        return ""
 
 
 def _is_error(obj: Any) -> bool:
@@ -419,6 +459,7 @@ def classify_http_error(
         retryable=retryable,
         retry_after=parse_retry_after(headers, now=now),
         status_code=status,
+        context_window=(stated_window(text) if kind is ErrorKind.CONTEXT_LENGTH_EXCEEDED else None),
     )
 
 
@@ -589,4 +630,5 @@ def with_context(error: AttemptError, context: str) -> AttemptError:
         status_code=error.status_code,
         replica=error.replica,
         hint=error.hint,
+        context_window=error.context_window,
     )

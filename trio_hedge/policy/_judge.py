@@ -1,0 +1,726 @@
+"""The judge: one request's evidence, at each event, turned into verdicts on the fleet.
+
+Every consumer of what a request saw -- health and ejection, cooldowns, the retry throttle,
+the peak-EWMA pick, the delay learner, the learned context windows and readiness -- reads it
+through one place: `judge`, a plain synchronous function of the request's evidence
+(``_evidence.py``) and one event (an attempt failed, the first
+token, an attempt cancelled, the winner broke, the request finished). It returns
+`Verdict`\\ s -- a scope (nobody, a replica, a replica for one model, the fleet) and an effect --
+and does nothing: the fleet's one writer (``_writer.py``) applies them. So "who is blamed
+for what" is one table (`RULES`); ``docs/guarantees.md`` prints it, and a test checks that the
+two agree and that every rule is reached by a scenario.
+
+Anchors: Finagle's one ``ResponseClassifier`` read by failure accrual, retries and stats
+alike; Envoy's outlier detector, told each host's result with its origin; httpcore's pool,
+which decides on pure state and returns what to do, the I/O after.
+
+The rules that took the most thought:
+
+* **A success is final only when the request ends unbroken.** A winner that breaks after
+  the commit counts one failure at the break; its replica's run is reset only when a request
+  it served ends without a break (a replica that breaks every stream used to be reset by each
+  commit and was never ejected).
+* **Blame waits for the evidence.** A key, quota or "not found" error, and a plain 500, are
+  the replica's only when another replica served the same request; from every replica tried
+  they are the request's (a model nobody serves, a caller's key, a *query of death* -- a
+  request that crashes every server it reaches, while those servers serve everyone else).
+* **Affinity is nobody's fault.** A "not found" for a request bound to state only one
+  replica holds (a Responses ``previous_response_id``) says the replica lacks that state.
+* **Busy is not broken.** A lost race moves the pick (the loser's latency estimate rises)
+  and counts against health only *relative to the other replicas* (``_writer.py``'s slow
+  detector, as Envoy's success-rate detection compares hosts), never as a run of one.
+* **The throttle decides a failover at the failure that causes it** (gRFC A6's check,
+  taken where the failure happens, not a scheduler batch later): a request's first failure
+  goes on credit, released when it is served and debited at its end if not; the writer
+  bounds the credit by the hedge budget, so a fleet that fails whole still stays within
+  the storm bound.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+import attrs
+
+from ..errors import AttemptError, ErrorKind
+from ._blame import Attribution, Fault
+from ._evidence import AttemptEvidence, Evidence, Outcome, Phase
+
+__all__ = [
+    "QUERY_OF_DEATH_WINDOW",
+    "RULES",
+    "Effect",
+    "Event",
+    "EventKind",
+    "Rule",
+    "Rules",
+    "Scope",
+    "Verdict",
+    "judge",
+]
+
+
+#: Seconds before a request's end within which another request's first token shows the fleet
+#: serving: then a 500 from every replica the request reached is the request's (a query of
+#: death). A fleet failing whole stops serving: once its last first token is this old, its
+#: 500s count against the replicas again (and the throttle closes).
+QUERY_OF_DEATH_WINDOW = 10.0
+
+
+class Scope(enum.Enum):
+    """What a verdict changes: nothing, one replica (every model), one replica for one model,
+    or the fleet (throttle, delay learner)."""
+
+    NOBODY = "nobody"
+    REPLICA = "replica"
+    REPLICA_MODEL = "replica+model"
+    FLEET = "fleet"
+
+
+class Effect(enum.Enum):
+    """What a verdict does (the writer's vocabulary)."""
+
+    NOTHING = "nothing"  # recorded: the rule that found nobody at fault
+    FAILURE = "failure"  # one failure in the replica's run (ejected at consecutive_failures)
+    SUCCESS = "success"  # the run of failures and the ejection count reset (final)
+    EJECT = "eject"  # ejected for the model at once (its own misconfiguration)
+    OUTAGE = "outage"  # ejected for the model for ``seconds`` (a Retry-After past the ceiling)
+    COOL = "cool"  # no attempt for the model for ``seconds``
+    SLOW = "slow"  # lost a race after the fleet's delay: slow, in its window
+    PROMPT = "prompt"  # answered first: not slow, in its window
+    LATENCY = "latency"  # a TTFT sample for the peak-EWMA pick (``seconds``)
+    LATENCY_FLOOR = "latency_floor"  # its latency is at least ``seconds`` (never lowered)
+    SAMPLE = "sample"  # a delay-learner sample: ``seconds``, ``observed`` or censored
+    WINDOW = "window"  # its context window for the model is ``tokens`` (stated by the server)
+    CREDIT = "credit"  # the request's first failure asks the throttle for credit
+    DEBIT = "debit"  # one throttle token taken
+    CREDIT_RELEASED = "credit_released"  # served: the credit is given back, nothing taken
+    CREDIT_DEBITED = "credit_debited"  # unserved: the credit becomes a token taken
+    REFUND = "refund"  # served: the tokens its failures took (``tokens`` thousandths) back
+    THROTTLE_SUCCESS = "throttle_success"  # a first token: the throttle's token_ratio back
+
+
+_SCOPES = {
+    Effect.NOTHING: Scope.NOBODY,
+    Effect.FAILURE: Scope.REPLICA,
+    Effect.SUCCESS: Scope.REPLICA,
+    Effect.EJECT: Scope.REPLICA_MODEL,
+    Effect.OUTAGE: Scope.REPLICA_MODEL,
+    Effect.COOL: Scope.REPLICA_MODEL,
+    Effect.SLOW: Scope.REPLICA,
+    Effect.PROMPT: Scope.REPLICA,
+    Effect.LATENCY: Scope.REPLICA,
+    Effect.LATENCY_FLOOR: Scope.REPLICA,
+    Effect.SAMPLE: Scope.FLEET,
+    Effect.WINDOW: Scope.REPLICA_MODEL,
+    Effect.CREDIT: Scope.FLEET,
+    Effect.DEBIT: Scope.FLEET,
+    Effect.CREDIT_RELEASED: Scope.FLEET,
+    Effect.CREDIT_DEBITED: Scope.FLEET,
+    Effect.REFUND: Scope.FLEET,
+    Effect.THROTTLE_SUCCESS: Scope.FLEET,
+}
+
+
+@attrs.frozen
+class Verdict:
+    """One thing a request's evidence changes (internal): ``rule`` says which row of `RULES`
+    found it."""
+
+    rule: str
+    effect: Effect
+    replica: int | None = None  # the replica's index; None for the fleet or nobody
+    model: str | None = None  # for a replica+model verdict
+    seconds: float = 0.0
+    observed: bool = True  # a SAMPLE: a first token (True) or censored (False)
+    tokens: int = 0  # a WINDOW's size; a REFUND's thousandths
+    reason: str = ""  # an error kind's value, "slow": for events, logs and metrics
+    attempt: int = 0  # the attempt it is about (a SAMPLE's, for the learner's record)
+    #: A SAMPLE's time (the Trio time it stands for: the attempt's start plus ``seconds``),
+    #: or ``None``: now.
+    at: float | None = None
+    #: A LATENCY or LATENCY_FLOOR of a time to first token: the writer takes off what the
+    #: prefill model puts down to the prompt's size (a long prompt does not mark its replica
+    #: slow), with the model as it stands once this event's sample is in.
+    excess: bool = False
+
+    @property
+    def scope(self) -> Scope:
+        return _SCOPES[self.effect]
+
+
+class EventKind(enum.Enum):
+    FAILED = "attempt failed"
+    COMMITTED = "first token"
+    CANCELLED = "attempt cancelled"
+    BROKE = "winner broke after the commit"
+    FINISHED = "request finished"
+
+
+@attrs.frozen
+class Event:
+    """What happened (internal): ``number`` is the attempt; ``served_since``: at the end, the
+    replicas that committed another request since this one began (a query of death is known
+    by it)."""
+
+    kind: EventKind
+    number: int = 0
+    served_since: frozenset[int] = frozenset()
+
+
+@attrs.frozen
+class Rules:
+    """What the judge needs of the configuration (internal; from ``HedgerConfig``).
+
+    Attributes:
+        attribution: whose fault each kind of error is (the caller's overrides).
+        count_slow: whether slowness may count against health (relative, ``_writer.py``).
+        max_pushback_wait: seconds of ``Retry-After`` that are a wait; longer is an outage
+            of that replica for that model. ``None``: every pushback is a wait.
+        rate_limit_cooldown: seconds a 429 without ``Retry-After`` cools its replica for
+            that model.
+        max_ejection: the longest ejection, seconds (an outage's too).
+    """
+
+    attribution: Attribution = attrs.field(factory=Attribution)
+    count_slow: bool = True
+    max_pushback_wait: float | None = 10.0
+    rate_limit_cooldown: float = 1.0
+    max_ejection: float = 300.0
+
+
+@attrs.frozen
+class Rule:
+    """One row of "who is blamed for what" (``docs/guarantees.md``)."""
+
+    id: str
+    what: str
+    whose: str
+    changes: str
+    tests: tuple[str, ...]
+
+
+#: Every rule the judge applies, in the order of ``docs/guarantees.md``'s table (generated
+#: from this: ``tests/test_judge.py`` checks both ways).
+RULES: tuple[Rule, ...] = (
+    Rule(
+        "request",
+        "an error that is the request's: not retryable (400, 413, 422; a usage-policy "
+        "refusal), or a kind in `Attribution.caller` (a forwarded key's 401)",
+        "the request's",
+        "nothing; before the commit the request fails (`FatalAttemptError`)",
+        ("test_judge_rules[a 400 is the request's]", "test_whose_fault_an_error_is"),
+    ),
+    Rule(
+        "after-commit-request",
+        "after the commit, an in-band error that is the request's (not retryable)",
+        "the request's",
+        "nothing; the stream ends with `StreamInterrupted` (partial text kept), not recovered",
+        (
+            "test_judge_rules[after the commit the request's own fault]",
+            "test_the_requests_own_fault_after_the_commit_is_not_recovered",
+        ),
+    ),
+    Rule(
+        "context",
+        "a context-length error",
+        "the request's, for that replica's window",
+        "the request may fail over to a replica that declares a larger window; the window is "
+        "learned for (replica, model) only when the server states it (`maximum context length "
+        "is 4096`, llama-server's `n_ctx`): an estimated size never teaches it",
+        (
+            "test_judge_rules[a context-length error stating the window]",
+            "test_a_window_is_learned_only_from_a_stated_size",
+        ),
+    ),
+    Rule(
+        "affinity",
+        'a "not found" for a request bound to state only some replicas hold (a Responses '
+        "`previous_response_id`, a `conversation`)",
+        "nobody's",
+        "nothing: the replica lacks that state, not the model",
+        (
+            "test_judge_rules[a second turn's 404 is nobody's]",
+            "test_a_second_turn_ejects_nobody",
+        ),
+    ),
+    Rule(
+        "trusted",
+        "a kind in `Attribution.replica` (a trusted caller)",
+        "that replica's, for that model, at once",
+        "ejected for that model at once (the cap applies)",
+        ("test_judge_rules[a trusted caller's 404]", "test_whose_fault_an_error_is"),
+    ),
+    Rule(
+        "misconfigured",
+        "404/401/403/quota from one replica while another served the same request",
+        "that replica's, for that model",
+        "ejected for that model at once (the cap applies), decided at the request's end; "
+        "the failover was at once",
+        ("test_judge_rules[404 at a, b serves]", "test_whose_fault_an_error_is"),
+    ),
+    Rule(
+        "everywhere",
+        "404/401/403/quota and no replica served the request (a model nobody serves, the "
+        "caller's own key)",
+        "the request's",
+        "nothing",
+        (
+            "test_judge_rules[404 everywhere]",
+            "test_a_bad_request_changes_nothing_another_caller_gets",
+        ),
+    ),
+    Rule(
+        "transient",
+        "a transient error: 503, 5xx other than 500, connection, timeout, a truncated, empty or "
+        "malformed stream",
+        "its replica's",
+        "one failure in its run; a throttle token (the request's first on credit)",
+        ("test_judge_rules[a 503]", "test_one_replica_down_every_request_is_served"),
+    ),
+    Rule(
+        "server-error",
+        "a 500 while another replica served the request, or while the replicas tried served "
+        "nobody else",
+        "its replica's, decided at the request's end",
+        "one failure in its run; its throttle token stands",
+        ("test_judge_rules[a 500, b serves]", "test_judge_rules[500 everywhere, fleet down]"),
+    ),
+    Rule(
+        "query-of-death",
+        "a 500 from every replica tried (two or more), while the fleet serves other requests "
+        "(a first token in the last 10 s)",
+        "the request's (a query of death)",
+        "nothing: no failure, its throttle tokens given back",
+        (
+            "test_judge_rules[a query of death]",
+            "test_a_query_of_death_leaves_another_callers_rescues",
+        ),
+    ),
+    Rule(
+        "pushback",
+        "a 429 or 503 with `Retry-After` up to `max_pushback_wait`",
+        "pushback, for that model",
+        "(replica, model) cools that long, and takes attempts again the moment it ends; a "
+        "throttle token (on credit as above); a 503 is also one failure",
+        (
+            "test_judge_rules[a 429 with Retry-After]",
+            "test_pushback_for_one_model_does_not_cool_another",
+        ),
+    ),
+    Rule(
+        "rate-limit",
+        "a 429 without `Retry-After`",
+        "pushback, for that model",
+        "(replica, model) cools for `rate_limit_cooldown` (1 s); its latency estimate is at "
+        "least that, so the pick moves; a throttle token",
+        (
+            "test_judge_rules[a 429 without Retry-After]",
+            "test_a_429_without_retry_after_moves_the_primary",
+        ),
+    ),
+    Rule(
+        "outage",
+        "a `Retry-After` longer than `max_pushback_wait` (an hour's quota reset)",
+        "that replica's, for that model",
+        "ejected for that model for the `Retry-After` (at most `max_ejection`): an outage, not "
+        "a wait (cooling as long when the ejection cap holds it in); a throttle token",
+        (
+            "test_judge_rules[a Retry-After past the ceiling]",
+            "test_a_long_retry_after_is_an_outage",
+        ),
+    ),
+    Rule(
+        "first-token",
+        "an attempt's first token (the commit)",
+        "—",
+        "its TTFT is a delay sample and a latency sample; the throttle gets `token_ratio` back, "
+        "and the tokens and credit its request's failures took",
+        ("test_judge_rules[a primary answers]", "test_one_replica_down_every_request_is_served"),
+    ),
+    Rule(
+        "unhedgeable",
+        "the first token of an attempt whose backup was refused (no replica, budget, throttle)",
+        "—",
+        "a delay sample censored at its delay, not its TTFT: the tail is not learned from "
+        "requests that had nowhere to hedge",
+        (
+            "test_judge_rules[a primary whose hedge was refused]",
+            "test_requests_that_could_not_hedge_do_not_raise_the_delay",
+        ),
+    ),
+    Rule(
+        "lost",
+        "an attempt cancelled because another attempt of its request won",
+        "nobody's",
+        "its latency estimate may only rise (the run time is a lower bound); a delay sample "
+        "censored when its backup was sent, if that was at the fleet's own delay (censored at "
+        "the cancel, every loser added its backup's TTFT and the delay ratcheted up)",
+        (
+            "test_judge_rules[a lost race]",
+            "test_a_lost_race_never_makes_the_loser_look_fast",
+            "test_loser_censoring_does_not_ratchet_the_delay",
+        ),
+    ),
+    Rule(
+        "slow",
+        "an attempt that lost a race after waiting the fleet's own delay (not a caller's "
+        "shorter `hedge_after`)",
+        "its replica's, relative to the others",
+        "counted slow in its window: ejected only when its share of slow attempts is "
+        "`slow_margin` above another replica's over `slow_window`, and never when fewer than "
+        "two replicas would be left for a request to hedge between (`count_slow=False`: "
+        "nothing)",
+        (
+            "test_judge_rules[a lost race after the fleet's delay]",
+            "test_busy_replicas_are_not_ejected_for_losing_races",
+            "test_a_short_hedge_delay_is_the_callers_choice",
+        ),
+    ),
+    Rule(
+        "cancelled",
+        "an attempt the caller cancelled (or its request's failure elsewhere cut short)",
+        "the caller's choice",
+        "a delay sample censored at its run time only past the fleet's delay; its latency "
+        "estimate may only rise",
+        (
+            "test_judge_rules[a caller's cancel]",
+            "test_a_callers_cancel_is_a_delay_sample_only_past_the_fleets_delay",
+        ),
+    ),
+    Rule(
+        "timeout",
+        "an attempt `first_token_timeout` ended",
+        "the fleet's cut",
+        "a delay sample censored at its run time; its latency estimate may only rise",
+        ("test_judge_rules[first_token_timeout]",),
+    ),
+    Rule(
+        "break",
+        "the winner breaks after the commit (a cut, a stall, a malformed event, a transient "
+        "in-band error)",
+        "its replica's",
+        "one failure in its run, at the break; the recovery is a failover, its throttle "
+        "decided then",
+        ("test_judge_rules[a winner breaks]", "test_a_replica_that_breaks_every_stream_is_ejected"),
+    ),
+    Rule(
+        "served",
+        "the request ends and its answer did not break (recovered or not)",
+        "—",
+        "success for the replica that finished the answer: its run of failures and its "
+        "ejection count reset",
+        (
+            "test_judge_rules[a primary answers]",
+            "test_a_replica_that_breaks_every_stream_is_ejected",
+        ),
+    ),
+    Rule(
+        "unserved",
+        "the request ends unserved, its first failure on credit",
+        "—",
+        "the credit becomes a throttle token taken",
+        ("test_judge_rules[503 everywhere]", "test_a_failing_fleet_stays_within_the_storm_bound"),
+    ),
+)
+
+_IDS = frozenset(rule.id for rule in RULES)
+
+
+def _v(rule: str, effect: Effect, **fields: object) -> Verdict:
+    assert rule in _IDS, rule
+    return Verdict(rule, effect, **fields)  # type: ignore[arg-type]
+
+
+def stated_window(error: AttemptError) -> int | None:
+    """The context window a context-length error states (``AttemptError.context_window``),
+    or ``None``."""
+    window = error.context_window
+    return window if window is not None and window > 0 else None
+
+
+def _throttle(evidence: Evidence) -> Verdict:
+    """A failure's throttle verdict: the request's first asks for credit, the rest debit."""
+    if not evidence.asked_credit:
+        return _v("transient", Effect.CREDIT)
+    return _v("transient", Effect.DEBIT)
+
+
+def _retry(rule: str, verdict: Verdict) -> Verdict:
+    return attrs.evolve(verdict, rule=rule)
+
+
+def _pushback(
+    rules: Rules, evidence: Evidence, attempt: AttemptEvidence, error: AttemptError, fault: Fault
+) -> list[Verdict]:
+    """A rate limit or an overloaded replica that says when to come back."""
+    r, model = attempt.replica, evidence.model
+    after = error.retry_after
+    out: list[Verdict] = []
+    reason = error.kind.value
+    ceiling = rules.max_pushback_wait
+    if after is not None and after > 0 and ceiling is not None and after > ceiling:
+        seconds = min(after, rules.max_ejection)
+        out.append(
+            _v("outage", Effect.OUTAGE, replica=r, model=model, seconds=seconds, reason=reason)
+        )
+        out.append(_retry("outage", _throttle(evidence)))
+        return out
+    if after is None or after <= 0:
+        if fault is not Fault.PUSHBACK:
+            return out  # a 503 without Retry-After: a transient failure only
+        rule = "rate-limit"
+        after = rules.rate_limit_cooldown
+    else:
+        rule = "pushback"
+    if after > 0:
+        out.append(_v(rule, Effect.COOL, replica=r, model=model, seconds=after, reason=reason))
+        if rule == "rate-limit":
+            # It said nothing of when: the pick stays off it beyond the guess, as its
+            # latency estimate decays (with a Retry-After it is back at the very moment).
+            out.append(_v(rule, Effect.LATENCY_FLOOR, replica=r, seconds=after))
+    if fault is Fault.PUSHBACK:
+        out.append(_retry(rule, _throttle(evidence)))
+    return out
+
+
+def _is_500(error: AttemptError | None) -> bool:
+    return error is not None and error.kind is ErrorKind.SERVER_ERROR and error.status_code == 500
+
+
+def _affinity_miss(evidence: Evidence, error: AttemptError) -> bool:
+    return bool(evidence.affinities) and error.kind is ErrorKind.NOT_FOUND
+
+
+def _failed(rules: Rules, evidence: Evidence, attempt: AttemptEvidence) -> list[Verdict]:
+    error = attempt.error
+    assert error is not None
+    r, model = attempt.replica, evidence.model
+    if error.kind is ErrorKind.CONTEXT_LENGTH_EXCEEDED:
+        window = stated_window(error)
+        if window is None:
+            return [_v("context", Effect.NOTHING, replica=r)]
+        return [_v("context", Effect.WINDOW, replica=r, model=model, tokens=window)]
+    fault = rules.attribution.fault(error)
+    if fault is Fault.REQUEST:
+        return [_v("request", Effect.NOTHING, replica=r)]
+    if _affinity_miss(evidence, error):
+        return [_v("affinity", Effect.NOTHING, replica=r)]
+    if fault is Fault.MISCONFIGURED:
+        return [_v("trusted", Effect.EJECT, replica=r, model=model, reason=error.kind.value)]
+    if fault is Fault.UNDECIDED:
+        return []  # settled at the request's end (_settle)
+    out = _pushback(rules, evidence, attempt, error, fault)
+    if fault is Fault.PUSHBACK:
+        return out
+    # Fault.REPLICA: a transient error of its making.
+    if any(v.effect is Effect.OUTAGE for v in out):
+        return out
+    if not _is_500(error):
+        out.append(_v("transient", Effect.FAILURE, replica=r, reason=error.kind.value))
+    # A 500's health waits for the end (a query of death?); its throttle token does not.
+    out.append(
+        _retry("server-error", _throttle(evidence)) if _is_500(error) else _throttle(evidence)
+    )
+    return out
+
+
+def _sample(
+    rule: str, attempt: AttemptEvidence, seconds: float, *, observed: bool = True
+) -> Verdict:
+    """A delay sample of ``attempt``: ``seconds`` from its start, observed or censored."""
+    return _v(
+        rule,
+        Effect.SAMPLE,
+        seconds=seconds,
+        observed=observed,
+        replica=attempt.replica,
+        attempt=attempt.number,
+        at=attempt.started + seconds,
+    )
+
+
+def _committed(evidence: Evidence, attempt: AttemptEvidence) -> list[Verdict]:
+    out: list[Verdict] = []
+    r = attempt.replica
+    if attempt.phase is Phase.RACE and attempt.ttft is not None:
+        if attempt.refused is not None and attempt.fleet_delay is not None:
+            # Nowhere to hedge: what it waited past its delay says nothing of a hedged
+            # request's tail.
+            seconds = min(attempt.ttft, attempt.fleet_delay)
+            out.append(_sample("unhedgeable", attempt, seconds, observed=False))
+        else:
+            out.append(_sample("first-token", attempt, attempt.ttft))
+        out.append(_v("first-token", Effect.LATENCY, replica=r, seconds=attempt.ttft, excess=True))
+        out.append(_v("first-token", Effect.PROMPT, replica=r))
+    out.append(_v("first-token", Effect.THROTTLE_SUCCESS))
+    if evidence.credit:
+        out.append(_v("first-token", Effect.CREDIT_RELEASED))
+    if evidence.taken:
+        out.append(_v("first-token", Effect.REFUND, tokens=evidence.taken))
+    if attempt.phase is Phase.RACE:
+        for other in evidence.attempts.values():
+            if (
+                other is not attempt
+                and other.outcome is Outcome.RUNNING
+                and other.phase is Phase.RACE
+                and other.hedged_after is not None
+                and other.fleet_delay is not None
+                and attempt.ttft is not None
+                and (attempt.started + attempt.ttft) - other.started >= other.fleet_delay
+            ):
+                out.append(_v("slow", Effect.SLOW, replica=other.replica, reason="slow"))
+    return out
+
+
+def _cancelled(attempt: AttemptEvidence) -> list[Verdict]:
+    if attempt.phase is Phase.RECOVERY or attempt.ttft is not None or attempt.ended is None:
+        return []  # a recovery's time to new text is no TTFT, not even a censored one
+    r = attempt.replica
+    ran = attempt.ended - attempt.started
+    fleet_delay = attempt.fleet_delay
+    floor = _v("lost", Effect.LATENCY_FLOOR, replica=r, seconds=ran, excess=True)
+    if attempt.outcome is Outcome.LOST:
+        out = [floor]
+        # Censored when its backup was sent (what the fleet knew when it decided), if that
+        # was at the fleet's own delay; an attempt nothing was sent for (the backup that
+        # lost), when it was cancelled.
+        censor = ran if attempt.hedged_after is None else attempt.hedged_after
+        if attempt.hedged_after is None or (
+            fleet_delay is not None and censor >= fleet_delay - 1e-9
+        ):
+            out.append(_sample("lost", attempt, censor, observed=False))
+        return out
+    if attempt.outcome is Outcome.TIMEOUT:
+        return [
+            _retry("timeout", floor),
+            _sample("timeout", attempt, ran, observed=False),
+        ]
+    out = [_retry("cancelled", floor)]
+    if fleet_delay is not None and ran >= fleet_delay:
+        out.append(_sample("cancelled", attempt, ran, observed=False))
+    return out
+
+
+def transient(rules: Rules, error: AttemptError) -> bool:
+    """Whether ``error`` is its replica's transient fault or pushback (a 5xx, a rate limit,
+    a connection error...): worth one more try on a preferred replica before a fallback."""
+    return rules.attribution.fault(error) in (Fault.REPLICA, Fault.PUSHBACK)
+
+
+def recoverable(rules: Rules, error: AttemptError) -> bool:
+    """Whether a winner that broke with ``error`` after the commit may be recovered: not when
+    the error is the request's own (it would fail the same way anywhere)."""
+    return error.retryable and error.kind not in rules.attribution.caller
+
+
+def _broke(rules: Rules, evidence: Evidence, attempt: AttemptEvidence) -> list[Verdict]:
+    error = attempt.error
+    assert error is not None
+    r = attempt.replica
+    if not recoverable(rules, error):
+        return [_v("after-commit-request", Effect.NOTHING, replica=r)]
+    return [
+        _v("break", Effect.FAILURE, replica=r, reason=error.kind.value),
+        _retry("break", _throttle(evidence)),
+    ]
+
+
+def _settle(rules: Rules, evidence: Evidence, event: Event) -> list[Verdict]:
+    """Errors whose fault waited for the request's end: key, quota and "not found" errors,
+    and 500s."""
+    out: list[Verdict] = []
+    failed = [a for a in evidence.attempts.values() if a.outcome is Outcome.FAILED]
+    winner = evidence.winner
+    served_by = None if winner is None else evidence.attempts[winner].replica
+    all_500 = (
+        winner is None
+        and bool(failed)
+        and len(failed) == len(evidence.attempts)
+        and all(_is_500(a.error) for a in failed)
+        and len({a.replica for a in failed}) >= 2
+    )
+    # Every replica it reached answered 500 while the fleet served other requests: the
+    # request's fault (a whole fleet failing serves nobody, and stays the replicas' fault).
+    query_of_death = all_500 and bool(event.served_since)
+    for a in failed:
+        error = a.error
+        assert error is not None
+        r = a.replica
+        served_elsewhere = served_by is not None and served_by != r
+        fault = rules.attribution.fault(error)
+        if fault is Fault.REQUEST or fault is Fault.MISCONFIGURED:
+            continue  # decided when it happened
+        if fault is Fault.UNDECIDED:
+            if _affinity_miss(evidence, error):
+                continue  # decided when it happened
+            if served_elsewhere:
+                out.append(
+                    _v(
+                        "misconfigured",
+                        Effect.EJECT,
+                        replica=r,
+                        model=evidence.model,
+                        reason=error.kind.value,
+                    )
+                )
+            else:
+                out.append(_v("everywhere", Effect.NOTHING, replica=r))
+        elif _is_500(error):
+            if query_of_death:
+                out.append(_v("query-of-death", Effect.NOTHING, replica=r))
+            else:
+                out.append(_v("server-error", Effect.FAILURE, replica=r, reason=error.kind.value))
+    if query_of_death:
+        if evidence.credit:
+            out.append(_v("query-of-death", Effect.CREDIT_RELEASED))
+        if evidence.taken:
+            out.append(_v("query-of-death", Effect.REFUND, tokens=evidence.taken))
+    return out
+
+
+def _finished(rules: Rules, evidence: Evidence, event: Event) -> list[Verdict]:
+    out = _settle(rules, evidence, event)
+    winner = evidence.winner
+    final = None if winner is None else evidence.attempts[winner]
+    served = final is not None and final.outcome is Outcome.WON
+    if served:
+        assert final is not None
+        out.append(_v("served", Effect.SUCCESS, replica=final.replica, model=evidence.model))
+    if evidence.credit and not any(v.rule == "query-of-death" for v in out):
+        # Credit still out: a break's, after the commit (its recovery did not answer), or the
+        # first failure of a request nothing served.
+        if served:
+            out.append(_v("served", Effect.CREDIT_RELEASED))
+        else:
+            out.append(_v("unserved", Effect.CREDIT_DEBITED))
+    return out
+
+
+def judge(rules: Rules, evidence: Evidence, event: Event) -> tuple[Verdict, ...]:
+    """The verdicts ``event`` makes of ``evidence`` (see the module docs and `RULES`). Pure:
+    reads its arguments, changes nothing; the fleet's writer applies what it returns."""
+    if event.kind is EventKind.FINISHED:
+        return tuple(_finished(rules, evidence, event))
+    attempt = evidence.attempts[event.number]
+    if event.kind is EventKind.FAILED:
+        return tuple(_failed(rules, evidence, attempt))
+    if event.kind is EventKind.COMMITTED:
+        return tuple(_committed(evidence, attempt))
+    if event.kind is EventKind.CANCELLED:
+        return tuple(_cancelled(attempt))
+    return tuple(_broke(rules, evidence, attempt))
+
+
+def rule_rows(rules: Iterable[Rule] = RULES) -> list[str]:
+    """The rules as the rows of ``docs/guarantees.md``'s table ("Who is blamed for what")."""
+    rows = ["| what happened | whose | what changes | tests |", "| --- | --- | --- | --- |"]
+    for rule in rules:
+        tests = ", ".join(f"`{t}`" for t in rule.tests)
+        rows.append(f"| {rule.what} | {rule.whose} | {rule.changes} | {tests} |")
+    return rows
+
+
+if __name__ == "__main__":  # regenerate docs/guarantees.md's table: python -m ...
+    print("\n".join(rule_rows()))
