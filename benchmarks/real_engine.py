@@ -542,6 +542,9 @@ def check_targets(console: Console, rows: Sequence[Row]) -> bool:
 # -- issue 21: engine evidence, on the engines people self-host -----------------------------------
 
 PROBES_ROUTING = "routing only, with probes"
+#: Issue 27's control: the defaults but for slowness, which counted against a replica's health
+#: as a run (busy is not broken).
+HEDGER_NOSLOW = "Hedger, count_slow off"
 PROBES = "Hedger with probes"
 PROBES_PRIORITY = "Hedger with probes, backups at priority 1"
 #: The evidence scenario's strategies (``--scenario evidence``), in the order they run; a
@@ -551,6 +554,7 @@ EVIDENCE_STRATEGIES = {
     "fixed": FIXED,
     "double": DOUBLE,
     "hedger": HEDGER,
+    "hedger-noslow": HEDGER_NOSLOW,
     "routing": ROUTING,
     "probe-routing": PROBES_ROUTING,
     "probes": PROBES,
@@ -626,6 +630,11 @@ class EvidenceRow:
     at_once: int  # backups sent at once on the engine's evidence
     delays: str  # the Hedger's delays at the end
     tenant: tuple[float, float]  # the other tenant's TTFT: P50, max
+    #: The Hedger's ejections of replicas that never failed, its hedges refused for want of a
+    #: replica, and its replicas' (times ejected, failures).
+    healthy_ejected: int = 0
+    no_replica: int = 0
+    ejections: str = ""
 
 
 def _three(values: Sequence[float]) -> tuple[float, float, float]:
@@ -698,7 +707,8 @@ async def run_evidence(
                         outcomes = await run_schedule(
                             schedule, send, client, urls, p, model, prompts
                         )
-                elif name in (HEDGER, ROUTING, PROBES, PROBES_ROUTING, PROBES_PRIORITY):
+                elif name in (HEDGER, HEDGER_NOSLOW, ROUTING, PROBES, PROBES_ROUTING,
+                              PROBES_PRIORITY):  # fmt: skip
                     with_probes = name in (PROBES, PROBES_ROUTING, PROBES_PRIORITY)
                     priority = 1 if name == PROBES_PRIORITY else None
                     replicas = [
@@ -713,6 +723,10 @@ async def run_evidence(
                     config = th.HedgerConfig(first_token_timeout=120.0)
                     if name in (ROUTING, PROBES_ROUTING):
                         config = attrs.evolve(config, hedge_after=None)
+                    if name == HEDGER_NOSLOW:
+                        config = attrs.evolve(
+                            config, outlier_detection=th.policy.OutlierDetection(count_slow=False)
+                        )
                     hedger = th.Hedger(replicas, config, client=client)
                     async with hedger:  # the probes poll only inside
                         outcomes = await run_schedule(
@@ -733,9 +747,19 @@ async def run_evidence(
                 polls = failures = None
                 at_once = 0
                 delays = ""
+                healthy_ejected = no_replica = 0
+                ejections = ""
                 if hedger is not None:
                     stats = hedger.statistics()
                     at_once = stats.hedges_at_once
+                    no_replica = stats.no_replica_refusals
+                    healthy_ejected = sum(
+                        r.times_ejected for r in stats.replicas if r.failures == 0
+                    )
+                    ejections = ", ".join(
+                        f"{r.name}: {r.times_ejected} ({r.failures} failures)"
+                        for r in stats.replicas
+                    )
                     if with_probes:
                         polls = sum(r.probe_polls for r in stats.replicas)
                         failures = sum(r.probe_failures for r in stats.replicas)
@@ -748,7 +772,8 @@ async def run_evidence(
                 tenant = [o.ttft or math.inf for o in outcomes if o.item.tenant]
                 rows.append(EvidenceRow(row, _warm(outcomes, e.warm_from), polls, failures,
                                         at_once, delays, (percentile(tenant, 50),
-                                                          max(tenant))))  # fmt: skip
+                                                          max(tenant)), healthy_ejected,
+                                        no_replica, ejections))  # fmt: skip
                 console.print(
                     f"  {label}: {time.monotonic() - began:.0f} s, P99 {row.ttft[2]:.3f} s, "
                     f"warm P99 {rows[-1].warm[1]:.3f} s, extra {row.extra:.1f}%, "
@@ -811,7 +836,7 @@ def print_evidence(
     console.print(table)
 
 
-def check_evidence(console: Console, rows: Sequence[EvidenceRow]) -> bool:
+def check_evidence(console: Console, rows: Sequence[EvidenceRow], engine: str = "llama") -> bool:
     """PASS/FAIL for issue 21's targets, for the Hedger with probes."""
     by = {er.row.name: er for er in rows}
     if PROBES not in by:
@@ -827,9 +852,19 @@ def check_evidence(console: Console, rows: Sequence[EvidenceRow]) -> bool:
     routers = [er for er in rows if er.row.name.split()[0] in ("smg", "vllm-router")]
     if routers:
         best = min(routers, key=lambda er: er.row.ttft[2])
-        checks.append((f"P99 <= 0.25x the best router policy's ({p99:.3f} vs 0.25 x "
-                       f"{best.row.ttft[2]:.3f} = {0.25 * best.row.ttft[2]:.3f} s, "
-                       f"{best.row.name})", p99 <= 0.25 * best.row.ttft[2]))  # fmt: skip
+        text = (f"P99 <= 0.25x the best router policy's ({p99:.3f} vs 0.25 x "
+                f"{best.row.ttft[2]:.3f} = {0.25 * best.row.ttft[2]:.3f} s, "
+                f"{best.row.name})")  # fmt: skip
+        if engine == "vllm" and DOUBLE in by:
+            # Decided for vLLM on 2 cores: the spare replica shares the cores with the busy
+            # one, so it is judged against double send on the same machine (which pays the
+            # same shared cores); the router ratio is information.
+            console.print(f"(information) {text}: {p99 / best.row.ttft[2]:.2f}x")
+            double = by[DOUBLE].row.ttft[2]
+            checks.append((f"P99 <= double send's on the same cores ({p99:.3f} vs "
+                           f"{double:.3f} s)", p99 <= double))  # fmt: skip
+        else:
+            checks.append((text, p99 <= 0.25 * best.row.ttft[2]))
     checks.append((f"whole-run P99 <= 1.5x warm P99 ({p99:.3f} vs 1.5 x {ours.warm[1]:.3f} = "
                    f"{1.5 * ours.warm[1]:.3f} s)", p99 <= 1.5 * ours.warm[1]))  # fmt: skip
     hedged, sent = ours.row.long_hedged
@@ -1027,11 +1062,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="40 requests, a smoke run")
     parser.add_argument(
         "--scenario",
-        choices=("tail", "evidence", "cancel-cost"),
+        choices=("tail", "evidence", "busy", "cancel-cost"),
         default="tail",
         help="tail: issue 9's mixed schedule on llama-cpp-python (the default); evidence: "
         "issue 21's, other tenants' long prompts on the engines of ../shared/engine2 with "
-        "probes and routers; cancel-cost: the prefill a cancelled request costs on "
+        "probes and routers; busy: issue 27's, 240 short requests in 60 s beside the other "
+        "tenant (several runs: --runs); cancel-cost: the prefill a cancelled request costs on "
         "llama-server, with and without a prober",
     )
     parser.add_argument(
@@ -1053,6 +1089,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="print every long prompt, every hedged request and every request slower than "
         "SECONDS, with its attempts",
     )
+    parser.add_argument("--runs", type=int, default=3, help="busy: runs (seeds seed, seed+1...)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     parser.add_argument(
         "--samples",
@@ -1136,17 +1173,125 @@ def main_evidence(args: argparse.Namespace, console: Console) -> int:
         with started(kind, console) as engine:
             rows = trio.run(functools.partial(run, engine))
     print_evidence(console, rows, p, e, label.get(engine.kind, engine.kind))
-    ok = check_evidence(console, rows)
+    ok = check_evidence(console, rows, engine.kind)
     if args.quick:
         console.print("(--quick: 20 requests; targets are indicative only)")
     return 0 if ok or args.quick else 1
+
+
+#: ``--scenario busy``'s strategies: the defaults, their control for the slowness rule, the
+#: engine evidence, double send, and the routers people deploy.
+BUSY_STRATEGIES = ("hedger", "hedger-noslow", "probes", "double", "smg")
+
+
+def main_busy(args: argparse.Namespace, console: Console) -> int:
+    """``--scenario busy`` (issue 27): on two llama-server ``-np 4`` replicas another
+    tenant's 4,000-word prompts alternate between them (every 6 s) while the library sends
+    240 short streaming requests in 60 s (4/s), several runs (one request decides a P99 of
+    240). The targets: the defaults' P99 <= 1.0 s in every run, and no ejection of a replica
+    that never failed (on c6222d8 the run rule for slowness ejected one 3 and 4 times, then
+    refused 88 and 72 hedges for want of a replica: P99 6.78 and 4.43 s)."""
+    from _engines import Engine, detect, missing, started
+
+    kind = "llama" if args.engine == "auto" else args.engine
+    words, every = EVIDENCE_DEFAULTS[kind]
+    quick = args.quick
+    p = Params(
+        requests=24 if quick else (240 if args.requests == Params().requests else args.requests),
+        rate=4.0 if args.rate == Params().rate else args.rate,
+        long_fraction=0.0,
+        long_words=words,
+        max_tokens=args.max_tokens,
+        warmup=0,
+        seed=args.seed,
+        tenants="others",
+    )
+    e = Evidence(pattern=args.pattern, every=args.long_every or every, own_long=0, warm_from=40)
+    keys = [n.strip() for n in args.strategies.split(",") if n.strip()]
+    if args.strategies == ",".join(STRATEGIES):
+        keys = list(BUSY_STRATEGIES)
+    names = [EVIDENCE_STRATEGIES[k] for k in keys]
+    console.print(
+        f"parameters: {attrs.asdict(p)}, {attrs.asdict(e)}, runs {args.runs}; load average "
+        f"{os.getloadavg()}, nproc {os.cpu_count()}"
+    )
+    runs = 1 if quick else args.runs
+    every_run: list[list[EvidenceRow]] = []
+
+    def measure(engine: Any) -> None:
+        for k in range(runs):
+            q = attrs.evolve(p, seed=p.seed + k)
+            console.print(f"run {k + 1} of {runs} (seed {q.seed})")
+            every_run.append(trio.run(functools.partial(
+                run_evidence, engine, q, e, args.model, names, console, args.out,
+                args.show_slower_than,
+            )))  # fmt: skip
+
+    if args.replica:
+        if len(args.replica) != 2:
+            console.print("give --replica exactly twice (two replicas)")
+            return 2
+        measure(Engine(detect(args.replica), args.replica))
+    else:
+        why = missing(kind)
+        if why is not None:
+            console.print(f"SKIP: {why}, and no --replica URL given: nothing to measure.")
+            return 0
+        with started(kind, console) as engine:
+            measure(engine)
+    table = Table(
+        title=f"Short-request TTFT on two {kind} replicas beside another tenant: {p.requests} "
+        f"short requests at {p.rate:g}/s, the tenant's {words}-word prompts every {e.every:g} s "
+        "alternating; each run cold"
+    )
+    table.add_column("strategy")
+    table.add_column("run")
+    table.add_column("P50 / P99 / max (s)", justify="right")
+    table.add_column("extra req", justify="right")
+    table.add_column("ejections (failures)", justify="right")
+    table.add_column("hedges refused: no replica", justify="right")
+    table.add_column("tenant TTFT P50 / max", justify="right")
+    table.add_column("delays (s)", justify="right")
+    table.add_column("load", justify="right")
+    for k, rows in enumerate(every_run):
+        for er in rows:
+            r = er.row
+            table.add_row(
+                r.name + (f" ({r.errors} errors)" if r.errors else ""),
+                str(k + 1),
+                " / ".join(f"{v:.3f}" for v in (r.ttft[0], r.ttft[2], r.ttft[3])),
+                f"{r.extra:.1f}%",
+                er.ejections or "-",
+                str(er.no_replica),
+                f"{er.tenant[0]:.2f} / {er.tenant[1]:.2f}",
+                er.delays or "-",
+                f"{r.load:.2f}",
+            )
+    console.print(table)
+    ok = True
+    for k, rows in enumerate(every_run):
+        by = {er.row.name: er for er in rows}
+        if HEDGER not in by:
+            continue
+        ours = by[HEDGER]
+        for text, good in (
+            (f"run {k + 1}: the defaults' P99 <= 1.0 s ({ours.row.ttft[2]:.3f} s)",
+             ours.row.ttft[2] <= 1.0),
+            (f"run {k + 1}: no replica that never failed ejected ({ours.healthy_ejected})",
+             ours.healthy_ejected == 0),
+        ):  # fmt: skip
+            console.print(f"[{'green' if good else 'red'}]{'PASS' if good else 'FAIL'}[/] {text}")
+            ok = ok and good
+    if quick:
+        console.print("(--quick: 24 requests, one run; targets are indicative only)")
+    return 0 if ok or quick else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.scenario != "tail":
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-        run = main_evidence if args.scenario == "evidence" else main_cancel_cost
+        run = {"evidence": main_evidence, "busy": main_busy}.get(args.scenario, main_cancel_cost)
         return run(args, Console(width=220))
     # A kill (SIGTERM) unwinds like Ctrl-C, so the servers this started are stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -1186,8 +1186,14 @@ async def test_failures_while_ejected_are_not_in_the_run(
     # Three requests in flight on a at once; a fails each, 0.1 s apart. The first two eject
     # it (at 0.2 s, for 10 s); the third lands while a is ejected: counted in its failures,
     # not in its run. So when a returns, one more failure does not eject it again.
+    # (b answers within 0.05 s: its first answer is in before a's second failure, so a is
+    # known to fail more than b when its run is due: ejected then, not held.)
     fleet = _by_request(
-        FAST, a_r0=Fail(at=0.1), a_r1=Fail(at=0.2), a_r2=Fail(at=0.3), a_r3=Fail(at=0.1)
+        Script(ttft=0.05, tokens=3),
+        a_r0=Fail(at=0.1),
+        a_r1=Fail(at=0.2),
+        a_r2=Fail(at=0.3),
+        a_r3=Fail(at=0.1),
     )
     outlier = OutlierDetection(consecutive_failures=2, base_ejection=10.0)
     hedger = th.Hedger(fleet.sources(), _config(outlier_detection=outlier, pick="in_order"))

@@ -90,6 +90,7 @@ class Evidence:
     #: Throttle thousandths its failures took at once (given back if it is served).
     taken: int = 0
     began: float | None = None  # when its primary started
+    failures: int = 0  # attempts that failed before a first token
 
     def attempt(self, number: int) -> AttemptEvidence:
         return self.attempts[number]

@@ -266,9 +266,12 @@ class OutcomeWindow:
         self._totals = [0, 0, 0]
 
     def _current(self, now: float) -> list[int]:
-        index = math.floor(now / self._slot_width)
+        index = int(now // self._slot_width)
+        slots = self._slots
+        if slots and slots[-1][0] == index and slots[0][0] > index - self._count:
+            return slots[-1]  # the common case: nothing expired, the same slot
         oldest = index - self._count + 1
-        slots, totals = self._slots, self._totals
+        totals = self._totals
         while slots and slots[0][0] < oldest:
             old = slots.pop(0)
             for i in range(3):
@@ -277,12 +280,17 @@ class OutcomeWindow:
             slots.append([index, 0, 0, 0])
         return slots[-1]
 
-    def record(self, now: float, *, slow: bool = False, failed: bool = False) -> None:
+    def record(self, now: float, slow: bool = False, failed: bool = False) -> None:
         slot = self._current(now)
-        bumps = (1, int(slow), int(failed))
-        for i in range(3):
-            slot[i + 1] += bumps[i]
-            self._totals[i] += bumps[i]
+        totals = self._totals
+        slot[1] += 1
+        totals[0] += 1
+        if slow:
+            slot[2] += 1
+            totals[1] += 1
+        if failed:
+            slot[3] += 1
+            totals[2] += 1
 
     def counts(self, now: float) -> tuple[int, int, int]:
         """``(judged, slow, failed)`` in the window."""

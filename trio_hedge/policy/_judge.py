@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import attrs
 
@@ -88,8 +89,9 @@ class Effect(enum.Enum):
     OUTAGE = "outage"  # ejected for the model for ``seconds`` (a Retry-After past the ceiling)
     COOL = "cool"  # no attempt for the model for ``seconds``
     SLOW = "slow"  # lost a race after the fleet's delay: slow, in its window
-    PROMPT = "prompt"  # answered first: not slow, in its window
-    LATENCY = "latency"  # a TTFT sample for the peak-EWMA pick (``seconds``)
+    #: It answered first (``seconds``, its TTFT): a sample for the peak-EWMA pick, and an
+    #: attempt judged not slow in its window.
+    LATENCY = "latency"
     LATENCY_FLOOR = "latency_floor"  # its latency is at least ``seconds`` (never lowered)
     SAMPLE = "sample"  # a delay-learner sample: ``seconds``, ``observed`` or censored
     WINDOW = "window"  # its context window for the model is ``tokens`` (stated by the server)
@@ -109,7 +111,6 @@ _SCOPES = {
     Effect.OUTAGE: Scope.REPLICA_MODEL,
     Effect.COOL: Scope.REPLICA_MODEL,
     Effect.SLOW: Scope.REPLICA,
-    Effect.PROMPT: Scope.REPLICA,
     Effect.LATENCY: Scope.REPLICA,
     Effect.LATENCY_FLOOR: Scope.REPLICA,
     Effect.SAMPLE: Scope.FLEET,
@@ -123,10 +124,9 @@ _SCOPES = {
 }
 
 
-@attrs.frozen
-class Verdict:
+class Verdict(NamedTuple):
     """One thing a request's evidence changes (internal): ``rule`` says which row of `RULES`
-    found it."""
+    found it. (A named tuple: a request makes a handful, on every request's path.)"""
 
     rule: str
     effect: Effect
@@ -158,8 +158,7 @@ class EventKind(enum.Enum):
     FINISHED = "request finished"
 
 
-@attrs.frozen
-class Event:
+class Event(NamedTuple):
     """What happened (internal): ``number`` is the attempt; ``served_since``: at the end, the
     replicas that committed another request since this one began (a query of death is known
     by it)."""
@@ -425,12 +424,10 @@ RULES: tuple[Rule, ...] = (
     ),
 )
 
-_IDS = frozenset(rule.id for rule in RULES)
 
-
-def _v(rule: str, effect: Effect, **fields: object) -> Verdict:
-    assert rule in _IDS, rule
-    return Verdict(rule, effect, **fields)  # type: ignore[arg-type]
+#: Verdicts are made on every request's path: no checks here (test_judge.py checks that every
+#: rule a verdict names is one of `RULES`, and that each is reached).
+_v = Verdict
 
 
 def stated_window(error: AttemptError) -> int | None:
@@ -443,12 +440,12 @@ def stated_window(error: AttemptError) -> int | None:
 def _throttle(evidence: Evidence) -> Verdict:
     """A failure's throttle verdict: the request's first asks for credit, the rest debit."""
     if not evidence.asked_credit:
-        return _v("transient", Effect.CREDIT)
-    return _v("transient", Effect.DEBIT)
+        return _v("transient", _EFFECT_CREDIT)
+    return _v("transient", _EFFECT_DEBIT)
 
 
 def _retry(rule: str, verdict: Verdict) -> Verdict:
-    return attrs.evolve(verdict, rule=rule)
+    return verdict._replace(rule=rule)
 
 
 def _pushback(
@@ -463,7 +460,7 @@ def _pushback(
     if after is not None and after > 0 and ceiling is not None and after > ceiling:
         seconds = min(after, rules.max_ejection)
         out.append(
-            _v("outage", Effect.OUTAGE, replica=r, model=model, seconds=seconds, reason=reason)
+            _v("outage", _EFFECT_OUTAGE, replica=r, model=model, seconds=seconds, reason=reason)
         )
         out.append(_retry("outage", _throttle(evidence)))
         return out
@@ -475,50 +472,50 @@ def _pushback(
     else:
         rule = "pushback"
     if after > 0:
-        out.append(_v(rule, Effect.COOL, replica=r, model=model, seconds=after, reason=reason))
+        out.append(_v(rule, _EFFECT_COOL, replica=r, model=model, seconds=after, reason=reason))
         if rule == "rate-limit":
             # It said nothing of when: the pick stays off it beyond the guess, as its
             # latency estimate decays (with a Retry-After it is back at the very moment).
-            out.append(_v(rule, Effect.LATENCY_FLOOR, replica=r, seconds=after))
+            out.append(_v(rule, _EFFECT_LATENCY_FLOOR, replica=r, seconds=after))
     if fault is Fault.PUSHBACK:
         out.append(_retry(rule, _throttle(evidence)))
     return out
 
 
 def _is_500(error: AttemptError | None) -> bool:
-    return error is not None and error.kind is ErrorKind.SERVER_ERROR and error.status_code == 500
+    return error is not None and error.kind is _ERRORKIND_SERVER_ERROR and error.status_code == 500
 
 
 def _affinity_miss(evidence: Evidence, error: AttemptError) -> bool:
-    return bool(evidence.affinities) and error.kind is ErrorKind.NOT_FOUND
+    return bool(evidence.affinities) and error.kind is _ERRORKIND_NOT_FOUND
 
 
 def _failed(rules: Rules, evidence: Evidence, attempt: AttemptEvidence) -> list[Verdict]:
     error = attempt.error
     assert error is not None
     r, model = attempt.replica, evidence.model
-    if error.kind is ErrorKind.CONTEXT_LENGTH_EXCEEDED:
+    if error.kind is _ERRORKIND_CONTEXT_LENGTH_EXCEEDED:
         window = stated_window(error)
         if window is None:
-            return [_v("context", Effect.NOTHING, replica=r)]
-        return [_v("context", Effect.WINDOW, replica=r, model=model, tokens=window)]
+            return [_v("context", _EFFECT_NOTHING, replica=r)]
+        return [_v("context", _EFFECT_WINDOW, replica=r, model=model, tokens=window)]
     fault = rules.attribution.fault(error)
     if fault is Fault.REQUEST:
-        return [_v("request", Effect.NOTHING, replica=r)]
+        return [_v("request", _EFFECT_NOTHING, replica=r)]
     if _affinity_miss(evidence, error):
-        return [_v("affinity", Effect.NOTHING, replica=r)]
+        return [_v("affinity", _EFFECT_NOTHING, replica=r)]
     if fault is Fault.MISCONFIGURED:
-        return [_v("trusted", Effect.EJECT, replica=r, model=model, reason=error.kind.value)]
+        return [_v("trusted", _EFFECT_EJECT, replica=r, model=model, reason=error.kind.value)]
     if fault is Fault.UNDECIDED:
         return []  # settled at the request's end (_settle)
     out = _pushback(rules, evidence, attempt, error, fault)
     if fault is Fault.PUSHBACK:
         return out
     # Fault.REPLICA: a transient error of its making.
-    if any(v.effect is Effect.OUTAGE for v in out):
+    if any(v.effect is _EFFECT_OUTAGE for v in out):
         return out
     if not _is_500(error):
-        out.append(_v("transient", Effect.FAILURE, replica=r, reason=error.kind.value))
+        out.append(_v("transient", _EFFECT_FAILURE, replica=r, reason=error.kind.value))
     # A 500's health waits for the end (a query of death?); its throttle token does not.
     out.append(
         _retry("server-error", _throttle(evidence)) if _is_500(error) else _throttle(evidence)
@@ -530,21 +527,21 @@ def _sample(
     rule: str, attempt: AttemptEvidence, seconds: float, *, observed: bool = True
 ) -> Verdict:
     """A delay sample of ``attempt``: ``seconds`` from its start, observed or censored."""
-    return _v(
-        rule,
-        Effect.SAMPLE,
-        seconds=seconds,
-        observed=observed,
-        replica=attempt.replica,
-        attempt=attempt.number,
-        at=attempt.started + seconds,
-    )
+    # Positional (it is made on every request's path): rule, effect, replica, model,
+    # seconds, observed, tokens, reason, attempt, at.
+    return Verdict(
+        rule, _EFFECT_SAMPLE, attempt.replica, None, seconds, observed, 0, "",
+        attempt.number, attempt.started + seconds,
+    )  # fmt: skip
+
+
+_THROTTLE_SUCCESS = Verdict("first-token", Effect.THROTTLE_SUCCESS)
 
 
 def _committed(evidence: Evidence, attempt: AttemptEvidence) -> list[Verdict]:
     out: list[Verdict] = []
     r = attempt.replica
-    if attempt.phase is Phase.RACE and attempt.ttft is not None:
+    if attempt.phase is _PHASE_RACE and attempt.ttft is not None:
         if attempt.refused is not None and attempt.fleet_delay is not None:
             # Nowhere to hedge: what it waited past its delay says nothing of a hedged
             # request's tail.
@@ -552,36 +549,35 @@ def _committed(evidence: Evidence, attempt: AttemptEvidence) -> list[Verdict]:
             out.append(_sample("unhedgeable", attempt, seconds, observed=False))
         else:
             out.append(_sample("first-token", attempt, attempt.ttft))
-        out.append(_v("first-token", Effect.LATENCY, replica=r, seconds=attempt.ttft, excess=True))
-        out.append(_v("first-token", Effect.PROMPT, replica=r))
-    out.append(_v("first-token", Effect.THROTTLE_SUCCESS))
+        out.append(_v("first-token", _EFFECT_LATENCY, replica=r, seconds=attempt.ttft, excess=True))
+    out.append(_THROTTLE_SUCCESS)
     if evidence.credit:
-        out.append(_v("first-token", Effect.CREDIT_RELEASED))
+        out.append(_v("first-token", _EFFECT_CREDIT_RELEASED))
     if evidence.taken:
-        out.append(_v("first-token", Effect.REFUND, tokens=evidence.taken))
-    if attempt.phase is Phase.RACE:
+        out.append(_v("first-token", _EFFECT_REFUND, tokens=evidence.taken))
+    if attempt.phase is _PHASE_RACE and len(evidence.attempts) > 1:
         for other in evidence.attempts.values():
             if (
                 other is not attempt
-                and other.outcome is Outcome.RUNNING
-                and other.phase is Phase.RACE
+                and other.outcome is _OUTCOME_RUNNING
+                and other.phase is _PHASE_RACE
                 and other.hedged_after is not None
                 and other.fleet_delay is not None
                 and attempt.ttft is not None
                 and (attempt.started + attempt.ttft) - other.started >= other.fleet_delay
             ):
-                out.append(_v("slow", Effect.SLOW, replica=other.replica, reason="slow"))
+                out.append(_v("slow", _EFFECT_SLOW, replica=other.replica, reason="slow"))
     return out
 
 
 def _cancelled(attempt: AttemptEvidence) -> list[Verdict]:
-    if attempt.phase is Phase.RECOVERY or attempt.ttft is not None or attempt.ended is None:
+    if attempt.phase is _PHASE_RECOVERY or attempt.ttft is not None or attempt.ended is None:
         return []  # a recovery's time to new text is no TTFT, not even a censored one
     r = attempt.replica
     ran = attempt.ended - attempt.started
     fleet_delay = attempt.fleet_delay
-    floor = _v("lost", Effect.LATENCY_FLOOR, replica=r, seconds=ran, excess=True)
-    if attempt.outcome is Outcome.LOST:
+    floor = _v("lost", _EFFECT_LATENCY_FLOOR, replica=r, seconds=ran, excess=True)
+    if attempt.outcome is _OUTCOME_LOST:
         out = [floor]
         # Censored when its backup was sent (what the fleet knew when it decided), if that
         # was at the fleet's own delay; an attempt nothing was sent for (the backup that
@@ -592,7 +588,7 @@ def _cancelled(attempt: AttemptEvidence) -> list[Verdict]:
         ):
             out.append(_sample("lost", attempt, censor, observed=False))
         return out
-    if attempt.outcome is Outcome.TIMEOUT:
+    if attempt.outcome is _OUTCOME_TIMEOUT:
         return [
             _retry("timeout", floor),
             _sample("timeout", attempt, ran, observed=False),
@@ -620,9 +616,9 @@ def _broke(rules: Rules, evidence: Evidence, attempt: AttemptEvidence) -> list[V
     assert error is not None
     r = attempt.replica
     if not recoverable(rules, error):
-        return [_v("after-commit-request", Effect.NOTHING, replica=r)]
+        return [_v("after-commit-request", _EFFECT_NOTHING, replica=r)]
     return [
-        _v("break", Effect.FAILURE, replica=r, reason=error.kind.value),
+        _v("break", _EFFECT_FAILURE, replica=r, reason=error.kind.value),
         _retry("break", _throttle(evidence)),
     ]
 
@@ -631,7 +627,9 @@ def _settle(rules: Rules, evidence: Evidence, event: Event) -> list[Verdict]:
     """Errors whose fault waited for the request's end: key, quota and "not found" errors,
     and 500s."""
     out: list[Verdict] = []
-    failed = [a for a in evidence.attempts.values() if a.outcome is Outcome.FAILED]
+    if not evidence.failures:
+        return out
+    failed = [a for a in evidence.attempts.values() if a.outcome is _OUTCOME_FAILED]
     winner = evidence.winner
     served_by = None if winner is None else evidence.attempts[winner].replica
     all_500 = (
@@ -659,58 +657,59 @@ def _settle(rules: Rules, evidence: Evidence, event: Event) -> list[Verdict]:
                 out.append(
                     _v(
                         "misconfigured",
-                        Effect.EJECT,
+                        _EFFECT_EJECT,
                         replica=r,
                         model=evidence.model,
                         reason=error.kind.value,
                     )
                 )
             else:
-                out.append(_v("everywhere", Effect.NOTHING, replica=r))
+                out.append(_v("everywhere", _EFFECT_NOTHING, replica=r))
         elif _is_500(error):
             if query_of_death:
-                out.append(_v("query-of-death", Effect.NOTHING, replica=r))
+                out.append(_v("query-of-death", _EFFECT_NOTHING, replica=r))
             else:
-                out.append(_v("server-error", Effect.FAILURE, replica=r, reason=error.kind.value))
+                out.append(_v("server-error", _EFFECT_FAILURE, replica=r, reason=error.kind.value))
     if query_of_death:
         if evidence.credit:
-            out.append(_v("query-of-death", Effect.CREDIT_RELEASED))
+            out.append(_v("query-of-death", _EFFECT_CREDIT_RELEASED))
         if evidence.taken:
-            out.append(_v("query-of-death", Effect.REFUND, tokens=evidence.taken))
+            out.append(_v("query-of-death", _EFFECT_REFUND, tokens=evidence.taken))
     return out
 
 
 def _finished(rules: Rules, evidence: Evidence, event: Event) -> list[Verdict]:
-    out = _settle(rules, evidence, event)
+    out = _settle(rules, evidence, event) if evidence.failures else []
     winner = evidence.winner
     final = None if winner is None else evidence.attempts[winner]
-    served = final is not None and final.outcome is Outcome.WON
+    served = final is not None and final.outcome is _OUTCOME_WON
     if served:
         assert final is not None
-        out.append(_v("served", Effect.SUCCESS, replica=final.replica, model=evidence.model))
+        out.append(_v("served", _EFFECT_SUCCESS, replica=final.replica, model=evidence.model))
     if evidence.credit and not any(v.rule == "query-of-death" for v in out):
         # Credit still out: a break's, after the commit (its recovery did not answer), or the
         # first failure of a request nothing served.
         if served:
-            out.append(_v("served", Effect.CREDIT_RELEASED))
+            out.append(_v("served", _EFFECT_CREDIT_RELEASED))
         else:
-            out.append(_v("unserved", Effect.CREDIT_DEBITED))
+            out.append(_v("unserved", _EFFECT_CREDIT_DEBITED))
     return out
 
 
-def judge(rules: Rules, evidence: Evidence, event: Event) -> tuple[Verdict, ...]:
+def judge(rules: Rules, evidence: Evidence, event: Event) -> list[Verdict]:
     """The verdicts ``event`` makes of ``evidence`` (see the module docs and `RULES`). Pure:
     reads its arguments, changes nothing; the fleet's writer applies what it returns."""
-    if event.kind is EventKind.FINISHED:
-        return tuple(_finished(rules, evidence, event))
+    kind = event.kind
+    if kind is _EVENTKIND_COMMITTED:
+        return _committed(evidence, evidence.attempts[event.number])
+    if kind is _EVENTKIND_FINISHED:
+        return _finished(rules, evidence, event)
     attempt = evidence.attempts[event.number]
-    if event.kind is EventKind.FAILED:
-        return tuple(_failed(rules, evidence, attempt))
-    if event.kind is EventKind.COMMITTED:
-        return tuple(_committed(evidence, attempt))
-    if event.kind is EventKind.CANCELLED:
-        return tuple(_cancelled(attempt))
-    return tuple(_broke(rules, evidence, attempt))
+    if kind is _EVENTKIND_FAILED:
+        return _failed(rules, evidence, attempt)
+    if kind is _EVENTKIND_CANCELLED:
+        return _cancelled(attempt)
+    return _broke(rules, evidence, attempt)
 
 
 def rule_rows(rules: Iterable[Rule] = RULES) -> list[str]:
@@ -724,3 +723,37 @@ def rule_rows(rules: Iterable[Rule] = RULES) -> list[str]:
 
 if __name__ == "__main__":  # regenerate docs/guarantees.md's table: python -m ...
     print("\n".join(rule_rows()))
+
+
+# Enum members read on every request's path, as module constants: loading one is about
+# ten times faster than the class attribute (EnumType resolves it on each access).
+_EFFECT_COOL = Effect.COOL
+_EFFECT_CREDIT = Effect.CREDIT
+_EFFECT_CREDIT_DEBITED = Effect.CREDIT_DEBITED
+_EFFECT_CREDIT_RELEASED = Effect.CREDIT_RELEASED
+_EFFECT_DEBIT = Effect.DEBIT
+_EFFECT_EJECT = Effect.EJECT
+_EFFECT_FAILURE = Effect.FAILURE
+_EFFECT_LATENCY = Effect.LATENCY
+_EFFECT_LATENCY_FLOOR = Effect.LATENCY_FLOOR
+_EFFECT_NOTHING = Effect.NOTHING
+_EFFECT_OUTAGE = Effect.OUTAGE
+_EFFECT_REFUND = Effect.REFUND
+_EFFECT_SAMPLE = Effect.SAMPLE
+_EFFECT_SLOW = Effect.SLOW
+_EFFECT_SUCCESS = Effect.SUCCESS
+_EFFECT_WINDOW = Effect.WINDOW
+_ERRORKIND_CONTEXT_LENGTH_EXCEEDED = ErrorKind.CONTEXT_LENGTH_EXCEEDED
+_ERRORKIND_NOT_FOUND = ErrorKind.NOT_FOUND
+_ERRORKIND_SERVER_ERROR = ErrorKind.SERVER_ERROR
+_EVENTKIND_CANCELLED = EventKind.CANCELLED
+_EVENTKIND_COMMITTED = EventKind.COMMITTED
+_EVENTKIND_FAILED = EventKind.FAILED
+_EVENTKIND_FINISHED = EventKind.FINISHED
+_OUTCOME_FAILED = Outcome.FAILED
+_OUTCOME_LOST = Outcome.LOST
+_OUTCOME_RUNNING = Outcome.RUNNING
+_OUTCOME_TIMEOUT = Outcome.TIMEOUT
+_OUTCOME_WON = Outcome.WON
+_PHASE_RACE = Phase.RACE
+_PHASE_RECOVERY = Phase.RECOVERY

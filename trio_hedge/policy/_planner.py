@@ -50,7 +50,7 @@ from ._judge import (
     transient,
 )
 from ._judge import EventKind as Happened
-from ._writer import Applied, FleetWriter
+from ._writer import Applied, FleetWriter, Request
 
 #: Seconds between two looks at a cold learner's delay for an attempt that waits on it.
 COLD_RECHECK = 0.05
@@ -66,6 +66,46 @@ class RequestPlanner:
     state every request shares. ``bind`` makes this request's source for a replica (the
     Hedger binds an HTTP replica to the request and its client); the planner decides where
     and when, never how."""
+
+    __slots__ = (
+        "_at_once",
+        "_began",
+        "_bound",
+        "_by_source",
+        "_class",
+        "_cold",
+        "_evidence",
+        "_finished",
+        "_fleet",
+        "_fleet_delays",
+        "_group",
+        "_hedge_after",
+        "_hedgeable",
+        "_key",
+        "_last_cold",
+        "_make_source",
+        "_max_attempts",
+        "_model",
+        "_need",
+        "_outgrown",
+        "_per_replica",
+        "_probe_key",
+        "_replicas",
+        "_request",
+        "_request_id",
+        "_retried",
+        "_retries",
+        "_retry_at",
+        "_rules",
+        "_running",
+        "_saturated",
+        "_scopes",
+        "_serial",
+        "_started",
+        "_tokens",
+        "_used",
+        "_writer",
+    )
 
     def __init__(
         self,
@@ -128,7 +168,9 @@ class RequestPlanner:
             need=context_tokens,
             affinities=affinities,
         )
-        self._retries: deque[bool] = deque()
+        self._retries: deque[bool] | None = None
+        # What the writer needs of this request.
+        self._request = Request(self._model, group, size_class, tokens)
         self._finished = False
         # The context window the request needs (estimated prompt plus max_tokens), and whether
         # a replica answered it a context-length error (then only a declared larger window).
@@ -324,9 +366,8 @@ class RequestPlanner:
         # the failure: a scheduler batch later, other requests' failures had emptied it).
         retry = trigger == "failover" or trigger == "recovery"
         if retry:
-            allowed = (
-                self._retries.popleft() if self._retries else (throttle is None or throttle.allows)
-            )
+            retries = self._retries
+            allowed = retries.popleft() if retries else (throttle is None or throttle.allows)
             if not allowed:
                 # gRFC A6: at or below half the tokens, no retries either (a primary always
                 # goes).
@@ -586,7 +627,7 @@ class RequestPlanner:
         if not failover:
             for number in self._running:
                 attempt = self._evidence.attempts[number]
-                if attempt.phase is Phase.RACE and attempt.refused is None:
+                if attempt.phase is _PHASE_RACE and attempt.refused is None:
                     attempt.refused = reason
         kind = EventKind.FAILOVER_REFUSED if failover else EventKind.HEDGE_REFUSED
         self._emit(kind, now, reason=reason)
@@ -600,18 +641,18 @@ class RequestPlanner:
         outcome = record.outcome
         number = record.number
         kind: EventKind
-        if outcome is AttemptOutcome.RUNNING:
+        if outcome is _ATTEMPTOUTCOME_RUNNING:
             kind = EventKind.ATTEMPT_STARTED
             self._start(replica, record, now)
-        elif outcome is AttemptOutcome.WON:
+        elif outcome is _ATTEMPTOUTCOME_WON:
             kind = EventKind.COMMITTED
             self._won(replica, record, now)
-        elif outcome is AttemptOutcome.FAILED:
+        elif outcome is _ATTEMPTOUTCOME_FAILED:
             kind = EventKind.ATTEMPT_FAILED
             attempt = self._ended(number, now)
             if record.error is not None:
                 self._failed(replica, attempt, record.error, now)
-        elif outcome is AttemptOutcome.CANCELLED or outcome is AttemptOutcome.TIMEOUT:
+        elif outcome is _ATTEMPTOUTCOME_CANCELLED or outcome is _ATTEMPTOUTCOME_TIMEOUT:
             kind = EventKind.ATTEMPT_CANCELLED
             attempt = self._ended(number, now)
             self._cancelled(replica, attempt, outcome, now)
@@ -619,40 +660,34 @@ class RequestPlanner:
             return
         self._emit(kind, now, replica.name, record=record)
 
-    def _verdicts(self, event: Event, now: float) -> Applied:
+    def _verdicts(self, event: Event, now: float) -> None:
         """Judge ``event`` on this request's evidence, have the writer apply the verdicts,
         announce what changed, and note what the request's evidence must remember."""
-        evidence = self._evidence
-        verdicts = judge(self._rules, evidence, event)
-        applied = self._writer.apply(
-            verdicts,
-            now,
-            model=self._model,
-            group=self._group,
-            size_class=self._class,
-            tokens=self._tokens,
-        )
+        verdicts = judge(self._rules, self._evidence, event)
+        applied = self._writer.apply(verdicts, now, self._request)
+        if applied is None:
+            return
         for verdict in verdicts:
-            self._remember(verdict, applied)
+            if verdict.effect._name_ in _REMEMBERED:
+                self._remember(verdict, applied)
         for replica, until, reason, _model in applied.ejected:
             self._emit(EventKind.REPLICA_EJECTED, now, replica.name, reason=reason, until=until)
         for replica, until, reason in applied.cooled:
             self._emit(EventKind.REPLICA_COOLING, now, replica.name, reason=reason, until=until)
-        return applied
 
     def _remember(self, verdict: Verdict, applied: Applied) -> None:
         evidence = self._evidence
         effect = verdict.effect
-        if effect is Effect.CREDIT:
+        if effect is _EFFECT_CREDIT:
             evidence.asked_credit = True
             evidence.credit = applied.credit is True
-        elif effect is Effect.DEBIT and not evidence.asked_credit:  # pragma: no cover
+        elif effect is _EFFECT_DEBIT and not evidence.asked_credit:  # pragma: no cover
             evidence.asked_credit = True
-        elif effect is Effect.CREDIT_RELEASED or effect is Effect.CREDIT_DEBITED:
+        elif effect is _EFFECT_CREDIT_RELEASED or effect is _EFFECT_CREDIT_DEBITED:
             evidence.credit = False
-        elif effect is Effect.REFUND:
+        elif effect is _EFFECT_REFUND:
             evidence.taken = 0
-        if effect is Effect.CREDIT or effect is Effect.DEBIT:
+        if effect is _EFFECT_CREDIT or effect is _EFFECT_DEBIT:
             evidence.taken += applied.taken
             applied.taken = 0  # (counted once, whichever verdict took it)
 
@@ -669,13 +704,13 @@ class RequestPlanner:
             name=replica.name,
             trigger=record.trigger,
             started=now,
-            phase=Phase.RECOVERY if recovery else Phase.RACE,
+            phase=_PHASE_RECOVERY if recovery else _PHASE_RACE,
         )
         at_once = self._at_once is not None and number - 1 in self._at_once
         if record.trigger == "hedge":
             # The attempt before had no first token by now: a backup was sent for it.
             before = evidence.attempts.get(number - 1)
-            if before is not None and before.outcome is Outcome.RUNNING:
+            if before is not None and before.outcome is _OUTCOME_RUNNING:
                 before.hedged_after = now - before.started
         self._writer.started(
             replica,
@@ -700,27 +735,31 @@ class RequestPlanner:
         evidence = self._evidence
         number = record.number
         attempt = evidence.attempts[number]
-        attempt.outcome = Outcome.WON
-        attempt.ttft = record.ttft
+        attempt.outcome = _OUTCOME_WON
+        attempt.ttft = ttft = record.ttft
         evidence.winner = number
-        recovery = record.trigger == "recovery"
-        self._writer.answered(replica, (self, number))
-        self._writer.committed(replica, now, hedge=record.trigger == "hedge")
-        if record.ttft is not None and record.started_at is not None and not recovery:
-            self._writer.commit_time(now, record.started_at + record.ttft)
-        self._verdicts(Event(Happened.COMMITTED, number), now)
+        started = record.started_at
+        seen = (
+            None
+            if ttft is None or started is None or record.trigger == "recovery"
+            else started + ttft
+        )
+        self._writer.committed(
+            replica, (self, number), now, hedge=record.trigger == "hedge", first_token=seen
+        )
+        self._verdicts(Event(_HAPPENED_COMMITTED, number), now)
 
     def _failed(
         self, replica: ReplicaState, attempt: AttemptEvidence, error: AttemptError, now: float
     ) -> None:
-        attempt.outcome = Outcome.FAILED
+        attempt.outcome = _OUTCOME_FAILED
         attempt.error = error
+        self._evidence.failures += 1
         if outgrew(error):
             self._outgrew(replica, error)
-        self._verdicts(Event(Happened.FAILED, attempt.number), now)
+        self._verdicts(Event(_HAPPENED_FAILED, attempt.number), now)
         # The failover this failure causes is decided now, at the failure.
-        throttle = self._fleet.throttle
-        self._retries.append(throttle is None or throttle.allows)
+        self._decide_retry(clear=False)
         index = replica.index
         fleet = self._fleet
         if error.replica_fault:
@@ -778,12 +817,12 @@ class RequestPlanner:
         now: float,
     ) -> None:
         """Lost, cancelled by the caller, or stopped by first_token_timeout."""
-        recovery = attempt.phase is Phase.RECOVERY
+        recovery = attempt.phase is _PHASE_RECOVERY
         lost = self._evidence.winner is not None and not recovery
-        if outcome is AttemptOutcome.TIMEOUT:
-            attempt.outcome = Outcome.TIMEOUT
+        if outcome is _ATTEMPTOUTCOME_TIMEOUT:
+            attempt.outcome = _OUTCOME_TIMEOUT
         else:
-            attempt.outcome = Outcome.LOST if lost else Outcome.CANCELLED
+            attempt.outcome = _OUTCOME_LOST if lost else _OUTCOME_CANCELLED
         expected = None
         ran = now - attempt.started
         fleet = self._fleet
@@ -800,7 +839,7 @@ class RequestPlanner:
                 expected = fit.median(x)
         if attempt.ttft is None:
             self._writer.cancelled(replica, now, lost=lost, ran=ran, expected=expected)
-        self._verdicts(Event(Happened.CANCELLED, attempt.number), now)
+        self._verdicts(Event(_HAPPENED_CANCELLED, attempt.number), now)
 
     def winner_broke(self, error: AttemptError) -> bool:
         """The winner failed after the commit (a cut, a stall, a malformed event, an in-band
@@ -814,14 +853,22 @@ class RequestPlanner:
         if number is None:  # pragma: no cover - the stream breaks only after a commit
             return False
         attempt = evidence.attempts[number]
-        attempt.outcome = Outcome.BROKE
+        attempt.outcome = _OUTCOME_BROKE
         attempt.error = error
         attempt.ended = now
-        self._verdicts(Event(Happened.BROKE, number), now)
-        throttle = self._fleet.throttle
-        self._retries.clear()
-        self._retries.append(throttle is None or throttle.allows)
+        self._verdicts(Event(_HAPPENED_BROKE, number), now)
+        self._decide_retry(clear=True)
         return recoverable(self._rules, error)
+
+    def _decide_retry(self, *, clear: bool) -> None:
+        """The throttle's word, now, on the failover (or recovery) a failure (or break)
+        causes; ``next_source`` takes it when that attempt is asked for."""
+        throttle = self._fleet.throttle
+        if self._retries is None:
+            self._retries = deque()
+        elif clear:
+            self._retries.clear()
+        self._retries.append(throttle is None or throttle.allows)
 
     def request_finished(self, report: Report) -> None:
         if self._finished:
@@ -839,10 +886,25 @@ class RequestPlanner:
             return  # else cancelled before anything was sent (e.g. while every replica cooled)
         # The replicas that served another request lately: a request every replica answered
         # 500 while the fleet served others is a query of death (the judge's rule).
-        since = now - QUERY_OF_DEATH_WINDOW
-        served = frozenset(r.index for r in self._fleet.replicas if r.last_commit >= since)
-        self._verdicts(Event(Happened.FINISHED, served_since=served), now)
+        served: frozenset[int] = frozenset()
+        if self._evidence.winner is None:
+            since = now - QUERY_OF_DEATH_WINDOW
+            served = frozenset(r.index for r in self._fleet.replicas if r.last_commit >= since)
+        self._verdicts(Event(_HAPPENED_FINISHED, served_since=served), now)
         self._emit(EventKind.REQUEST_FINISHED, now, report=report)
+
+
+#: The verdicts whose outcome the request's evidence keeps (the throttle's credit and tokens).
+_REMEMBERED = frozenset(
+    e._name_
+    for e in (
+        Effect.CREDIT,
+        Effect.DEBIT,
+        Effect.CREDIT_RELEASED,
+        Effect.CREDIT_DEBITED,
+        Effect.REFUND,
+    )
+)
 
 
 def rules_of(fleet: FleetState) -> Rules:
@@ -856,3 +918,31 @@ def rules_of(fleet: FleetState) -> Rules:
         rate_limit_cooldown=config.rate_limit_cooldown,
         max_ejection=300.0 if outlier is None else outlier.max_ejection,
     )
+
+
+# Enum members read on every request's path, as module constants: loading one is about
+# ten times faster than the class attribute (EnumType resolves it on each access).
+_ATTEMPTOUTCOME_CANCELLED = AttemptOutcome.CANCELLED
+_ATTEMPTOUTCOME_FAILED = AttemptOutcome.FAILED
+_ATTEMPTOUTCOME_RUNNING = AttemptOutcome.RUNNING
+_ATTEMPTOUTCOME_TIMEOUT = AttemptOutcome.TIMEOUT
+_ATTEMPTOUTCOME_WON = AttemptOutcome.WON
+_EFFECT_CREDIT = Effect.CREDIT
+_EFFECT_CREDIT_DEBITED = Effect.CREDIT_DEBITED
+_EFFECT_CREDIT_RELEASED = Effect.CREDIT_RELEASED
+_EFFECT_DEBIT = Effect.DEBIT
+_EFFECT_REFUND = Effect.REFUND
+_HAPPENED_BROKE = Happened.BROKE
+_HAPPENED_CANCELLED = Happened.CANCELLED
+_HAPPENED_COMMITTED = Happened.COMMITTED
+_HAPPENED_FAILED = Happened.FAILED
+_HAPPENED_FINISHED = Happened.FINISHED
+_OUTCOME_BROKE = Outcome.BROKE
+_OUTCOME_CANCELLED = Outcome.CANCELLED
+_OUTCOME_FAILED = Outcome.FAILED
+_OUTCOME_LOST = Outcome.LOST
+_OUTCOME_RUNNING = Outcome.RUNNING
+_OUTCOME_TIMEOUT = Outcome.TIMEOUT
+_OUTCOME_WON = Outcome.WON
+_PHASE_RACE = Phase.RACE
+_PHASE_RECOVERY = Phase.RECOVERY

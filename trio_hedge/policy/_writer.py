@@ -18,8 +18,8 @@ act after).
 from __future__ import annotations
 
 import math
-
-import attrs
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from ..report import Report
 from ..state import Cooldown, DelaySample, Ejection, FleetStore, StateChange
@@ -27,27 +27,44 @@ from ._fleet import FleetState
 from ._health import OutcomeWindow, ReplicaState
 from ._judge import Effect, Verdict
 
-__all__ = ["Applied", "FleetWriter"]
+__all__ = ["Applied", "FleetWriter", "Request"]
 
 #: Cancelled attempts a replica may count as still being prefilled (a memory bound).
 _MAX_LINGERING = 1024
 
 
-@attrs.define
-class Applied:
-    """What applying a request's verdicts did (internal): announcements for the planner."""
+def _nothing(*_: object) -> None:
+    """A verdict that found nobody at fault: recorded, nothing to apply."""
 
-    #: (replica, until, reason, model or None for the whole replica)
-    ejected: list[tuple[ReplicaState, float, str, str | None]] = attrs.Factory(list)
-    #: (replica, until, reason)
-    cooled: list[tuple[ReplicaState, float, str]] = attrs.Factory(list)
-    #: A CREDIT verdict: whether the throttle granted it (None: none asked).
-    credit: bool | None = None
-    #: Throttle thousandths taken at once (DEBIT verdicts).
-    taken: int = 0
-    #: Credit given back or debited.
-    credit_closed: bool = False
-    refunded: bool = False
+
+class Applied:
+    """What applying a request's verdicts did (internal): announcements for the planner.
+    (A plain slotted class: one is made for every event of every request.)"""
+
+    __slots__ = ("cooled", "credit", "ejected", "taken")
+
+    def __init__(self) -> None:
+        #: (replica, until, reason, model or None for the whole replica)
+        self.ejected: list[tuple[ReplicaState, float, str, str | None]] = []
+        #: (replica, until, reason)
+        self.cooled: list[tuple[ReplicaState, float, str]] = []
+        #: A CREDIT verdict: whether the throttle granted it (None: none asked).
+        self.credit: bool | None = None
+        #: Throttle thousandths taken at once (DEBIT verdicts, a CREDIT refused).
+        self.taken = 0
+
+
+class Request(NamedTuple):
+    """What the writer needs of the request whose verdicts it applies (made once per
+    request): its model, learning group, size class and prompt tokens."""
+
+    model: str
+    group: str
+    size_class: int
+    tokens: int | None
+
+
+_Handler = Callable[[Verdict, ReplicaState | None, float, Request], None]
 
 
 class FleetWriter:
@@ -57,86 +74,130 @@ class FleetWriter:
         self.fleet = fleet
         self.store = store
         self._by_name = {r.name: r for r in fleet.replicas}
+        self._out: Applied | None = None
+        handlers: dict[Effect, _Handler] = {
+            Effect.NOTHING: _nothing,
+            Effect.FAILURE: self._on_failure,
+            Effect.SUCCESS: self._on_success,
+            Effect.EJECT: self._on_eject,
+            Effect.OUTAGE: self._on_eject,
+            Effect.COOL: self._on_cool,
+            Effect.SLOW: self._on_speed,
+            Effect.LATENCY: self._on_latency,
+            Effect.LATENCY_FLOOR: self._on_latency,
+            Effect.SAMPLE: self._on_sample,
+            Effect.WINDOW: self._on_window,
+            Effect.CREDIT: self._credit,
+            Effect.DEBIT: self._debit,
+            Effect.CREDIT_RELEASED: self._credit_closed,
+            Effect.CREDIT_DEBITED: self._credit_closed,
+            Effect.REFUND: self._refund,
+            Effect.THROTTLE_SUCCESS: self._succeeded,
+        }
+        # Keyed by the member's name: an Enum's own __hash__ is Python code, on every
+        # verdict of every request.
+        self._handlers = {effect._name_: handler for effect, handler in handlers.items()}
 
     # -- verdicts ----------------------------------------------------------------------------
 
     def apply(
         self,
-        verdicts: tuple[Verdict, ...],
+        verdicts: Sequence[Verdict],
         now: float,
-        *,
-        model: str,
-        group: str,
-        size_class: int,
-        tokens: int | None,
-    ) -> Applied:
-        """Apply one event's verdicts, for a request for ``model`` of learning group
-        ``group``, size class ``size_class`` and ``tokens`` prompt tokens."""
-        out = Applied()
-        fleet = self.fleet
+        request: Request,
+    ) -> Applied | None:
+        """Apply one event's verdicts for ``request``. Returns what the planner must know
+        of what happened (ejections and cooldowns to announce, the throttle's credit), or
+        ``None``: nothing (most events, on every request's path)."""
+        self._out = None
+        replicas, handlers = self.fleet.replicas, self._handlers
         for v in verdicts:
-            effect = v.effect
-            replica = None if v.replica is None else fleet.replicas[v.replica]
-            if effect is Effect.NOTHING:
-                continue
-            if effect is Effect.FAILURE:
-                assert replica is not None
-                replica.failures += 1
-                until = self._failure(replica, model, now)
-                if until is not None:
-                    replica.reason = v.reason
-                    out.ejected.append((replica, until, v.reason, None))
-                    self._publish_ejection(replica, None, until - now, v.reason)
-            elif effect is Effect.SUCCESS:
-                assert replica is not None
-                replica.success()
-                if v.model is not None:
-                    fleet.models.succeeded(replica.index, v.model)
-            elif effect is Effect.EJECT or effect is Effect.OUTAGE:
-                assert replica is not None and v.model is not None
-                if effect is Effect.EJECT:
-                    replica.failures += 1
-                until = self._eject_for_model(
-                    replica, v.model, now, None if effect is Effect.EJECT else v.seconds
-                )
-                if until is not None:
-                    fleet.models.make(replica.index, v.model).reason = v.reason
-                    out.ejected.append((replica, until, v.reason, v.model))
-                    self._publish_ejection(replica, v.model, until - now, v.reason)
-                elif effect is Effect.OUTAGE:
-                    # Held in by the cap (or no outlier detection): it still asked not to be
-                    # sent anything for that long.
-                    self._cool(replica, v.model, v.seconds, v.reason, now, out)
-            elif effect is Effect.COOL:
-                assert replica is not None and v.model is not None
-                self._cool(replica, v.model, v.seconds, v.reason, now, out)
-            elif effect is Effect.SLOW or effect is Effect.PROMPT:
-                assert replica is not None
-                until = self._speed(replica, effect is Effect.SLOW, model, now)
-                if until is not None:
-                    replica.reason = "slow"
-                    out.ejected.append((replica, until, "slow", None))
-                    self._publish_ejection(replica, None, until - now, "slow")
-            elif effect is Effect.LATENCY or effect is Effect.LATENCY_FLOOR:
-                assert replica is not None
-                if fleet.config.pick != "peak_ewma":
-                    continue
-                seconds = v.seconds
-                if v.excess:
-                    seconds = max(seconds - fleet.prefill(group, tokens, now), 0.0)
-                if effect is Effect.LATENCY:
-                    replica.observe_latency(now, seconds, fleet.config.latency_decay)
-                else:
-                    replica.observe_lower_bound(now, seconds, fleet.config.latency_decay)
-            elif effect is Effect.SAMPLE:
-                self._sample(v, now, group, size_class, tokens)
-            elif effect is Effect.WINDOW:
-                assert replica is not None and v.model is not None
-                state = fleet.models.make(replica.index, v.model)
-                state.window = v.tokens if state.window is None else min(state.window, v.tokens)
-            else:
-                self._throttle(v, now, out)
+            index = v.replica
+            handlers[v.effect._name_](v, None if index is None else replicas[index], now, request)
+        out, self._out = self._out, None
         return out
+
+    def _record(self) -> Applied:
+        """This event's `Applied`, made when something is to be told."""
+        out = self._out
+        if out is None:
+            out = self._out = Applied()
+        return out
+
+    def _on_failure(
+        self, v: Verdict, replica: ReplicaState | None, now: float, req: Request
+    ) -> None:
+        assert replica is not None
+        replica.failures += 1
+        until = self._failure(replica, req.model, now)
+        if until is not None:
+            replica.reason = v.reason
+            self._record().ejected.append((replica, until, v.reason, None))
+            self._publish_ejection(replica, None, until - now, v.reason)
+
+    def _on_success(
+        self, v: Verdict, replica: ReplicaState | None, now: float, req: Request
+    ) -> None:
+        assert replica is not None
+        replica.success()
+        if v.model is not None:
+            self.fleet.models.succeeded(replica.index, v.model)
+
+    def _on_eject(self, v: Verdict, replica: ReplicaState | None, now: float, req: Request) -> None:
+        assert replica is not None and v.model is not None
+        outage = v.effect is _EFFECT_OUTAGE
+        if not outage:
+            replica.failures += 1
+        until = self._eject_for_model(replica, v.model, now, v.seconds if outage else None)
+        if until is not None:
+            self.fleet.models.make(replica.index, v.model).reason = v.reason
+            self._record().ejected.append((replica, until, v.reason, v.model))
+            self._publish_ejection(replica, v.model, until - now, v.reason)
+        elif outage:
+            # Held in by the cap (or no outlier detection): it still asked not to be sent
+            # anything for that long.
+            self._cool(replica, v.model, v.seconds, v.reason, now)
+
+    def _on_cool(self, v: Verdict, replica: ReplicaState | None, now: float, req: Request) -> None:
+        assert replica is not None and v.model is not None
+        self._cool(replica, v.model, v.seconds, v.reason, now)
+
+    def _on_speed(self, v: Verdict, replica: ReplicaState | None, now: float, req: Request) -> None:
+        assert replica is not None
+        until = self._speed(replica, v.effect is _EFFECT_SLOW, req.model, now)
+        if until is not None:
+            replica.reason = "slow"
+            self._record().ejected.append((replica, until, "slow", None))
+            self._publish_ejection(replica, None, until - now, "slow")
+
+    def _on_latency(
+        self, v: Verdict, replica: ReplicaState | None, now: float, req: Request
+    ) -> None:
+        assert replica is not None
+        answered = v.effect is _EFFECT_LATENCY
+        if answered:  # answered first: an attempt judged not slow
+            window = replica.outcomes
+            if window is not None:
+                window.record(now, False, False)
+            elif self.fleet.config.outlier_detection is not None:
+                self._speed(replica, False, req.model, now)
+        config = self.fleet.config
+        if config.pick != "peak_ewma":
+            return
+        seconds = v.seconds
+        if v.excess:
+            seconds = max(seconds - self.fleet.prefill(req.group, req.tokens, now), 0.0)
+        if answered:
+            replica.observe_latency(now, seconds, config.latency_decay)
+        else:
+            replica.observe_lower_bound(now, seconds, config.latency_decay)
+
+    def _on_window(
+        self, v: Verdict, replica: ReplicaState | None, now: float, req: Request
+    ) -> None:
+        assert replica is not None and v.model is not None
+        state = self.fleet.models.make(replica.index, v.model)
+        state.window = v.tokens if state.window is None else min(state.window, v.tokens)
 
     def _cool(
         self,
@@ -145,44 +206,54 @@ class FleetWriter:
         seconds: float,
         reason: str,
         now: float,
-        out: Applied,
     ) -> None:
         fleet = self.fleet
         state = fleet.models.make(replica.index, model)
         state.push_back(now, seconds)
         state.reason = reason
-        out.cooled.append((replica, state.cooling_until, reason))
+        self._record().cooled.append((replica, state.cooling_until, reason))
         if self.store is not None:
             self.store.publish(Cooldown(fleet.name, replica.name, model, seconds, reason))
 
-    def _throttle(self, v: Verdict, now: float, out: Applied) -> None:
+    # The throttle: each effect its own handler (the success is on every request's path).
+
+    def _credit(self, v: Verdict, replica: ReplicaState | None, now: float, req: Request) -> None:
         fleet = self.fleet
         throttle = fleet.throttle
-        effect = v.effect
         if throttle is None:
-            if effect is Effect.CREDIT:
-                out.credit = False
-            return
-        if effect is Effect.CREDIT:
-            if fleet.credits < self.credit_cap(now):
-                fleet.credits += 1
-                out.credit = True
-            else:  # the credit is used up: the failure takes its token at once
-                out.credit = False
-                out.taken += throttle.failure()
-        elif effect is Effect.DEBIT:
+            self._record().credit = False
+        elif fleet.credits < self.credit_cap(now):
+            fleet.credits += 1
+            self._record().credit = True
+        else:  # the credit is used up: the failure takes its token at once
+            out = self._record()
+            out.credit = False
             out.taken += throttle.failure()
-        elif effect is Effect.CREDIT_RELEASED:
+
+    def _debit(self, v: Verdict, replica: ReplicaState | None, now: float, req: Request) -> None:
+        throttle = self.fleet.throttle
+        if throttle is not None:
+            self._record().taken += throttle.failure()
+
+    def _credit_closed(
+        self, v: Verdict, replica: ReplicaState | None, now: float, req: Request
+    ) -> None:
+        fleet = self.fleet
+        if fleet.throttle is not None:
             fleet.credits = max(0, fleet.credits - 1)
-            out.credit_closed = True
-        elif effect is Effect.CREDIT_DEBITED:
-            fleet.credits = max(0, fleet.credits - 1)
-            throttle.failure()
-            out.credit_closed = True
-        elif effect is Effect.REFUND:
+            if v.effect is _EFFECT_CREDIT_DEBITED:
+                fleet.throttle.failure()
+
+    def _refund(self, v: Verdict, replica: ReplicaState | None, now: float, req: Request) -> None:
+        throttle = self.fleet.throttle
+        if throttle is not None:
             throttle.refund(v.tokens)
-            out.refunded = True
-        elif effect is Effect.THROTTLE_SUCCESS:
+
+    def _succeeded(
+        self, v: Verdict, replica: ReplicaState | None, now: float, req: Request
+    ) -> None:
+        throttle = self.fleet.throttle
+        if throttle is not None:
             throttle.success()
 
     def credit_cap(self, now: float) -> int:
@@ -196,15 +267,16 @@ class FleetWriter:
         assert fleet.config.throttle is not None
         return max(1, math.floor(fleet.config.throttle.max_tokens / 2))
 
-    def _sample(
-        self, v: Verdict, now: float, group: str, size_class: int, tokens: int | None
+    def _on_sample(
+        self, v: Verdict, replica: ReplicaState | None, now: float, req: Request
     ) -> None:
         fleet = self.fleet
         model = fleet.model
         if model is None:
             return
-        name = None if v.replica is None else fleet.replicas[v.replica].name
+        name = None if replica is None else replica.name
         at = now if v.at is None else min(v.at, now)
+        group, size_class, tokens = req.group, req.size_class, req.tokens
         model.observe(group, size_class, at, v.seconds, v.observed, tokens, name, v.attempt)
         if self.store is not None and name is not None:
             self.store.publish(
@@ -239,7 +311,7 @@ class FleetWriter:
         config = fleet.config.outlier_detection
         window = self._outcomes(replica)
         if window is not None:
-            window.record(now, failed=True)
+            window.record(now, False, True)
         if not replica.failure(now, config):
             return None
         assert config is not None
@@ -277,15 +349,21 @@ class FleetWriter:
         judged, slow, failures = replica.outcomes.counts(now)
         share = (failures if failed else slow) / max(judged, 1)
         best = None
+        pending = False
         for r in self._in_for(model, now, replica):
-            if r.outcomes is None:
-                continue
-            n, s, f = r.outcomes.counts(now)
-            if n >= volume:
-                other = (f if failed else s) / n
-                best = other if best is None else min(best, other)
+            n = 0
+            if r.outcomes is not None:
+                n, s, f = r.outcomes.counts(now)
+                if n >= volume:
+                    other = (f if failed else s) / n
+                    best = other if best is None else min(best, other)
+            if n < volume and r.waiting:
+                pending = True  # its attempts are out: their outcome will tell
         if best is None:
-            return failed
+            # Nothing to compare with: a run of failures decides alone, unless another
+            # replica's attempts are still out (a burst failing everywhere at one instant:
+            # whichever replica's failures are counted first must not be the one ejected).
+            return failed and not pending
         return share - best >= config.slow_margin - 1e-9
 
     def _out_for(self, model: str, now: float) -> int:
@@ -327,10 +405,12 @@ class FleetWriter:
         ends, or ``None``."""
         fleet = self.fleet
         config = fleet.config.outlier_detection
-        window = self._outcomes(replica)
-        if window is None or config is None:
+        if config is None:
             return None
-        window.record(now, slow=slow)
+        window = replica.outcomes
+        if window is None:
+            window = replica.outcomes = OutcomeWindow(config.slow_window)
+        window.record(now, slow, False)
         if not slow or not config.count_slow or replica.ejected(now):
             return None
         if window.counts(now)[0] < config.slow_min_volume:
@@ -445,24 +525,30 @@ class FleetWriter:
         elif trigger == "recovery":
             counts.recoveries += 1
 
-    def answered(self, replica: ReplicaState, key: object) -> None:
-        """An attempt on ``replica`` got its first token: no longer waiting for one there."""
-        replica.waiting.pop(key, None)
-
     def ended(self, replica: ReplicaState, key: object) -> None:
         """An attempt on ``replica`` ended (failed, cancelled, or its request finished)."""
         replica.waiting.pop(key, None)
         replica.in_flight -= 1
 
-    def committed(self, replica: ReplicaState, now: float, *, hedge: bool) -> None:
+    def committed(
+        self,
+        replica: ReplicaState,
+        key: object,
+        now: float,
+        *,
+        hedge: bool,
+        first_token: float | None,
+    ) -> None:
+        """An attempt on ``replica`` got its first token and won (no longer waiting for one
+        there); ``first_token``: when the caller saw it (the statistics' percentiles), or
+        ``None`` (a recovery's, or an empty answer)."""
+        replica.waiting.pop(key, None)
         replica.wins += 1
         replica.last_commit = now
         if hedge:
             self.fleet.counts.backup_wins += 1
-
-    def commit_time(self, at: float, first_token: float) -> None:
-        """A caller-visible first token (for the statistics' percentiles)."""
-        self.fleet.ttfts.append((at, first_token))
+        if first_token is not None:
+            self.fleet.ttfts.append((now, first_token))
 
     def cancelled(
         self, replica: ReplicaState, now: float, *, lost: bool, ran: float, expected: float | None
@@ -501,3 +587,11 @@ class FleetWriter:
         counts.wasted += report.wasted_tokens
         counts.prompt_resent += report.prompt_tokens_resent or 0
         return True
+
+
+# Enum members read on every request's path, as module constants: loading one is about
+# ten times faster than the class attribute (EnumType resolves it on each access).
+_EFFECT_CREDIT_DEBITED = Effect.CREDIT_DEBITED
+_EFFECT_LATENCY = Effect.LATENCY
+_EFFECT_OUTAGE = Effect.OUTAGE
+_EFFECT_SLOW = Effect.SLOW
