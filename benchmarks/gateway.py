@@ -29,17 +29,31 @@ own cost is small and the same for every path. Figures:
 6. paced multi-stream CPU (issue 20: 8 concurrent streams of 500 tokens paced 1 ms apart,
    ``--rounds`` times): that gateway's CPU per relayed token.
 
-CPU is the proxy process's ``utime + stime`` from ``/proc`` (10 ms ticks), over the scenario.
+7. with ``--redis``: the same defaults gateway sharing its fleet state through a real
+   ``redis-server`` (``[state] redis_url``, started here on loopback): its pairs and its
+   CPU per token beside the one without, in the same run;
+8. with ``--workers N``: 1,000 concurrent short streams through ``serve --workers 1`` and
+   ``serve --workers N`` (every default), ``--rounds`` times alternating: the throughput
+   (streams per second) and the gateway's CPU per stream (all its processes).
+
+CPU is the proxy process's ``utime + stime`` from ``/proc`` (10 ms ticks), over the scenario
+(with workers: the supervisor's and every worker's).
 ``--starlette`` adds a pass-through built on Starlette's ``StreamingResponse`` (the framework
 measurement behind the gateway's raw ASGI app; needs ``pip install starlette``).
 
 Targets (issue 12): added TTFT P50 <= 3 ms and P99 <= 5 ms; gateway CPU per token <= 1.5x the
 pass-through's; 1,000 short streams with 0 failures in <= 1.5x the pass-through's time; 0 leaks.
-Issue 20 (next to the Rust routers people deploy: 0.7-0.9 ms and 34-69 us there): the
-defaults gateway's added TTFT P50 <= 2 ms in the pairs (5) and CPU per token <= 100 us in the
-paced multi-stream test (6); the relay stays byte for byte (the tests check it).
+Issue 20 (next to the Rust routers people deploy: 0.7-0.9 ms and 34-69 us there), restated by
+issue 29 relative to the bare hypercorn + httpx pass-through measured in the same run (the
+floor of the stack the project keeps; the absolute 2 ms and 100 us were below that floor on
+this machine): the defaults gateway's own added TTFT P50 <= +0.5 ms over the pass-through's
+in the pairs (5), its CPU per token <= 1.05x the pass-through's in the paced multi-stream
+test (6); the relay stays byte for byte (the tests check it). Issue 29: with Redis, added
+TTFT P50 <= +0.3 ms over without and CPU per token unchanged (<= 1.05x) (7); 1,000 short
+streams with 2 workers on 2 cores >= 1.7x the throughput of 1 worker (8).
 
-Run: ``python benchmarks/gateway.py`` (``--quick``: a smoke run with small counts).
+Run: ``python benchmarks/gateway.py [--redis] [--workers 2]`` (``--quick``: a smoke run with
+small counts; ``--lean-only``: only 5, 6 and 7).
 """
 
 from __future__ import annotations
@@ -50,6 +64,8 @@ import json
 import math
 import os
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -202,9 +218,17 @@ class Proxy:
     tasks: Callable[[], int] | None = None
 
     def cpu(self) -> float:
-        with open(f"/proc/{self.process.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _CLK
+        """CPU seconds of the process and of its children alive now (a supervisor's
+        workers; a worker restarted meanwhile would lose its predecessor's share)."""
+        total = 0.0
+        for pid in [self.process.pid, *_children(self.process.pid)]:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / _CLK
+        return total
 
     def open_client_sockets(self) -> int:
         """Sockets on the proxy's port still ESTABLISHED or CLOSE_WAIT (a client not let go)."""
@@ -215,6 +239,19 @@ class Proxy:
                 if int(local.split(":")[1], 16) == self.port and state in ("01", "08"):
                     count += 1
         return count
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
 
 
 def _start_passthrough(upstream: int, starlette: bool) -> Proxy:
@@ -260,12 +297,62 @@ hedger = {{ hedge_after = {HEDGE_AFTER}, pick = "in_order" }}  # the slow one fi
     return subprocess.Popen(command, stderr=out, stdout=out)
 
 
-def _start_default_gateway(upstream: int, log: Path) -> subprocess.Popen[Any]:
-    """``trio-hedge serve --replica URL``: every default, as an operator starts it."""
+def _start_default_gateway(
+    upstream: int, log: Path, *, redis: str | None = None, workers: int = 1
+) -> subprocess.Popen[Any]:
+    """``trio-hedge serve --replica URL``: every default, as an operator starts it; with
+    ``redis``, sharing its fleet state there (``[state] redis_url``); with ``workers``."""
     out = open(log, "w")  # noqa: SIM115 - the child writes to it until it ends
     replica = f"http://127.0.0.1:{upstream}/d0/v1"
-    command = [sys.executable, "-m", "trio_hedge", "serve", "--replica", replica, "--port", "0"]
+    command = [sys.executable, "-m", "trio_hedge", "serve", "--port", "0"]
+    if redis is not None:
+        config = log.with_suffix(".toml")
+        config.write_text(f'[state]\nredis_url = "{redis}"\n[[replicas]]\nbase_url = "{replica}"\n')
+        command += ["--config", str(config)]
+    else:
+        command += ["--replica", replica]
+    if workers > 1:
+        command += ["--workers", str(workers)]
     return subprocess.Popen(command, stderr=out, stdout=out)
+
+
+@attrs.define
+class Redis:
+    """A redis-server on a free loopback port, nothing written to disk."""
+
+    process: subprocess.Popen[Any]
+    folder: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @classmethod
+    def start(cls) -> Redis:
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        if not os.access(binary, os.X_OK):
+            raise SystemExit("--redis needs redis-server (apt-get install redis-server)")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        folder = tempfile.mkdtemp(prefix="bench-redis-")
+        command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        command += ["--appendonly", "no", "--dir", folder]
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return cls(process, folder, port)
+            except OSError:
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _gateway_port(log: Path) -> int:
@@ -431,6 +518,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--lean-tokens", type=int, default=500, help=argparse.SUPPRESS)
     parser.add_argument("--starlette", action="store_true", help="add a Starlette pass-through")
+    parser.add_argument(
+        "--redis", action="store_true", help="add the defaults gateway sharing state via Redis"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=0, metavar="N", help="1,000 short streams: 1 vs N workers"
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: small counts")
     parser.add_argument("--passthrough", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -442,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.requests, args.tokens, args.concurrent, args.short = 20, 2000, 20, 100
         args.pairs, args.rounds, args.lean_tokens = 30, 1, 200
+        args.redis = args.redis or shutil.which("redis-server") is not None
+        args.workers = args.workers or 2
     console = Console(width=160)
     console.print(
         f"gateway: requests={args.requests} tokens={args.tokens:,} concurrent={args.concurrent} "
@@ -449,12 +544,14 @@ def main(argv: list[str] | None = None) -> int:
         f"hedge_after={HEDGE_AFTER * 1000:.0f} ms nproc={os.cpu_count()} "
         f"load average {os.getloadavg()[0]:.2f} (other processes share the cores)"
     )
+    redis = Redis.start() if args.redis else None
     with tempfile.TemporaryDirectory() as tmp, server_process() as upstream:
         log = Path(tmp) / "gateway.log"
         gateway = _start_gateway(upstream, log)
         proxies: list[Proxy] = []
         default_log = Path(tmp) / "gateway-defaults.log"
         defaults = _start_default_gateway(upstream, default_log)
+        extra: list[subprocess.Popen[Any]] = []
         try:  # whatever fails below, the processes started so far are stopped
             proxies.append(_start_passthrough(upstream, False))
             if args.starlette:
@@ -494,19 +591,161 @@ def main(argv: list[str] | None = None) -> int:
                 targets[len(proxies) + 1],
                 Target(default_gw.name, default_port, gw.path, "m", default_gw),
             ]
+            if redis is not None:
+                shared_log = Path(tmp) / "gateway-redis.log"
+                shared = _start_default_gateway(upstream, shared_log, redis=redis.url)
+                extra.append(shared)
+                port = _gateway_port(shared_log)
+                proxy = Proxy(REDIS_ROW, shared, port, gw.path)
+                through.append(Target(REDIS_ROW, port, gw.path, "m", proxy))
+                again_log = Path(tmp) / "gateway-control.log"
+                again = _start_default_gateway(upstream, again_log)
+                extra.append(again)
+                port = _gateway_port(again_log)
+                proxy = Proxy(CONTROL_ROW, again, port, gw.path)
+                through.append(Target(CONTROL_ROW, port, gw.path, "m", proxy))
+            scaling: list[Target] = []
+            if args.workers > 1:
+                for count in (1, args.workers):
+                    name = f"gateway, defaults, {count} worker{'s' if count > 1 else ''}"
+                    path = Path(tmp) / f"gateway-workers-{count}.log"
+                    process = _start_default_gateway(upstream, path, workers=count)
+                    extra.append(process)
+                    port = _gateway_port(path)
+                    scaling.append(
+                        Target(name, port, gw.path, "m", Proxy(name, process, port, gw.path))
+                    )
             results = None if args.lean_only else trio.run(_measure, targets, args)
             lean = trio.run(_measure_lean, targets[0], through, args)
+            scaled = trio.run(_measure_workers, scaling, args) if scaling else None
         finally:
             for p in [*proxies]:
                 p.process.terminate()
                 p.process.wait(timeout=10)
-            for process in (gateway, defaults):
+            for process in (gateway, defaults, *extra):
                 process.terminate()
                 process.wait(timeout=30)
+            if redis is not None:
+                redis.stop()
     if results is not None:
         _print(console, targets, results, args)
     _print_lean(console, through, lean, args)
+    if scaled is not None:
+        _print_workers(console, scaling, scaled, args)
     return 0
+
+
+REDIS_ROW = "gateway, defaults + Redis"
+#: With --redis: the defaults gateway once more, in a process of its own (an A/A control).
+CONTROL_ROW = "gateway, defaults (control)"
+
+
+async def _measure_workers(
+    scaling: list[Target], args: argparse.Namespace
+) -> dict[str, dict[str, list[float]]]:
+    """``args.short`` concurrent short streams through each target, ``args.rounds`` times
+    (alternating): elapsed seconds, CPU seconds of the gateway's processes, failures."""
+    out: dict[str, dict[str, list[float]]] = {
+        t.name: {"elapsed": [], "cpu": [], "failures": [], "client": [], "upstream": []}
+        for t in scaling
+    }
+    upstream = [
+        pid for pid in _children(os.getpid()) if b"_common.py" in _cmdline(pid)
+    ]  # the upstream SSE server's process
+    for t in scaling:
+        await run_many(t, 20, 4, 0)  # warm-up: every worker's first connections
+    for _ in range(max(3, args.rounds)):
+        for t in scaling:
+            assert t.proxy is not None
+            cpu0, own0, up0 = t.proxy.cpu(), time.process_time(), _cpu_of(upstream)
+            elapsed, failures, _ = await run_many(t, args.short, 8, 0)
+            out[t.name]["cpu"].append(t.proxy.cpu() - cpu0)
+            out[t.name]["client"].append(time.process_time() - own0)
+            out[t.name]["upstream"].append(_cpu_of(upstream) - up0)
+            out[t.name]["elapsed"].append(elapsed)
+            out[t.name]["failures"].append(failures)
+    return out
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _cpu_of(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _CLK
+    return total
+
+
+def _print_workers(
+    console: Console,
+    scaling: list[Target],
+    r: dict[str, dict[str, list[float]]],
+    args: argparse.Namespace,
+) -> None:
+    table = Table(
+        title=f"{args.short:,} concurrent short streams (8 tokens), fresh connections, "
+        f"{max(3, args.rounds)} rounds each, alternating; nproc={os.cpu_count()}"
+    )
+    columns = (
+        "gateway",
+        "streams/s per round",
+        "best",
+        "CPU ms per stream: gateway / client / upstream",
+        "failures",
+    )
+    for c in columns:
+        table.add_column(c, justify="left" if c == "gateway" else "right")
+    best: dict[str, float] = {}
+    per_stream: dict[str, tuple[float, float, float]] = {}
+    for t in scaling:
+        x = r[t.name]
+        rates = [args.short / e for e in x["elapsed"]]
+        best[t.name] = max(rates)
+        n = args.short * len(x["cpu"])
+        per_stream[t.name] = (
+            sum(x["cpu"]) / n * 1000,
+            sum(x["client"]) / n * 1000,
+            sum(x["upstream"]) / n * 1000,
+        )
+        table.add_row(
+            t.name,
+            ", ".join(f"{v:,.0f}" for v in rates),
+            f"{best[t.name]:,.0f}",
+            " / ".join(f"{v:.2f}" for v in per_stream[t.name]),
+            str(int(sum(x["failures"]))),
+        )
+    console.print(table)
+    one, many = (best[t.name] for t in scaling)
+    ratio = many / one
+    # What the machine allows: every stream costs the gateway, the client and the upstream
+    # CPU on the same cores; one worker uses at most one core itself.
+    cores = os.cpu_count() or 1
+    gw1, client1, up1 = per_stream[scaling[0].name]
+    gwn, clientn, upn = per_stream[scaling[1].name]
+    bound1 = min(1000 / gw1, cores * 1000 / (gw1 + client1 + up1))
+    boundn = min(args.workers * 1000 / gwn, cores * 1000 / (gwn + clientn + upn))
+    console.print(
+        f"info: the machine's bound from these CPU costs (no other load): 1 worker "
+        f"{bound1:,.0f} streams/s, {args.workers} workers {boundn:,.0f} streams/s: at most "
+        f"{boundn / bound1:.2f}x"
+    )
+    console.print(
+        verdict(
+            ratio >= 1.7,
+            f"{args.workers} workers: {ratio:.2f}x the throughput of 1 worker (>= 1.7x; the "
+            "client, the upstream and the gateway share the machine's cores)",
+        )
+    )
+    console.print(f"info: load average at the end {os.getloadavg()[0]:.2f}")
 
 
 async def _measure(targets: list[Target], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -576,16 +815,17 @@ async def _measure_lean(
                 key = "direct" if side is direct else "through"
                 out[t.name][key].append(s.ttft if s.ok else math.nan)
     for t in through:
-        assert t.proxy is not None
-        spent: list[float] = []
-        failures = tokens = 0
-        for _ in range(args.rounds):
+        out[t.name].update(cpu=[], tokens=0, failures=0)
+    # Rounds interleaved over the paths: a change in the machine's load meanwhile falls on
+    # every path alike.
+    for _ in range(args.rounds):
+        for t in through:
+            assert t.proxy is not None
             cpu0 = t.proxy.cpu()
             _, failed, rs = await run_many(t, LEAN_STREAMS, args.lean_tokens, LEAN_PACE_MS)
-            spent.append(t.proxy.cpu() - cpu0)
-            tokens += sum(r.tokens for r in rs)
-            failures += failed
-        out[t.name].update(cpu=spent, tokens=tokens, failures=failures)
+            out[t.name]["cpu"].append(t.proxy.cpu() - cpu0)
+            out[t.name]["tokens"] += sum(r.tokens for r in rs)
+            out[t.name]["failures"] += failed
     return out
 
 
@@ -639,12 +879,45 @@ def _print_lean(
         )
     console.print(table)
     added50, cpu = figures["gateway, defaults"]
+    floor50, floor_cpu = figures["pass-through (raw ASGI)"]
     console.print(
-        verdict(added50 <= 2, f"gateway, defaults: added TTFT P50 {added50:.2f} ms (<= 2)")
+        verdict(
+            added50 - floor50 <= 0.5,
+            f"gateway, defaults: added TTFT P50 {added50:.2f} ms = the pass-through's "
+            f"{floor50:.2f} ms {added50 - floor50:+.2f} ms (<= +0.5 ms; issue 20's absolute "
+            "2 ms, restated)",
+        )
     )
     console.print(
-        verdict(cpu <= 100, f"gateway, defaults: CPU per paced token {cpu:.0f} µs (<= 100)")
+        verdict(
+            cpu <= 1.05 * floor_cpu,
+            f"gateway, defaults: CPU per paced token {cpu:.0f} µs = {cpu / floor_cpu:.2f}x the "
+            f"pass-through's {floor_cpu:.0f} µs (<= 1.05x; issue 20's absolute 100 µs, restated)",
+        )
     )
+    if REDIS_ROW in figures:
+        shared50, shared_cpu = figures[REDIS_ROW]
+        console.print(
+            verdict(
+                shared50 - added50 <= 0.3,
+                f"with Redis: added TTFT P50 {shared50:.2f} ms = without's {added50:.2f} ms "
+                f"{shared50 - added50:+.2f} ms (<= +0.3 ms)",
+            )
+        )
+        console.print(
+            verdict(
+                shared_cpu <= 1.05 * cpu,
+                f"with Redis: CPU per paced token {shared_cpu:.0f} µs = {shared_cpu / cpu:.2f}x "
+                "without's (unchanged: <= 1.05x)",
+            )
+        )
+    if CONTROL_ROW in figures:
+        again50, again_cpu = figures[CONTROL_ROW]
+        console.print(
+            f"info: the control (the same defaults gateway in a second process): added TTFT "
+            f"P50 {again50 - added50:+.2f} ms, CPU per token {again_cpu / cpu:.2f}x: "
+            "differences between rows within that are this machine's noise"
+        )
     console.print(f"info: load average at the end {os.getloadavg()[0]:.2f}")
 
 

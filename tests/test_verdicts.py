@@ -393,8 +393,13 @@ async def test_loser_censoring_does_not_ratchet_the_delay(
     # for a. Censored when its backup was sent, the delay stays where the fleet hedges.
     behaviour = {"a": Script(ttft=1.5, tokens=2), "b": Script(ttft=0.2, tokens=2)}
     fleet = Fleet(["a", "b"], lambda name, _info: behaviour[name])
+    # The fallback throughout (no cold rule: it would hedge sooner, at 3 × the samples'
+    # median, and this test is about what the losers' censoring does to the delay).
     config = HedgerConfig(
-        hedge_after=th.LearnedDelay(), pick="in_order", budget=None, throttle=None
+        hedge_after=th.LearnedDelay(cold_samples=None),
+        pick="in_order",
+        budget=None,
+        throttle=None,
     )
     hedger = th.Hedger(fleet.sources(), config)
     ttfts = []

@@ -306,6 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = sys.stdout
     if args.command in ("serve", "fake"):
+        # What a --workers supervisor starts each worker with (the flags as given).
+        args.argv = list(sys.argv[1:] if argv is None else argv)
         from .gateway._cli import run
 
         return run(args)

@@ -307,3 +307,39 @@ async def many_tenants(hedger: Hedger, request: dict[str, Any]) -> float | None:
     assert_type(lease, Lease)
     await ledger.settle(lease, 120)
     return wait
+
+
+# -- shared state: the Redis back ends and the gateway's [state] ----------------------------
+
+
+async def with_shared_state(nursery: trio.Nursery) -> None:
+    from trio_hedge.gateway import GatewayConfig, StateConfig
+    from trio_hedge.state import (
+        Ejection,
+        Lease,
+        LocalFleetStore,
+        Quota,
+        RedisFleetStore,
+        RedisKeyLedger,
+        Refusal,
+        StateChange,
+        StoreStatus,
+    )
+
+    def apply(change: StateChange) -> None: ...
+
+    store = RedisFleetStore("redis://10.0.0.5:6379/0", prefix="team-a", timeout=0.25)
+    await nursery.start(store.run, apply)
+    store.publish(Ejection("default", "a", None, 10.0, "server_error"))
+    assert_type(store.status, StoreStatus)
+    await nursery.start(LocalFleetStore().run, apply)
+    ledger = RedisKeyLedger("redis://10.0.0.5:6379/0", fail_closed=True)
+    await nursery.start(ledger.run)
+    answer = await ledger.reserve("team-a", Quota(max_concurrent=10, tokens_per_minute=10_000), 500)
+    assert_type(answer, Lease | Refusal)
+    if isinstance(answer, Lease):
+        await ledger.settle(answer, 320)
+    state = StateConfig(redis_url="redis://10.0.0.5:6379/0", fail_closed=False)
+    config = GatewayConfig([Replica("http://10.0.0.1:8000/v1")], workers=2, state=state)
+    assert_type(config.workers, int)
+    assert_type(config.state.redis_url, str | None)

@@ -19,6 +19,7 @@ from ._config import (
     GatewayKey,
     Group,
     Limits,
+    StateConfig,
     load_config,
     parse_config,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "GatewayKey",
     "Group",
     "Limits",
+    "StateConfig",
     "load_config",
     "parse_config",
     "serve",

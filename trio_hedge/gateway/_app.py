@@ -25,7 +25,7 @@ import trio
 
 from .. import Hedger, Replica
 from ..policy import ReplicaStatistics
-from ..state import KeyLedger
+from ..state import FleetStore, KeyLedger
 from ._agent import agent_forwarder
 from ._config import GatewayConfig, GatewayKey
 from ._errors import ErrorAnswer, short
@@ -136,6 +136,8 @@ class GatewayApp:
             minute): a [`KeyLedger`][trio_hedge.state.KeyLedger], shared by a fleet of
             gateways; default a [`LocalKeyLedger`][trio_hedge.state.LocalKeyLedger] (this
             process only). The admission queue itself stays in the process.
+        store: the fleet store the Hedgers share their slow state through (``/readyz``
+            says its status; ``/metrics`` too). Default none: nothing shared.
 
     The caller owns the Hedgers, the client and the ledger (``serve()`` opens and closes
     them).
@@ -149,8 +151,11 @@ class GatewayApp:
         metrics: GatewayMetrics,
         agent_hedgers: Mapping[str, Mapping[str, Hedger]] | None = None,
         ledger: KeyLedger | None = None,
+        *,
+        store: FleetStore | None = None,
     ) -> None:
         self.config = config
+        self.store = store
         self.limiter = Limiter(config, ledger)
         self.metrics = metrics
         metrics.queued.set_function(lambda: self.limiter.queued)
@@ -175,6 +180,8 @@ class GatewayApp:
             if isinstance(r.overrides.get("model"), str)
         ]
         metrics.watch(self._all, named)
+        if store is not None:
+            metrics.watch_state({"fleet": store})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -463,6 +470,13 @@ class GatewayApp:
             return _draining(limits.retry_after)
         if retry_after is None:
             retry_after = limits.retry_after
+        if reason == "key_unavailable":
+            # [state] fail_closed: the fleet's count of this key cannot be reached, and the
+            # operator chose to refuse what it cannot count.
+            message = "this gateway key's shared limits cannot be checked now (fail_closed)"
+            return ErrorAnswer(
+                503, message, code="key_unavailable", retry_after=retry_after, should_retry=True
+            )
         if reason == "queue_full":
             message = (
                 f"the gateway is full: {limits.max_concurrent} requests running and "
@@ -524,12 +538,15 @@ class GatewayApp:
         await ex.json(200, data)
 
     async def _ready(self, ex: Exchange) -> None:
-        """``GET /readyz``: `readiness` of every Hedger's statistics, 503 unless ready."""
+        """``GET /readyz``: `readiness` of every Hedger's statistics, 503 unless ready; and
+        ``state``: the shared state's status (``local``, ``ok``, ``degraded``: Redis
+        unreachable, this process runs on its own view and stays ready: fail open)."""
         stats = {
             api: {name: hedger.statistics().replicas for name, hedger in by_group.items()}
             for api, by_group in self._all.items()
         }
         status, body = readiness(stats, draining=self.limiter.leaving)
+        body["state"] = "local" if self.store is None else self.store.status
         await ex.json(200 if status == "ready" else 503, json.dumps(body).encode())
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import math
 import os
 import signal
@@ -143,6 +144,14 @@ def add_commands(sub: Any) -> None:
         help="close a connection whose write makes no progress for SECONDS (a client that "
         "stopped reading), ending its requests (default: 30)",
     )
+    serve.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="gateway processes on the one port, under a supervisor that restarts one that "
+        "dies and drains all on SIGTERM (config: [server] workers; default: 1, no supervisor)",
+    )
+    serve.add_argument("--worker", help=argparse.SUPPRESS)  # a supervisor's worker: its spec
     serve.add_argument(
         "--http1-only",
         action="store_true",
@@ -289,19 +298,53 @@ def _serve(args: argparse.Namespace) -> int:
             limits=limits,
             http2=False if args.http1_only else None,
             log_format=args.log_format,
+            workers=args.workers,
         )
     except (ConfigError, OSError) as exc:
         sys.stderr.write(f"trio-hedge: {exc}\n")
         return 2
     configure_logging(args.log_level, config.log_format)
+    if config.state.redis_url is not None and importlib.util.find_spec("coredis") is None:
+        sys.stderr.write(
+            "trio-hedge: [state] redis_url needs the redis extra (coredis is missing): "
+            "pip install 'trio-hedge[redis]'\n"
+        )
+        return 2
     if args.gc_threshold:
         _, gen1, gen2 = gc.get_threshold()
         gc.set_threshold(args.gc_threshold, gen1, gen2)
+    raise_fd_limit()  # room for max_concurrent streams and their replicas' connections
+    if args.worker:
+        return _worker(config, args.worker)
+    if config.workers > 1:
+        from ._workers import supervise
+
+        try:
+            return trio.run(supervise, config, getattr(args, "argv", []))
+        except ListenError as exc:
+            return _cannot_listen(exc.filename, exc)
     try:
-        raise_fd_limit()  # room for max_concurrent streams and their replicas' connections
         trio.run(lambda: serve(config, handle_signals=True))
     except ListenError as exc:
         return _cannot_listen(exc.filename, exc)
+    return 0
+
+
+def _worker(config: Any, spec: str) -> int:
+    """One of a supervisor's workers: the gateway on the sockets it was handed."""
+    from ._serve import serve
+    from ._workers import parse_worker, watch_supervisor, worker_listeners
+
+    index, supervisor, fds = parse_worker(spec)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_supervisor, supervisor)
+            listeners = worker_listeners(fds)
+            await serve(config, handle_signals=True, listeners=listeners, worker=index)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
     return 0
 
 

@@ -24,6 +24,14 @@ from .._validate import MAX_PRIORITY
 from ..events import FirstToken
 from ..policy import Attribution
 from ..sources.probes import ENGINES, LoadProbe
+from ..state._link import (
+    DEFAULT_PREFIX,
+    DEFAULT_TIMEOUT,
+    check_prefix,
+    check_redis_url,
+    check_timeout,
+    redacted_url,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -37,6 +45,7 @@ __all__ = [
     "GatewayKey",
     "Group",
     "Limits",
+    "StateConfig",
     "hedger_config",
     "load_config",
     "parse_config",
@@ -52,6 +61,8 @@ DEFAULT_HEDGER = HedgerConfig(first_token=FirstToken.ANY_OUTPUT)
 #: model the key may not use (OpenAI: "does not exist or you do not have access to it") -- a
 #: replica with a key of its own serving it is no evidence against the other.
 FORWARDED_KEYS = Attribution(caller={"auth", "quota_exceeded", "rate_limit", "not_found"})
+#: The most worker processes ``[server] workers`` may start.
+MAX_WORKERS = 64
 
 
 class ConfigError(ValueError):
@@ -247,6 +258,53 @@ class Limits:
             )
 
 
+def _redis_url(_inst: object, _attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None:
+        check_redis_url(value)
+
+
+def _url_repr(value: str | None) -> str:
+    return "None" if value is None else repr(redacted_url(value))
+
+
+@attrs.frozen
+class StateConfig:
+    """Where a fleet of gateway processes shares its slow state (``[state]``): ejections and
+    cooldowns per (replica, model), the learned delay's TTFT samples, and (with the
+    admission ledger) each key's leases; see ``docs/gateway.md``, "Scale-out". Without
+    ``redis_url`` each process keeps its own (the default: nothing changes).
+
+    Attributes:
+        redis_url: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://…`` (TLS) or
+            ``unix://…``; ``None``: nothing is shared. Shown without its user and password
+            in reprs, logs and errors; in a file, name an environment variable that holds
+            it instead (``redis_url_env``) when it carries a password. Default ``None``.
+        prefix: what every Redis key starts with (one Redis for several fleets: one prefix
+            each). Default ``"trio-hedge"``.
+        fail_closed: while Redis is unreachable, refuse the requests of keys with limits
+            (503) instead of counting them in this process alone (the default, fail open).
+            Default ``False``.
+        timeout: seconds one Redis call may take before Redis counts as unreachable, in
+            ``(0, 10]``. Default 0.25.
+
+    Raises:
+        TypeError, ValueError: a bad field (never quoting the URL).
+    """
+
+    redis_url: str | None = attrs.field(default=None, validator=_redis_url, repr=_url_repr)
+    prefix: str = attrs.field(default=DEFAULT_PREFIX)
+    fail_closed: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    timeout: float = attrs.field(default=DEFAULT_TIMEOUT)
+
+    @prefix.validator
+    def _check_prefix(self, _attribute: attrs.Attribute[str], value: object) -> None:
+        check_prefix(value)
+
+    @timeout.validator
+    def _check_timeout(self, _attribute: attrs.Attribute[float], value: object) -> None:
+        check_timeout(value)
+
+
 def _names(value: Iterable[str]) -> tuple[str, ...]:
     return tuple(value)
 
@@ -381,6 +439,12 @@ class GatewayConfig:
             is answered 505; an ``Upgrade: h2c`` is ignored). Default ``True``.
         log_format: how ``trio-hedge serve`` writes its logs to stderr: ``"text"`` or
             ``"json"`` (one JSON object per line). Default ``"text"``.
+        workers: gateway processes serving the one port (``trio-hedge serve``: a
+            supervisor hands them its listening socket, restarts one that dies, and drains
+            all on SIGTERM), 1 to 64. Limits such as ``max_concurrent`` are per process.
+            Default 1: one process, no supervisor.
+        state: the [`StateConfig`][trio_hedge.gateway.StateConfig]: what the processes
+            share, and where. Default: nothing shared.
     """
 
     replicas: tuple[Replica, ...] = attrs.field(converter=_replicas)
@@ -392,6 +456,15 @@ class GatewayConfig:
     limits: Limits = attrs.field(factory=Limits)
     http2: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     log_format: str = attrs.field(default="text", validator=attrs.validators.in_(("text", "json")))
+    workers: int = attrs.field(default=1)
+    state: StateConfig = attrs.field(
+        factory=StateConfig, validator=attrs.validators.instance_of(StateConfig)
+    )
+
+    @workers.validator
+    def _check_workers(self, _attribute: attrs.Attribute[int], value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WORKERS:
+            raise ValueError(f"workers must be an int in 1..{MAX_WORKERS}, not {value!r}")
 
     @port.validator
     def _check_port(self, _attribute: attrs.Attribute[int], value: object) -> None:
@@ -684,9 +757,12 @@ def parse_config(
             that is not set.
     """
     environ = os.environ if environ is None else environ
-    _known(document, ("server", "auth", "limits", "hedger", "replicas", "groups"), "config")
+    _known(
+        document, ("server", "auth", "limits", "hedger", "replicas", "groups", "state"), "config"
+    )
     server = _table(document.get("server", {}), "server")
-    _known(server, ("host", "port", "http2", "log_format"), "server")
+    _known(server, ("host", "port", "http2", "log_format", "workers"), "server")
+    state = _state(_table(document.get("state", {}), "state"), environ)
     auth = _table(document.get("auth", {}), "auth")
     _known(auth, ("keys_env", "keys", "forward_client_key"), "auth")
     keys_env = auth.get("keys_env", [])
@@ -753,9 +829,28 @@ def parse_config(
             limits=limits,
             http2=server.get("http2", True),
             log_format=server.get("log_format", "text"),
+            workers=server.get("workers", 1),
+            state=state,
         )
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"config: {exc}") from None
+
+
+def _state(table: Mapping[str, Any], environ: Mapping[str, str]) -> StateConfig:
+    """``[state]``: `StateConfig`'s fields, and ``redis_url_env`` (an environment variable
+    holding the URL, for one with a password) in place of ``redis_url``."""
+    _known(table, ("redis_url", "redis_url_env", "prefix", "fail_closed", "timeout"), "state")
+    fields = {k: v for k, v in table.items() if k != "redis_url_env"}
+    if "redis_url_env" in table:
+        if "redis_url" in table:
+            raise ConfigError("state: give redis_url or redis_url_env, not both")
+        fields["redis_url"] = _env(table["redis_url_env"], "state.redis_url_env", environ)
+    if fields.get("redis_url") is False:
+        fields["redis_url"] = None
+    try:
+        return StateConfig(**fields)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"state: {exc}") from None
 
 
 def load_config(
@@ -786,6 +881,7 @@ def with_flags(
     limits: Mapping[str, Any] | None = None,
     http2: bool | None = None,
     log_format: str | None = None,
+    workers: int | None = None,
 ) -> GatewayConfig:
     """``config`` (or none) with command-line flags over it: ``replicas`` (URLs) replace the
     file's replicas and groups; ``hedger`` fields apply to every group; ``limits`` fields
@@ -818,6 +914,8 @@ def with_flags(
             changes["http2"] = http2
         if log_format is not None:
             changes["log_format"] = log_format
+        if workers is not None:
+            changes["workers"] = workers
         if limits:
             changes["limits"] = attrs.evolve(config.limits, **limits)
         if hedger:

@@ -56,7 +56,7 @@ MAX_BLOCK = 0.25
 
 class Refused(Exception):
     """A request not admitted: ``reason`` (``queue_full``, ``queue_timeout``, ``draining``,
-    ``key_rate``, ``key_tokens``, ``too_many_tokens``), ``retry_after`` seconds (``None``:
+    ``key_rate``, ``key_tokens``, ``key_unavailable``, ``too_many_tokens``), ``retry_after`` seconds (``None``:
     no estimate) and the ledger's ``limit`` when it refused."""
 
     def __init__(self, reason: str, retry_after: float | None) -> None:
@@ -247,9 +247,11 @@ class Limiter:
                         _wake(state.unadmit(waiter, block, now))
                         continue
                     _wake(state.refuse_running(waiter, now))
-                    reason = {"concurrency": "queue_timeout", "tokens": "key_tokens"}.get(
-                        result.limit, "key_rate"
-                    )
+                    reason = {
+                        "concurrency": "queue_timeout",
+                        "tokens": "key_tokens",
+                        "unavailable": "key_unavailable",  # a shared ledger, fail_closed
+                    }.get(result.limit, "key_rate")
                     raise Refused(reason, result.retry_after)
                 ticket.lease = result
                 ticket.reserved = reserve

@@ -24,7 +24,8 @@ __all__ = ["LOG_FORMATS", "JsonLines", "configure_logging"]
 LOG_FORMATS = ("text", "json")
 
 #: Libraries that log a line per request: kept at WARNING and above.
-_NOISY = ("httpx", "httpcore", "trio_hedge.gateway.server")
+#: A line per request (httpx, …), or per retry of an unreachable Redis (coredis).
+_NOISY = ("httpx", "httpcore", "trio_hedge.gateway.server", "coredis")
 
 
 class JsonLines(logging.Formatter):

@@ -8,27 +8,39 @@ queue, the time they waited, relayed tokens, each key's tokens, refusals by reas
 per API, group and model, and, read from every Hedger's ``statistics()`` at scrape time (each
 group's, on each route: chat completions, Messages, Responses), every replica's state, the
 learned hedge delays and the hedge budget's use, and each probed replica's engine reading:
-what this instance has learned on its own. ``deploy/grafana/`` has a dashboard of them and
-``deploy/prometheus/`` the alert rules.
+what this instance has learned on its own; and whether the shared state (``[state]``, Redis)
+is reachable. ``deploy/grafana/`` has a dashboard of them and ``deploy/prometheus/`` the
+alert rules.
+
+With ``--workers N`` (a ``worker`` index given), the counters, the histogram and the in-flight
+gauges are aggregated over the workers the way prometheus-client's multiprocess mode does
+(each process writes its values to a file in ``PROMETHEUS_MULTIPROC_DIR``, which the
+supervisor makes; a scrape sums them): whichever worker answers ``/metrics``, the totals are
+the gateway's. What is read live from a process's own Hedgers (replica states, learned
+delays, probe readings, Trio tasks, the shared state's status) cannot be summed: it carries a
+``worker`` label, and is the answering worker's.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 from .. import Hedger, Report
 from ..instrumentation import PrometheusHook
 from ..policy import ReplicaStatistics
+from ..state import StoreStatus
 
 __all__ = [
     "ACCESS_LOGGER",
@@ -199,12 +211,76 @@ def _probe_metrics(probed: Mapping[str, ReplicaStatistics]) -> Iterator[Metric]:
     yield from (status, age, *counts.values(), polls, failures)
 
 
-class GatewayMetrics:
-    """The gateway's registry and metrics; `hook` goes on every Hedger's ``on_event``."""
+class _Shared(Protocol):
+    @property
+    def status(self) -> StoreStatus: ...
 
-    def __init__(self) -> None:
+
+class _StateCollector(Collector):
+    """Whether the shared state is reachable: read from each back end at scrape time."""
+
+    def __init__(self, backends: Mapping[str, _Shared]) -> None:
+        self._backends = backends
+
+    def collect(self) -> Iterator[Metric]:
+        degraded = GaugeMetricFamily(
+            "trio_hedge_gateway_state_degraded",
+            "1 while the shared state (Redis) is unreachable and this process runs on its own "
+            "(fail open), per back end (fleet: ejections, cooldowns, delay samples); 0 while "
+            "it is reachable or nothing is shared.",
+            labels=["backend"],
+        )
+        status = GaugeMetricFamily(
+            "trio_hedge_gateway_state_status",
+            "1 for the shared state's status per back end: local (nothing shared), ok, degraded.",
+            labels=["backend", "status"],
+        )
+        losses = CounterMetricFamily(
+            "trio_hedge_gateway_state_losses",
+            "Times the shared state (Redis) was found unreachable, per back end.",
+            labels=["backend"],
+        )
+        for name, backend in self._backends.items():
+            now = backend.status
+            degraded.add_metric([name], 1.0 if now == "degraded" else 0.0)
+            for value in ("local", "ok", "degraded"):
+                status.add_metric([name, value], 1.0 if now == value else 0.0)
+            losses.add_metric([name], getattr(backend, "losses", 0))
+        yield from (degraded, status, losses)
+
+
+class _Labelled(Collector):
+    """Another collector's metrics with one more label (``worker``)."""
+
+    def __init__(self, collector: Collector, name: str, value: str) -> None:
+        self._collector = collector
+        self._name = name
+        self._value = value
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._collector.collect():
+            out = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            out.samples = [
+                Sample(s.name, {**s.labels, self._name: self._value}, s.value, s.timestamp)
+                for s in metric.samples
+            ]
+            yield out
+
+
+class GatewayMetrics:
+    """The gateway's registry and metrics; `hook` goes on every Hedger's ``on_event``.
+
+    ``worker``: this process's index among ``--workers`` (its counters are then aggregated
+    over the workers through ``PROMETHEUS_MULTIPROC_DIR``; see the module docs)."""
+
+    def __init__(self, worker: int | None = None) -> None:
         self.registry = CollectorRegistry()
         self.hook = PrometheusHook(self.registry)
+        self.worker = worker
+        folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR") if worker is not None else None
+        self._multiprocess = folder
+        #: What is read live from this process at each scrape (per worker, not summed).
+        self._live: list[Collector] = []
         kw: dict[str, Any] = {"registry": self.registry}
         self.requests = Counter(
             "trio_hedge_gateway_requests",
@@ -213,7 +289,10 @@ class GatewayMetrics:
             **kw,
         )
         self.in_flight = Gauge(
-            "trio_hedge_gateway_in_flight", "Chat requests in flight (streams open).", **kw
+            "trio_hedge_gateway_in_flight",
+            "Chat requests in flight (streams open).",
+            multiprocess_mode="livesum",
+            **kw,
         )
         self.tokens = Counter(
             "trio_hedge_gateway_tokens", "Content tokens relayed to clients.", **kw
@@ -242,6 +321,7 @@ class GatewayMetrics:
             "trio_hedge_gateway_key_in_flight",
             "Chat requests in flight per gateway key (its configured name).",
             ["key"],
+            multiprocess_mode="livesum",
             **kw,
         )
         self.ttft = Histogram(
@@ -283,7 +363,20 @@ class GatewayMetrics:
         with a ``model`` label for the names in ``models`` (and those learned:
         `ModelLabels`)."""
         self.models = ModelLabels(models)
-        self.registry.register(_HedgerCollector(hedgers, self.models))
+        self._add_live(_HedgerCollector(hedgers, self.models))
+
+    def watch_state(self, backends: Mapping[str, _Shared]) -> None:
+        """Export the status of the shared-state back ends (name -> back end) at each
+        scrape."""
+        self._add_live(_StateCollector(backends))
+
+    def _add_live(self, collector: Collector) -> None:
+        if self.worker is not None:
+            collector = _Labelled(collector, "worker", str(self.worker))
+        if self._multiprocess:
+            self._live.append(collector)
+        else:
+            self.registry.register(collector)
 
     def generated_by(self, report: Report) -> None:
         """Count what each attempt of ``report`` generated (``generated``: model labels as
@@ -295,7 +388,15 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         """The Prometheus text exposition (call inside Trio)."""
-        return generate_latest(self.registry)
+        if not self._multiprocess:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, self._multiprocess)  # type: ignore[no-untyped-call]
+        for collector in self._live:
+            registry.register(collector)
+        return generate_latest(registry)
 
 
 @attrs.define(slots=True)

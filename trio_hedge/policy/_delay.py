@@ -68,9 +68,22 @@ class LearnedDelay:
     backup repeats the whole prefill on a second replica (on llama.cpp, which aborts a
     prefill only when it ends, both stay busy): the tail gets worse (field notes; issue 9:
     borrowing a short class's P90 × the class ratio, 16, for prompts 40× longer hedged 5 of
-    9 long prompts, none of whose backups won). Only when a group has no data at all is the
-    delay ``fallback``. With ``monotone`` (default) a class's delay is also never below that
-    of a smaller class with enough data.
+    9 long prompts, none of whose backups won). With ``monotone`` (default) a class's delay
+    is also never below that of a smaller class with enough data.
+
+    A group that is cold (no class learned, too few observations for the prefill model) does
+    not wait for ``min_samples`` observations: from ``cold_samples`` observations of any
+    class on, its delay is ``cold_ratio`` times their median TTFT (Kaplan–Meier: censored
+    ones count), grown in proportion to the request's prompt when it is longer than their
+    median prompt, and never above ``fallback``. The median of three TTFTs is a fair guess
+    where a P95 of three is none, and a P95 is a few times the median in the distributions
+    engines show (2.3× for a lognormal of σ = 0.5, 5.2× for σ = 1). A request whose hedge
+    delay came from this rule (or from the fallback) is looked at again every 50 ms while
+    it waits: when the observations that arrived since give a delay it has already waited,
+    its backup goes then. Only a group with fewer than ``cold_samples`` observations waits
+    for ``fallback`` (1 s): on two llama-server replicas under another tenant's prompts the
+    first requests' fallback made a cold P99 of 1.04 s against 0.24–0.29 s once warm
+    (issue 29; ``benchmarks/cold_start.py`` measures the rule).
 
     Attributes:
         percentile: the TTFT quantile to hedge at, in ``(0, 1)``. Default 0.95 (P95, as
@@ -98,6 +111,10 @@ class LearnedDelay:
             times only attempts that got a first token (tower's behaviour, biased low); it
             exists for comparison. Default ``True``.
         monotone: see above. Default ``True``.
+        cold_samples: observations (any class, exact or censored) a cold group needs before
+            its delay is ``cold_ratio`` × their median instead of ``fallback``; ``None``:
+            the fallback until the group learns (the rule before). Default 3.
+        cold_ratio: the cold rule's multiple of the median TTFT, ``>= 1``. Default 3.
         stuck_ratio: the delay is at most this many times the class's median TTFT
             (Kaplan–Meier), and the prefill model's spread at most this factor; ``None``: no
             cap. A percentile that far above the median is not the distribution's own tail
@@ -127,6 +144,13 @@ class LearnedDelay:
     censoring: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     monotone: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     stuck_ratio: float | None = attrs.field(default=10.0)
+    cold_samples: int | None = attrs.field(default=3)
+    cold_ratio: float = attrs.field(default=3.0, validator=number(1.0))
+
+    @cold_samples.validator
+    def _check_cold_samples(self, attribute: attrs.Attribute[Any], value: object) -> None:
+        if value is not None:
+            integer(1)(self, attribute, value)
 
     @stuck_ratio.validator
     def _check_stuck_ratio(self, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -455,6 +479,14 @@ class DelayModel:
     def delay(self, group: str, size_class: int, now: float, tokens: int | None = None) -> float:
         """The hedge delay in seconds for a request of this group and class, of ``tokens``
         prompt tokens (``None``: unknown, the class's lower bound is assumed)."""
+        return self.estimate(group, size_class, now, tokens)[0]
+
+    def estimate(
+        self, group: str, size_class: int, now: float, tokens: int | None = None
+    ) -> tuple[float, bool]:
+        """``(delay, cold)``: `delay`, and whether it came from the cold rule or the
+        fallback (the group has learned nothing that applies: a delay worth looking at
+        again as observations arrive)."""
         config = self.config
         entry = self._groups.get(group)
         own: float | None = None
@@ -469,14 +501,43 @@ class DelayModel:
                         estimate = smaller.estimate(now)
                         if estimate is not None and estimate > floor:
                             floor = estimate
+        cold = False
         if own is None:
             x = self.tokens_of(size_class) if tokens is None else max(tokens, 1)
             estimate = None if entry is None else self._unlearned(group, entry, size_class, now, x)
-            value = config.fallback if estimate is None else estimate
+            if estimate is None:
+                cold = True
+                guess = None if entry is None else self._cold(entry, now, x)
+                value = config.fallback if guess is None else min(guess, config.fallback)
+            else:
+                value = estimate
         else:
             value = own
         value = max(value, floor)
-        return min(max(value, config.min_delay), config.max_delay)
+        return min(max(value, config.min_delay), config.max_delay), cold
+
+    def _cold(self, entry: _Group, now: float, tokens: int) -> float | None:
+        """The cold rule (see `LearnedDelay`): ``cold_ratio`` × the median TTFT of every
+        observation of the group, × the request's prompt over their median prompt when
+        longer; ``None`` below ``cold_samples`` observations (or no median: all censored
+        early)."""
+        need = self.config.cold_samples
+        if need is None:
+            return None
+        observations: list[tuple[float, bool]] = []
+        sizes: list[int] = []
+        for window in entry.windows:
+            if window is not None:
+                for _, seconds, observed, size, _, _ in window.samples(now):
+                    observations.append((seconds, observed))
+                    sizes.append(size)
+        if len(observations) < need:
+            return None
+        median = km_quantile(observations, 0.5)
+        if median is None:
+            return None
+        typical = max(_median_int(sizes), 1)
+        return self.config.cold_ratio * median * max(1.0, tokens / typical)
 
     def _unlearned(
         self, group: str, entry: _Group, size_class: int, now: float, tokens: int

@@ -52,6 +52,9 @@ from ._judge import (
 from ._judge import EventKind as Happened
 from ._writer import Applied, FleetWriter, Request
 
+#: Seconds between two looks at a cold learner's delay for an attempt that waits on it.
+COLD_RECHECK = 0.05
+
 __all__ = ["RequestPlanner"]
 
 #: Keys of requests unique across Hedgers: the attempts a shared load probe counts.
@@ -70,6 +73,7 @@ class RequestPlanner:
         "_bound",
         "_by_source",
         "_class",
+        "_cold",
         "_evidence",
         "_finished",
         "_fleet",
@@ -78,6 +82,7 @@ class RequestPlanner:
         "_hedge_after",
         "_hedgeable",
         "_key",
+        "_last_cold",
         "_make_source",
         "_max_attempts",
         "_model",
@@ -178,6 +183,10 @@ class RequestPlanner:
         # Load probes: a refusal on the engines' evidence; attempts hedged at once on it.
         self._saturated = False
         self._at_once: set[int] | None = None
+        # Attempts whose delay a cold learner gave (looked at again as samples arrive), and
+        # whether the last delay asked of the learner was cold.
+        self._cold: set[int] | None = None
+        self._last_cold = False
 
     # -- where -------------------------------------------------------------------------------
 
@@ -415,6 +424,10 @@ class RequestPlanner:
         if self._fleet_delays is None:
             self._fleet_delays = {}
         self._fleet_delays[number] = delay
+        if self._hedge_after is None and self._last_cold and delay:
+            if self._cold is None:
+                self._cold = set()
+            self._cold.add(number)  # looked at again as the fleet's first samples arrive
         attempt = self._evidence.attempts.get(number)
         if attempt is not None:
             attempt.fleet_delay = delay
@@ -436,17 +449,48 @@ class RequestPlanner:
         on llama-server, a short request behind another tenant's 4,000-token prefill waits
         for all of it (``../shared/engine2/README.md``)."""
         fleet = self._fleet
-        if not fleet.probed or not self._hedgeable:
+        cold = self._cold is not None and number in self._cold
+        if not (fleet.probed or cold) or not self._hedgeable:
             return None
         delay = (self._fleet_delays or {}).get(number)
         if self._hedge_after is not None:
             delay = self._hedge_after
         if delay is None or delay <= 0:
             return None
-        if self._slow_on_evidence(number, delay):
+        if cold and self._cold_delay_passed(number):
+            return 0.0
+        if fleet.probed and self._slow_on_evidence(number, delay):
             self._mark_at_once(number)
             return 0.0
-        return fleet.probe_interval
+        still_cold = self._cold is not None and number in self._cold
+        if not fleet.probed:
+            return COLD_RECHECK if still_cold else None
+        return min(fleet.probe_interval, COLD_RECHECK) if still_cold else fleet.probe_interval
+
+    def _cold_delay_passed(self, number: int) -> bool:
+        """Whether attempt ``number``, hedged at a cold learner's delay, has waited the delay
+        the learner gives now, with the samples that arrived since (`LearnedDelay`'s cold
+        rule): then its backup goes now, and that delay is the fleet's for it (what blames a
+        loser). Once the learner is no longer cold for it, it is not looked at again."""
+        replica = self._running.get(number)
+        started = None if replica is None else replica.waiting.get((self, number))
+        assert self._cold is not None
+        if started is None:
+            self._cold.discard(number)
+            return False
+        now = trio.current_time()
+        fresh = self._fleet_delay(number, now)
+        if not self._last_cold:
+            self._cold.discard(number)
+        if fresh is None or now - started < fresh:
+            return False
+        assert self._fleet_delays is not None
+        self._fleet_delays[number] = fresh
+        attempt = self._evidence.attempts.get(number)
+        if attempt is not None:
+            attempt.fleet_delay = fresh
+        self._cold.discard(number)
+        return True
 
     def _mark_at_once(self, number: int) -> None:
         """Attempt ``number``'s backup goes before its delay, on the engine's evidence."""
@@ -506,7 +550,7 @@ class RequestPlanner:
                 return None
             delay = float(fixed)
         else:
-            delay = model.delay(self._group, self._class, now, self._tokens)
+            delay, self._last_cold = model.estimate(self._group, self._class, now, self._tokens)
             delay = max(delay, self._own_prefill(number, now))
         # The evidence the delay waits for may be in already: another attempt on this
         # attempt's replica has waited twice the delay for its first token (at the delay it

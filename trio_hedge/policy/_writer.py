@@ -429,29 +429,20 @@ class FleetWriter:
 
     def apply_remote(self, change: StateChange, now: float) -> None:
         """Apply a change another process of the fleet published (through the shared store):
-        an ejection or a cooldown for (replica, model), or a delay sample. A replica this
-        Hedger does not have is ignored (nothing a peer sends makes state here grow)."""
+        an ejection or a cooldown for (replica, model) for its remaining seconds, or a delay
+        sample at its age. This process's own rules still hold: an ejection is not applied
+        without outlier detection, nor past the cap (``max_ejection_percent``: never the last
+        replica, counted as a local ejection is), nor shortened; a replica or a size class
+        this Hedger does not have, or a sample older than the learner's window, is ignored
+        (nothing a peer sends makes state here grow, nor raises)."""
         fleet = self.fleet
-        replica = self._by_name.get(change.replica)
-        if replica is None:
-            return
-        if isinstance(change, Ejection):
-            until = now + change.seconds
-            if change.model is None:
-                if until > replica.ejected_until:
-                    replica.ejected_until = until
-                    replica.ejected_reason = change.reason
-            else:
-                state = fleet.models.make(replica.index, change.model)
-                if until > state.ejected_until:
-                    state.ejected_until = until
-                    state.ejected_reason = change.reason
-        elif isinstance(change, Cooldown):
-            state = fleet.models.make(replica.index, change.model)
-            state.push_back(now, change.seconds)
-            state.cooling_reason = change.reason
-        elif fleet.model is not None and isinstance(change, DelaySample):
-            fleet.model.observe(
+        if isinstance(change, DelaySample):
+            model = fleet.model
+            if model is None or not 0 <= change.size_class < model.config.classes.count:
+                return
+            if change.age >= model.config.window:
+                return
+            model.observe(
                 change.group,
                 change.size_class,
                 now - change.age,
@@ -460,6 +451,38 @@ class FleetWriter:
                 change.tokens,
                 change.replica,
             )
+            return
+        replica = self._by_name.get(change.replica)
+        if replica is None:
+            return
+        until = now + change.seconds
+        if isinstance(change, Cooldown):
+            state = fleet.models.make(replica.index, change.model)
+            state.push_back(now, change.seconds)
+            state.cooling_reason = change.reason
+            return
+        if fleet.config.outlier_detection is None:
+            return
+        if change.model is None:
+            if until <= replica.ejected_until:
+                return
+            whole = sum(1 for r in fleet.replicas if r.ejected(now))
+            if not replica.ejected(now) and whole >= fleet.ejection_limit:
+                fleet.counts.ejections_capped += 1
+                return
+            replica.ejected_until = until
+            replica.ejected_reason = change.reason
+            return
+        current = fleet.models.get(replica.index, change.model)
+        if current is not None and until <= current.ejected_until:
+            return
+        out = replica.ejected(now) or (current is not None and current.ejected_until > now)
+        if not out and self._out_for(change.model, now) >= fleet.ejection_limit:
+            fleet.counts.ejections_capped += 1
+            return
+        state = fleet.models.make(replica.index, change.model)
+        state.ejected_until = until
+        state.ejected_reason = change.reason
 
     # -- bookkeeping: in flight, the budget, counters ---------------------------------------
 

@@ -10,6 +10,10 @@ Two contracts, each with an in-process implementation and a Redis one (``coredis
   failure, expire when the process holding them dies (litellm-rs's admission leases).
   In-process: `LocalKeyLedger`.
 
+Back ends here: `LocalFleetStore` (shares nothing: one process's view),
+`RedisFleetStore` and `RedisKeyLedger` (every process of a fleet through one Redis; they
+import ``coredis``, the ``redis`` extra, only when they run).
+
 Fast state (the hedge budget, the retry throttle, in-flight counts, probe readings) stays in
 each process: see ``docs/gateway.md``, "Scale-out".
 """
@@ -27,6 +31,9 @@ from ._contracts import (
     StoreStatus,
 )
 from ._local import LocalKeyLedger
+from ._nowhere import LocalFleetStore
+from ._redis import RedisFleetStore
+from ._redis_ledger import RedisKeyLedger
 
 __all__ = [
     "Cooldown",
@@ -35,8 +42,11 @@ __all__ = [
     "FleetStore",
     "KeyLedger",
     "Lease",
+    "LocalFleetStore",
     "LocalKeyLedger",
     "Quota",
+    "RedisFleetStore",
+    "RedisKeyLedger",
     "Refusal",
     "StateChange",
     "StoreStatus",

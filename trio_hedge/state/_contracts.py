@@ -169,11 +169,12 @@ class Refusal:
     """Why a key's request is not admitted now, and in how many seconds it could be.
 
     Attributes:
-        limit: the limit that refuses it.
+        limit: the limit that refuses it; ``"unavailable"``: a shared ledger that cannot
+            count now (Redis unreachable) and is configured to refuse then (``fail_closed``).
         retry_after: seconds until a retry could be admitted (an estimate, >= 0).
     """
 
-    limit: Literal["concurrency", "rate", "tokens"]
+    limit: Literal["concurrency", "rate", "tokens", "unavailable"]
     retry_after: float
 
 
