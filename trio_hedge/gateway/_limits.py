@@ -56,8 +56,8 @@ MAX_BLOCK = 0.25
 
 class Refused(Exception):
     """A request not admitted: ``reason`` (``queue_full``, ``queue_timeout``, ``draining``,
-    ``key_rate``, ``key_tokens``, ``key_unavailable``, ``too_many_tokens``), ``retry_after`` seconds (``None``:
-    no estimate) and the ledger's ``limit`` when it refused."""
+    ``key_rate``, ``key_tokens``, ``key_unavailable``, ``too_many_tokens``), ``retry_after``
+    seconds (``None``: no estimate) and the ledger's ``limit`` when it refused."""
 
     def __init__(self, reason: str, retry_after: float | None) -> None:
         super().__init__(reason)
