@@ -373,6 +373,37 @@ TABLE: list[tuple[str, Evidence, Event, list[tuple[Any, ...]]]] = [
         [("break", "failure", 0, None), ("break", "credit", None, None)],
     ),
     (
+        "a crawling winner",
+        ev(att(1, 0, O.BROKE, error=err(ErrorKind.SLOW_STREAM), ttft=0.2), winner=1),
+        Event(E.BROKE, 1),
+        [("crawl", "slow", 0, None)],
+    ),
+    (
+        "a recovery's first-token deadline passes",
+        ev(
+            att(1, 0, O.BROKE, error=err(ErrorKind.STREAM_TRUNCATED), ttft=0.2),
+            att(
+                2,
+                1,
+                O.FAILED,
+                error=err(ErrorKind.TIMEOUT),
+                started=1.0,
+                ended=4.0,
+                trigger="recovery",
+                phase=Phase.RECOVERY,
+            ),
+            winner=1,
+        ),
+        Event(E.FAILED, 2),
+        [("recovery-deadline", "latency_floor", 1, 3.0)],
+    ),
+    (
+        "a race attempt's timeout is its replica's",
+        ev(att(1, 0, O.FAILED, error=err(ErrorKind.TIMEOUT), ended=4.0)),
+        Event(E.FAILED, 1),
+        [("transient", "failure", 0, None), ("transient", "credit", None, None)],
+    ),
+    (
         "a winner broke, b recovered it",
         ev(
             att(1, 0, O.BROKE, error=err(ErrorKind.STREAM_TRUNCATED), ttft=0.2),

@@ -19,7 +19,7 @@ import trio.testing
 
 import trio_hedge as th
 from trio_hedge.errors import ErrorKind
-from trio_hedge.policy import HedgeBudget, HedgerConfig, RecoveryPolicy
+from trio_hedge.policy import HedgeBudget, HedgerConfig, OutlierDetection, RecoveryPolicy
 from trio_hedge.report import AttemptOutcome as O
 from trio_hedge.testing import Behaviour, MockReplicas
 
@@ -278,3 +278,36 @@ async def test_a_continuations_role_only_opening_is_no_first_output(
         ("b", O.CANCELLED, pytest.approx(1.0)),
         ("c", O.WON, pytest.approx(2.0)),
     ]
+
+
+async def test_a_busy_recovery_replica_is_not_blamed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The judge's "recovery-deadline": b has not begun the recovery's long prompt (the whole
+    # answer so far) by its deadline: busy, not broken. With ejection at the first failure,
+    # a (which broke) is out, b is not: the next caller is served by b. (Judged a failure,
+    # b was ejected too and every later request went to c.)
+    mock = MockReplicas({"a": CUT, "b": lambda r: NEVER if r.index == 0 else GOOD, "c": GOOD})
+    replicas = [th.Replica(mock.url(n), name=n) for n in "abc"]
+    config = attrs.evolve(
+        FIXED,
+        outlier_detection=OutlierDetection(consecutive_failures=1, max_ejection_percent=100),
+        recovery=RecoveryPolicy(hedge=False),  # b is abandoned at its deadline, not raced
+    )
+    async with httpx.AsyncClient(transport=mock.transport) as client:
+        async with th.Hedger(replicas, config, client=client) as hedger:
+            async with hedger.stream(REQUEST) as recovered:
+                assert "".join([t async for t in recovered]) == FULL
+            stats = hedger.statistics()
+            async with hedger.stream(REQUEST) as after:
+                assert "".join([t async for t in after]) == FULL
+    assert [(x.replica, x.outcome, None if x.error is None else x.error.kind)
+            for x in recovered.report.attempts] == [
+        ("a", O.WON, ErrorKind.STREAM_TRUNCATED),
+        ("b", O.FAILED, ErrorKind.TIMEOUT),
+        ("c", O.WON, None),
+    ]  # fmt: skip
+    a, b, _ = stats.replicas
+    assert (a.state, a.failures) == ("ejected", 1)
+    assert (b.state, b.failures, b.consecutive_failures) == ("healthy", 0, 0)
+    assert after.report.winner_replica == "b" and after.report.ttft == pytest.approx(0.5)

@@ -17,7 +17,7 @@ import trio.testing
 
 import trio_hedge as th
 from trio_hedge.errors import ErrorKind
-from trio_hedge.policy import HedgerConfig, RecoveryPolicy, ThroughputFloor
+from trio_hedge.policy import HedgerConfig, OutlierDetection, RecoveryPolicy, ThroughputFloor
 from trio_hedge.report import AttemptOutcome as O
 from trio_hedge.testing import Behaviour, MockReplicas
 
@@ -192,3 +192,60 @@ async def test_another_callers_service_is_unchanged_by_a_crawl(
     alone = await run(False)
     assert len(alone) == 3 * N
     assert await run(True) == alone
+
+
+#: Ejection at a replica's first failure (no cap): a crawl judged a failure would eject.
+TOUCHY = attrs.evolve(
+    CONFIG, outlier_detection=OutlierDetection(consecutive_failures=1, max_ejection_percent=100)
+)
+
+
+async def test_a_crawl_is_slow_not_a_failure(autojump_clock: trio.testing.MockClock) -> None:
+    # The judge's "crawl": a's crawling answer is finished on b, and a is counted slow in its
+    # window, not failed: with ejection at the first failure it stays in, and the next
+    # caller is served by it as before (a crawl judged a break ejected a for everyone).
+    mock = MockReplicas({"a": _crawl_on_last, "b": FAST})
+    replicas = [th.Replica(mock.url(n), name=n) for n in "ab"]
+    async with httpx.AsyncClient(transport=mock.transport) as client:
+        async with th.Hedger(replicas, TOUCHY, client=client) as hedger:
+            await _warm(hedger)
+            async with hedger.stream(REQUEST) as crawled:
+                assert "".join([t async for t in crawled]) == FULL
+            a = hedger.statistics().replicas[0]
+            async with hedger.stream(REQUEST) as after:
+                assert "".join([t async for t in after]) == FULL
+    assert crawled.report.slow_streams == 1 and crawled.report.winner_replica == "b"
+    assert (a.state, a.failures, a.consecutive_failures, a.slow_attempts) == ("healthy", 0, 0, 1)
+    assert after.report.winner_replica == "a" and after.report.ttft == pytest.approx(0.5)
+
+
+async def test_a_crawl_read_on_to_its_end_served_the_request(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # No replica can take the crawl over (b's recovery answers 503): a reads on to the end,
+    # and that is a request served: a's run of failures (one 503 earlier) resets, as any
+    # served request's does.
+    def on_a(record: Any) -> Behaviour:
+        return {WARM_UP: Behaviour(status=503), WARM_UP + 1: CRAWL}.get(record.index, FAST)
+
+    def on_b(record: Any) -> Behaviour:
+        return FAST if record.index == 0 else Behaviour(status=503)
+
+    mock = MockReplicas({"a": on_a, "b": on_b})
+    replicas = [th.Replica(mock.url(n), name=n) for n in "ab"]
+    config = attrs.evolve(TOUCHY, outlier_detection=OutlierDetection(consecutive_failures=3))
+    async with httpx.AsyncClient(transport=mock.transport) as client:
+        async with th.Hedger(replicas, config, client=client) as hedger:
+            await _warm(hedger)
+            async with hedger.stream(REQUEST) as failed_over:
+                assert "".join([t async for t in failed_over]) == FULL
+            before = hedger.statistics().replicas[0]
+            async with hedger.stream(REQUEST) as crawled:
+                assert "".join([t async for t in crawled]) == FULL
+            a = hedger.statistics().replicas[0]
+    assert failed_over.report.winner_replica == "b"
+    assert (before.failures, before.consecutive_failures) == (1, 1)
+    report = crawled.report
+    assert [(x.replica, x.outcome) for x in report.attempts] == [("a", O.WON), ("b", O.FAILED)]
+    assert report.completed and report.attempts[0].error is None
+    assert (a.failures, a.consecutive_failures, a.slow_attempts) == (1, 0, 1)

@@ -28,7 +28,10 @@ The rules that took the most thought:
   replica holds (a Responses ``previous_response_id``) says the replica lacks that state.
 * **Busy is not broken.** A lost race moves the pick (the loser's latency estimate rises)
   and counts against health only *relative to the other replicas* (``_writer.py``'s slow
-  detector, as Envoy's success-rate detection compares hosts), never as a run of one.
+  detector, as Envoy's success-rate detection compares hosts), never as a run of one. So
+  does a winner that crawls below the throughput floor; a recovery not begun by its
+  first-token deadline (its prompt is the whole answer so far) only raises the pick's
+  estimate.
 * **The throttle decides a failover at the failure that causes it** (gRFC A6's check,
   taken where the failure happens, not a scheduler batch later): a request's first failure
   goes on credit, released when it is served and debited at its end if not; the writer
@@ -405,6 +408,31 @@ RULES: tuple[Rule, ...] = (
         ("test_judge_rules[a winner breaks]", "test_a_replica_that_breaks_every_stream_is_ejected"),
     ),
     Rule(
+        "crawl",
+        "the winner's tokens fall below the throughput floor (`ThroughputFloor`: alive, "
+        "far slower than its replica's learned rate)",
+        "its replica's, relative to the others",
+        "counted slow in its window, as a slow lost race is (not a failure, no throttle "
+        "token); the answer is finished elsewhere, or read on to its end when no replica "
+        "can take it over (then it served the request)",
+        (
+            "test_judge_rules[a crawling winner]",
+            "test_a_crawl_is_slow_not_a_failure",
+        ),
+    ),
+    Rule(
+        "recovery-deadline",
+        "a recovery with no output by its first-token deadline (its prompt is the whole "
+        "answer so far)",
+        "nobody's: busy, not broken",
+        "its latency estimate may only rise; no failure, no throttle token; the recovery goes "
+        "on on another replica",
+        (
+            "test_judge_rules[a recovery's first-token deadline passes]",
+            "test_a_busy_recovery_replica_is_not_blamed",
+        ),
+    ),
+    Rule(
         "served",
         "the request ends and its answer did not break (recovered or not)",
         "—",
@@ -499,6 +527,15 @@ def _failed(rules: Rules, evidence: Evidence, attempt: AttemptEvidence) -> list[
         if window is None:
             return [_v("context", _EFFECT_NOTHING, replica=r)]
         return [_v("context", _EFFECT_WINDOW, replica=r, model=model, tokens=window)]
+    if (
+        attempt.phase is _PHASE_RECOVERY
+        and error.kind is _ERRORKIND_TIMEOUT
+        and (attempt.recovery is None or attempt.recovery.first_output is None)
+    ):
+        # A recovery's prompt is the whole answer so far: a replica that has not begun it
+        # by its deadline is busy, not broken (the recovery goes on elsewhere).
+        ran = (attempt.ended or attempt.started) - attempt.started
+        return [_v("recovery-deadline", _EFFECT_LATENCY_FLOOR, replica=r, seconds=ran)]
     fault = rules.attribution.fault(error)
     if fault is Fault.REQUEST:
         return [_v("request", _EFFECT_NOTHING, replica=r)]
@@ -617,6 +654,10 @@ def _broke(rules: Rules, evidence: Evidence, attempt: AttemptEvidence) -> list[V
     r = attempt.replica
     if not recoverable(rules, error):
         return [_v("after-commit-request", _EFFECT_NOTHING, replica=r)]
+    if error.kind is _ERRORKIND_SLOW_STREAM:
+        # Alive, only slow: counted slow in its window (relative to the others, as a lost
+        # race after the fleet's delay is), not a failure in its run nor a throttle token.
+        return [_v("crawl", _EFFECT_SLOW, replica=r, reason=error.kind.value)]
     return [
         _v("break", _EFFECT_FAILURE, replica=r, reason=error.kind.value),
         _retry("break", _throttle(evidence)),
@@ -746,6 +787,8 @@ _EFFECT_WINDOW = Effect.WINDOW
 _ERRORKIND_CONTEXT_LENGTH_EXCEEDED = ErrorKind.CONTEXT_LENGTH_EXCEEDED
 _ERRORKIND_NOT_FOUND = ErrorKind.NOT_FOUND
 _ERRORKIND_SERVER_ERROR = ErrorKind.SERVER_ERROR
+_ERRORKIND_SLOW_STREAM = ErrorKind.SLOW_STREAM
+_ERRORKIND_TIMEOUT = ErrorKind.TIMEOUT
 _EVENTKIND_CANCELLED = EventKind.CANCELLED
 _EVENTKIND_COMMITTED = EventKind.COMMITTED
 _EVENTKIND_FAILED = EventKind.FAILED

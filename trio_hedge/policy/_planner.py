@@ -950,6 +950,23 @@ class RequestPlanner:
         self._decide_retry(clear=True)
         return recoverable(self._rules, error)
 
+    def _read_on(self, report: Report) -> None:
+        """A winner the throughput floor found slow that no recovery took over was read on to
+        its end: it served the request after all (its evidence says so, for "served"). Its
+        record says so: a winner that broke keeps its error there, a slow one read on not."""
+        number = self._evidence.winner
+        if number is None:
+            return
+        attempt = self._evidence.attempts[number]
+        if attempt.outcome is not _OUTCOME_BROKE:
+            return
+        for record in report.attempts:
+            if record.number == number:
+                if record.outcome is _ATTEMPTOUTCOME_WON and record.error is None:
+                    attempt.outcome = _OUTCOME_WON
+                    attempt.error = None
+                return
+
     def _decide_retry(self, *, clear: bool) -> None:
         """The throttle's word, now, on the failover (or recovery) a failure (or break)
         causes; ``next_source`` takes it when that attempt is asked for."""
@@ -974,6 +991,7 @@ class RequestPlanner:
             if refused:
                 self._emit(EventKind.REQUEST_FINISHED, now, report=report)
             return  # else cancelled before anything was sent (e.g. while every replica cooled)
+        self._read_on(report)
         # The replicas that served another request lately: a request every replica answered
         # 500 while the fleet served others is a query of death (the judge's rule).
         served: frozenset[int] = frozenset()
