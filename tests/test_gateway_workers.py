@@ -139,7 +139,7 @@ async def test_one_sigterm_drains_every_worker() -> None:
                 gw.process.send_signal(signal.SIGTERM)
                 await gw.line_with("SIGTERM: draining 2 workers")
                 for _ in pids:
-                    await gw.line_with("draining (")
+                    await gw.line_with("listener closed: waiting up to drain_timeout")
             assert all(s.whole and s.tokens == 40 for s in streams)  # every stream ended whole
             assert await gw.process.wait() == 0
             with pytest.raises(OSError):  # nobody listens any more

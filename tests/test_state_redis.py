@@ -30,6 +30,7 @@ from trio_hedge.state import (
     KeyLedger,
     Lease,
     LocalFleetStore,
+    LocalKeyLedger,
     Quota,
     RedisFleetStore,
     RedisKeyLedger,
@@ -352,23 +353,12 @@ class Counting:
         self.held[lease.key] -= 1
 
 
-def _local_ledger() -> KeyLedger | None:
-    """The in-process ledger (``trio_hedge.state.LocalKeyLedger``), once it is on the
-    branch (built alongside: the admission queue)."""
-    import trio_hedge.state as state
-
-    local = getattr(state, "LocalKeyLedger", None)
-    return None if local is None else local()  # type: ignore[no-any-return]
-
-
 @asynccontextmanager
 async def ledgers(kind: str, url: str, **options: Any) -> AsyncIterator[list[KeyLedger]]:
     """Two ledgers that must count as one: two instances sharing one Redis (two gateway
     processes), or one in-process ledger seen twice (one process)."""
     if kind == "local":
-        local = _local_ledger()
-        if local is None:
-            pytest.skip("trio_hedge.state.LocalKeyLedger is not on this branch yet")
+        local = LocalKeyLedger()
         yield [local, local]
         return
     # A burst of 200 reserves on a busy machine takes longer than the default timeout: a
