@@ -279,7 +279,11 @@ def test_ctrl_c_prints_what_it_had_and_exits_130(
     else:
         assert "winner          attempt 1" in out.err
         text = out.out
-    assert text.startswith("tok0 tok1 tok2 ")
+    # What it had: the first tokens the server sent, in order, none made up. (The interrupt
+    # comes when the server has sent 3; the third may still be on its way to the client.)
+    got = text.split()
+    assert 1 <= len(got) <= record.tokens_sent
+    assert got == [f"tok{i}" for i in range(len(got))]
     assert record.disconnected_at is not None  # the stream was closed: the server stopped
 
 
