@@ -9,6 +9,7 @@ request is still queued). Bytes go through [`ChunkDecoder`][trio_hedge.sources.o
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, ClassVar, Literal, Protocol
@@ -108,6 +109,15 @@ def attempt_headers(
     if info.idempotency_key is not None:
         headers["Idempotency-Key"] = info.idempotency_key
     return headers
+
+
+@functools.lru_cache(maxsize=1024)
+def parsed_url(url: str) -> httpx.URL:
+    """``url`` parsed once: httpx parses a ``str`` URL on every request (about 30 µs of
+    ``build_request``'s 75 here, per attempt); an ``httpx.URL`` is immutable, so one per
+    replica and path serves every request. (Replica URLs come from configuration: the cache
+    is bounded all the same.)"""
+    return httpx.URL(url)
 
 
 def _strip_slash(url: object) -> str:
@@ -568,7 +578,9 @@ class HTTPSource:
     async def open(self, info: AttemptInfo) -> HTTPAttempt:
         headers = attempt_headers(self._headers, self._header_names, info)
         content = self._content_for(info)
-        request = self._client.build_request("POST", self._url, content=content, headers=headers)
+        request = self._client.build_request(
+            "POST", parsed_url(self._url), content=content, headers=headers
+        )
         request.stream = _Body(content)
         try:
             response = await self._client.send(request, stream=True)
