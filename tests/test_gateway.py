@@ -550,7 +550,7 @@ async def test_health_readiness_metrics_and_pushback() -> None:
             ready = await http.get(f"{gw.base_url}/readyz")
             failed = await http.post(f"{gw.url}/chat/completions", json=CHAT)
             cooling = await http.post(f"{gw.url}/chat/completions", json=CHAT)
-            not_ready = await http.get(f"{gw.base_url}/readyz")
+            still_ready = await http.get(f"{gw.base_url}/readyz")
             health = await http.get(f"{gw.base_url}/healthz")
             metrics = (await http.get(f"{gw.base_url}/metrics")).text
     assert ready.status_code == 200 and ready.json()["status"] == "ready"
@@ -559,12 +559,15 @@ async def test_health_readiness_metrics_and_pushback() -> None:
     assert cooling.status_code == 503 and cooling.json()["error"]["code"] == "replicas_cooling"
     assert 4 <= int(cooling.headers["retry-after"]) <= 5
     assert [len(r.requests) for r in replicas] == [1, 1]
-    assert not_ready.status_code == 503
-    assert not_ready.json()["groups"] == {"default": {"a": "degraded", "b": "degraded"}}
+    # The model is out on every replica, the gateway is not: every instance sees the same
+    # upstream (a load balancer can route around none of them); the body says which model.
+    assert still_ready.status_code == 200, still_ready.text
+    assert still_ready.json()["groups"] == {"default": {"a": "degraded", "b": "degraded"}}
+    assert still_ready.json()["models_out"] == {"default": ["m"]}
     assert health.status_code == 200
     for line in (
         'trio_hedge_gateway_requests_total{path="/v1/chat/completions",status="503"} 2.0',
-        'trio_hedge_gateway_requests_total{path="/readyz",status="200"} 1.0',
+        'trio_hedge_gateway_requests_total{path="/readyz",status="200"} 2.0',
         'trio_hedge_attempts_total{outcome="failed",replica="a",trigger="primary"} 1.0',
         'trio_hedge_gateway_replica_state{api="chat",group="default",replica="b",'
         'state="degraded"} 1.0',
@@ -592,37 +595,49 @@ def _replica(name: str, state: str = "healthy", **models: tuple[str, ...]) -> An
 
 
 READINESS = [
-    # (name, the chat route's replicas, status)
-    ("every replica healthy", [_replica("a"), _replica("b")], "ready"),
+    # (name, the chat route's replicas, status, models out on every replica)
+    ("every replica healthy", [_replica("a"), _replica("b")], "ready", {}),
     # Issue 27: a serves model x, b serves y; one failing request per model ejected each for
     # the model it does not serve. On c6222d8 each counted as ejected whole: 503.
     (
         "each replica out for the model it does not serve",
         [_replica("a", "degraded", ejected=("y",)), _replica("b", "degraded", ejected=("x",))],
         "ready",
+        {},
     ),
+    # A model out on every replica (a per-model rate limit): its requests get their own
+    # answer; the gateway stays in its load balancer for the others (every instance sees
+    # the same upstream: taking them out refused every model's requests).
     (
         "every replica cooling for the one model",
         [_replica("a", "degraded", cooling=("m",)), _replica("b", "degraded", cooling=("m",))],
-        "no eligible replica",
+        "ready",
+        {"default": ["m"]},
     ),
     (
         "one ejected whole, the other out for the model",
         [_replica("a", "ejected"), _replica("b", "degraded", ejected=("m",))],
-        "no eligible replica",
+        "ready",
+        {"default": ["m"]},
     ),
     (
         "every replica ejected whole",
         [_replica("a", "ejected"), _replica("b", "ejected")],
         "no eligible replica",
+        {},
     ),
 ]
 
 
-@pytest.mark.parametrize(("name", "replicas", "status"), READINESS, ids=[r[0] for r in READINESS])
-def test_readiness_reads_scopes(name: str, replicas: list[Any], status: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "replicas", "status", "models_out"), READINESS, ids=[r[0] for r in READINESS]
+)
+def test_readiness_reads_scopes(
+    name: str, replicas: list[Any], status: str, models_out: dict[str, list[str]]
+) -> None:
     from trio_hedge.gateway._app import readiness
 
     got, body = readiness({"chat": {"default": replicas}}, draining=False)
     assert got == status and body["status"] == status
+    assert body["models_out"] == models_out
     assert readiness({"chat": {"default": replicas}}, draining=True)[0] == "draining"

@@ -82,11 +82,13 @@ def att(
 
 
 def ev(*attempts: AttemptEvidence, winner: int | None = None, **fields: Any) -> Evidence:
+    fields.setdefault("completed", True)  # the answer read to its end, unless a row says
     evidence = Evidence(
         model="m", group="m", size_class=0, tokens=10, tokens_exact=False, need=None, **fields
     )
     evidence.attempts = {a.number: a for a in attempts}
     evidence.failures = sum(a.outcome is O.FAILED for a in attempts)
+    evidence.breaks = sum(a.outcome is O.BROKE for a in attempts)
     evidence.winner = winner
     evidence.began = 0.0
     return evidence
@@ -94,6 +96,8 @@ def ev(*attempts: AttemptEvidence, winner: int | None = None, **fields: Any) -> 
 
 NOT_FOUND = err(ErrorKind.NOT_FOUND, 404)
 E500 = err(ErrorKind.SERVER_ERROR, 500)
+# An in-band server_error event: no status.
+INBAND_500 = AttemptError(ErrorKind.SERVER_ERROR, "scripted", api_type="server_error")
 E503 = err(ErrorKind.OVERLOADED, 503)
 TRUSTED = Rules(attribution=Attribution(replica={ErrorKind.NOT_FOUND}))
 
@@ -206,7 +210,11 @@ TABLE: list[tuple[str, Evidence, Event, list[tuple[Any, ...]]]] = [
             winner=2,
         ),
         Event(E.FINISHED),
-        [("server-error", "failure", 0, None), ("served", "success", 1, None)],
+        [
+            ("server-error", "failure", 0, None),
+            ("server-error", "erred", 0, None),
+            ("served", "success", 1, None),
+        ],
     ),
     (
         "500 everywhere, fleet down",
@@ -214,7 +222,9 @@ TABLE: list[tuple[str, Evidence, Event, list[tuple[Any, ...]]]] = [
         Event(E.FINISHED, served_since=frozenset()),
         [
             ("server-error", "failure", 0, None),
+            ("server-error", "erred", 0, None),
             ("server-error", "failure", 1, None),
+            ("server-error", "erred", 1, None),
             ("unserved", "credit_debited", None, None),
         ],
     ),
@@ -229,7 +239,9 @@ TABLE: list[tuple[str, Evidence, Event, list[tuple[Any, ...]]]] = [
         Event(E.FINISHED, served_since=frozenset({0, 1})),
         [
             ("query-of-death", "nothing", 0, None),
+            ("query-of-death", "erred", 0, None),
             ("query-of-death", "nothing", 1, None),
+            ("query-of-death", "erred", 1, None),
             ("query-of-death", "credit_released", None, None),
             ("query-of-death", "refund", None, 1000),
         ],
@@ -238,7 +250,11 @@ TABLE: list[tuple[str, Evidence, Event, list[tuple[Any, ...]]]] = [
         "a 500 from one replica only is no query of death",
         ev(att(1, 0, O.FAILED, error=E500), credit=True),
         Event(E.FINISHED, served_since=frozenset({0})),
-        [("server-error", "failure", 0, None), ("unserved", "credit_debited", None, None)],
+        [
+            ("server-error", "failure", 0, None),
+            ("server-error", "erred", 0, None),
+            ("unserved", "credit_debited", None, None),
+        ],
     ),
     (
         "a 429 with Retry-After",
@@ -371,6 +387,63 @@ TABLE: list[tuple[str, Evidence, Event, list[tuple[Any, ...]]]] = [
         ev(att(1, 0, O.BROKE, error=err(ErrorKind.STREAM_TRUNCATED), ttft=0.2), winner=1),
         Event(E.BROKE, 1),
         [("break", "failure", 0, None), ("break", "credit", None, None)],
+    ),
+    (
+        "a winner breaks with a 500",
+        ev(att(1, 0, O.BROKE, error=INBAND_500, ttft=0.2), winner=1),
+        Event(E.BROKE, 1),
+        [("break", "credit", None, None)],  # its health at the end: a query of death?
+    ),
+    (
+        "a 500 mid-answer, recovered elsewhere",
+        ev(
+            att(1, 0, O.BROKE, error=INBAND_500, ttft=0.2),
+            att(2, 1, O.WON, ttft=0.1, phase=Phase.RECOVERY, trigger="recovery"),
+            winner=2,
+            credit=True,
+        ),
+        Event(E.FINISHED, served_since=frozenset({1})),
+        [
+            ("break", "failure", 0, None),
+            ("break", "erred", 0, None),
+            ("served", "success", 1, None),
+            ("served", "credit_released", None, None),
+        ],
+    ),
+    (
+        "a query of death after the commit",
+        ev(
+            att(1, 0, O.BROKE, error=INBAND_500, ttft=0.2),
+            att(2, 1, O.FAILED, error=INBAND_500, phase=Phase.RECOVERY, trigger="recovery"),
+            winner=1,
+            credit=True,
+            taken=1000,
+        ),
+        Event(E.FINISHED, served_since=frozenset({1})),
+        [
+            ("query-of-death", "nothing", 0, None),
+            ("query-of-death", "erred", 0, None),
+            ("query-of-death", "nothing", 1, None),
+            ("query-of-death", "erred", 1, None),
+            ("query-of-death", "credit_released", None, None),
+            ("query-of-death", "refund", None, 1000),
+        ],
+    ),
+    (
+        "a 502 from every replica is no query of death",
+        ev(
+            att(1, 0, O.FAILED, error=err(ErrorKind.SERVER_ERROR, 502)),
+            att(2, 1, O.FAILED, error=err(ErrorKind.SERVER_ERROR, 502)),
+            credit=True,
+        ),
+        Event(E.FINISHED, served_since=frozenset({0, 1})),
+        [("unserved", "credit_debited", None, None)],  # each failure counted at the time
+    ),
+    (
+        "the caller leaves before the end",
+        ev(att(1, 0, O.WON, ttft=0.1), winner=1, completed=False),
+        Event(E.FINISHED),
+        [("left", "nothing", 0, None)],
     ),
     (
         "a crawling winner",

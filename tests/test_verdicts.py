@@ -488,3 +488,180 @@ async def test_hedgers_of_one_fleet_share_what_they_learn(
         th.Hedger(other_fleet.sources(), HedgerConfig(hedge_after=2.0), fleet_of=chat)
     with pytest.raises(ValueError, match="probes"):
         th.Hedger(other_fleet.sources(), fleet_of=chat, probes={})
+
+
+# -- found by attacking the judge (each failed on 5513b02) ----------------------------------------
+
+
+def _content(record: Any) -> str:
+    messages = record.json.get("messages") or [{}]
+    return str(messages[-1].get("content", ""))
+
+
+# -- a query of death after the commit ----------------------------------------------------------
+
+
+async def test_a_query_of_death_after_the_commit_leaves_another_callers_rescues(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # As test_a_query_of_death_leaves_another_callers_rescues, but the request that crashes
+    # every server does so after its first token (an in-band 500 mid-answer: a prompt that
+    # crashes the decode, not the prefill). The measured caller's primary (a) is stuck and a
+    # hedge to b rescues it at 1.2 s.
+    def make() -> tuple[th.Hedger, MockReplicas]:
+        def holder(name: str) -> Any:
+            def behave(record: Any) -> Behaviour:
+                if _content(record) == "qod":
+                    return Behaviour(tokens=6, ttft=0.1, inband_error_after=1)
+                return Behaviour(tokens=2, ttft=5.0 if name == "a" else 0.2)
+
+            return behave
+
+        mock = MockReplicas({"a": holder("a"), "b": holder("b")})
+        config = HedgerConfig(hedge_after=1.0, pick="in_order", budget=None)
+        replicas = [th.Replica(mock.url(n), name=n) for n in "ab"]
+        client = httpx.AsyncClient(transport=mock.transport)
+        return th.Hedger(replicas, config, client=client), mock
+
+    def request(content: str) -> dict[str, Any]:
+        return {"model": "m", "messages": [{"role": "user", "content": content}]}
+
+    async def measured(hedger: th.Hedger, out: list[Trace]) -> None:
+        t0 = trio.current_time()
+        for i in range(50):
+            await trio.sleep_until(t0 + 1.0 * i + 0.5)
+            out.append(_trace(await run(hedger.stream(request("hi"), request_id=f"m{i}"))))
+
+    async def misbehaving(hedger: th.Hedger) -> None:
+        await trio.sleep(3.0)
+        for i in range(10):
+            report = await run(hedger.stream(request("qod"), request_id=f"qod{i}"))
+            assert report.error is not None
+            await trio.sleep(5.0)
+
+    alone, beside, _ = await _with_and_without(lambda: make()[0], measured, misbehaving)
+    assert [ttft for _, ttft in alone] == [pytest.approx(1.2)] * 50
+    # On 5513b02: from the fourth crash on (15.5 s) the throttle was at or below half, and
+    # the measured caller's 35 remaining requests waited 5.0 s for a (throttle 2.9 at the
+    # end; failures a 10, b 4).
+    assert alone == beside
+
+
+# -- a fleet that fails whole with 500s, just after serving ------------------------------------
+
+
+@pytest.mark.parametrize(("status", "extra"), [(503, 3), (500, 4)])
+async def test_a_fleet_failing_whole_right_after_serving_gets_one_attempt_per_request(
+    status: int, extra: int, autojump_clock: trio.testing.MockClock
+) -> None:
+    # docs/guarantees.md: "a fleet where every replica fails gets one attempt per request
+    # once the throttle closes (... 3 of 50 requests with two replicas)". Both replicas serve,
+    # then answer every request with an error, 50 requests one after another (5 s). With
+    # 503s: 3 failovers, the throttle closed. With 500s, on 5513b02: 50 of 50 failed over and
+    # the throttle stayed full (10.0): the fleet had served a first token less than
+    # QUERY_OF_DEATH_WINDOW (10 s) before, so every request's 500s were "a query of death",
+    # nobody's -- for the first 10 s of every fleet-wide outage. Now a replica serves others
+    # only if it has not answered a 500 since: the outage's first request is judged a query
+    # of death (nothing yet tells them apart), the rest are the replicas'.
+    down = False
+    kind = ErrorKind.OVERLOADED if status == 503 else ErrorKind.SERVER_ERROR
+
+    def behave(_name: str, _info: th.sources.AttemptInfo) -> Script | Fail:
+        return Fail(at=0.05, kind=kind, status=status) if down else Script(ttft=0.1, tokens=2)
+
+    hedger = th.Hedger(Fleet(["a", "b"], behave).sources(), HedgerConfig(hedge_after=1.0))
+    assert (await run(hedger.stream(None))).error is None
+    down = True
+    sent = 0
+    for _ in range(50):
+        report = await run(hedger.stream(None))
+        assert report.error is not None
+        sent += report.backups_sent
+    assert sent == extra
+    assert hedger.statistics().throttle_tokens == 0.0
+
+
+# -- a caller's deadline ends a stalled winner: credited as served -------------------------------
+
+
+async def test_a_stalled_winner_the_caller_left_is_not_a_success(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # a answers first; it cuts every "cut" answer after 3 tokens (recovered on b), and goes
+    # silent forever after 2 tokens of a "stall" answer (no stall_timeout: the default).
+    # Caller X sends "cut" requests: alone, five breaks in a row eject a and X's primary
+    # moves to b (test_a_replica_that_breaks_every_stream_is_ejected). Caller Y sends
+    # "stall" requests under its own 2 s deadline (trio.move_on_after): a never finished
+    # Y's answer. On 5513b02 each of Y's requests ended with a's outcome WON and the judge's
+    # "served" reset a's run: a was never ejected and X paid a cut and a replay every time.
+    # Now a caller that leaves before the end credits nobody (the judge's "left").
+    def holder(record: Any) -> Behaviour:
+        if _content(record) == "stall":
+            return Behaviour(tokens=N, ttft=0.1, stall_after=2)
+        return Behaviour(tokens=N, ttft=0.1, cut_after=3)
+
+    def request(content: str) -> dict[str, Any]:
+        return {"model": "m", "messages": [{"role": "user", "content": content}]}
+
+    async def x_primaries(with_y: bool) -> list[str]:
+        mock = MockReplicas({"a": holder, "b": Behaviour(tokens=N, ttft=0.3)})
+        replicas = [th.Replica(mock.url(n), name=n) for n in "ab"]
+        config = HedgerConfig(hedge_after=1.0, pick="in_order")
+        primaries = []
+        async with httpx.AsyncClient(transport=mock.transport) as client:
+            async with th.Hedger(replicas, config, client=client) as hedger:
+                for _ in range(10):
+                    async with hedger.stream(request("cut")) as stream:
+                        assert "".join([t async for t in stream]) == FULL
+                    primaries.append(stream.report.attempts[0].replica)
+                    if with_y:
+                        with trio.move_on_after(2.0):
+                            async with hedger.stream(request("stall")) as y:
+                                async for _ in y:
+                                    pass
+                    await trio.sleep(0.5)
+        return primaries
+
+    alone = await x_primaries(False)
+    assert alone == ["a"] * 5 + ["b"] * 5
+    assert await x_primaries(True) == alone
+
+
+# -- readiness: one model's pushback takes every model out -----------------------------------
+
+
+@pytest.mark.parametrize("retry_after", [5.0, 3600.0])
+async def test_one_models_pushback_leaves_the_gateway_ready_for_the_others(
+    retry_after: float, autojump_clock: trio.testing.MockClock
+) -> None:
+    # One group serves models x and y (a gateway group's `models = ["x", "y"]`). A caller's
+    # requests for x get the provider's per-model rate limit on both replicas (429 with
+    # Retry-After); y is served by both. /readyz's `readiness` says 503 "no eligible
+    # replica" -- the load balancer takes the instance out, and every instance sees the
+    # same upstream, so every caller of y loses the gateway -- while y is served at that
+    # very moment (for 5 s; with an hourly quota reset, Retry-After 3600: a is ejected
+    # for x as an outage and b, held in by the cap, cools as long: 300 s). So it was on
+    # 5513b02; now the body lists x as out and the gateway stays ready.
+    from trio_hedge.gateway._app import readiness
+
+    def behave(record: Any) -> Behaviour:
+        if record.json.get("model") == "x":
+            return Behaviour(status=429, retry_after=retry_after)
+        return Behaviour(tokens=2, ttft=0.1)
+
+    mock = MockReplicas({"a": behave, "b": behave})
+    replicas = [th.Replica(mock.url(n), name=n) for n in "ab"]
+    config = HedgerConfig(hedge_after=1.0, pick="in_order")
+    x = {"model": "x", "messages": [{"role": "user", "content": "hi"}]}
+    y = {"model": "y", "messages": [{"role": "user", "content": "hi"}]}
+    async with httpx.AsyncClient(transport=mock.transport) as client:
+        async with th.Hedger(replicas, config, client=client) as hedger:
+            assert (await run(hedger.stream(y))).error is None
+            assert (await run(hedger.stream(x))).error is not None
+            served = await run(hedger.stream(y))
+            status, body = readiness(
+                {"chat": {"default": hedger.statistics().replicas}}, draining=False
+            )
+    assert (served.error, served.winner_replica) == (None, "a")
+    assert status == "ready"
+    assert body["models_out"] == {"default": ["x"]}

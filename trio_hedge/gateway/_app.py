@@ -556,12 +556,14 @@ def readiness(
     """``(status, body)`` of ``/readyz`` from each route's (API's) groups' replica
     statistics: ``"draining"``, ``"ready"`` or ``"no eligible replica"``.
 
-    Ready while not draining and some group is serving: a replica of it is in service (not
-    ejected whole) and no model it has seen has every replica out (ejected or cooling for
-    that model). Evidence on any route counts. A replica out for one model only serves the
-    others: with replicas serving different models, a failing request per model once took
-    the gateway out (readiness reads the scopes). ``groups``: each replica's worst state over
-    the routes, ``apis``: each route's own."""
+    Ready while not draining and some group has a replica in service (not ejected whole).
+    A model out on every replica (a provider's per-model rate limit, a model that failed to
+    load) leaves it ready: every instance of a gateway sees the same upstream, so a load
+    balancer cannot route around it, and taking every instance out would refuse every
+    model's requests, not one's (the request for that model gets its own answer, with
+    ``Retry-After``). Such models are listed in the body (``models_out``: group -> models
+    with every replica out) as the replica states are. Evidence on any route counts.
+    ``groups``: each replica's worst state over the routes, ``apis``: each route's own."""
     apis: dict[str, dict[str, dict[str, str]]] = {}
     groups: dict[str, dict[str, str]] = {}
     out: dict[str, dict[str, set[str]]] = {}  # group -> model -> replicas out for it
@@ -580,15 +582,17 @@ def readiness(
                     whole.setdefault(name, set()).add(r.name)
                 for model in (*r.cooling_models, *r.ejected_models):
                     models.setdefault(model, set()).add(r.name)
-    eligible = False
+    eligible = any(len(whole.get(name, ())) < len(members) for name, members in groups.items())
+    models_out = {}
     for name, members in groups.items():
         down = whole.get(name, set())
-        if len(down) < len(members) and all(
-            len(outs | down) < len(members) for outs in out.get(name, {}).values()
-        ):
-            eligible = True
+        gone = sorted(
+            m for m, outs in out.get(name, {}).items() if len(outs | down) >= len(members)
+        )
+        if gone:
+            models_out[name] = gone
     status = "draining" if draining else "ready" if eligible else "no eligible replica"
-    return status, {"status": status, "groups": groups, "apis": apis}
+    return status, {"status": status, "groups": groups, "apis": apis, "models_out": models_out}
 
 
 _CLOSE = [(b"connection", b"close")]

@@ -96,6 +96,8 @@ class Evidence:
     taken: int = 0
     began: float | None = None  # when its primary started
     failures: int = 0  # attempts that failed before a first token
+    breaks: int = 0  # winners (a recovery's too) that broke after the commit
+    completed: bool = False  # at the end: the answer was read to its end (Report.completed)
 
     def attempt(self, number: int) -> AttemptEvidence:
         return self.attempts[number]

@@ -154,6 +154,9 @@ class ReplicaState:
     # When it last gave a first token (a commit, any request's): a 500 every replica gave is
     # a query of death only if they served others meanwhile.
     last_commit: float = float("-inf")
+    # When it last answered a 500 (any request's): until it commits again it is not serving
+    # others (a fleet failing whole is no query of death).
+    last_server_error: float = float("-inf")
     # Its judged attempts (answered first, lost after the fleet's delay, failed) lately.
     outcomes: OutcomeWindow | None = None
 

@@ -104,6 +104,9 @@ class Effect(enum.Enum):
     CREDIT_DEBITED = "credit_debited"  # unserved: the credit becomes a token taken
     REFUND = "refund"  # served: the tokens its failures took (``tokens`` thousandths) back
     THROTTLE_SUCCESS = "throttle_success"  # a first token: the throttle's token_ratio back
+    #: It answered a 500: not "serving other requests" again until its next first token
+    #: (the query-of-death rule's evidence: a fleet that fails whole is no query of death).
+    ERRED = "erred"
 
 
 _SCOPES = {
@@ -118,6 +121,7 @@ _SCOPES = {
     Effect.LATENCY_FLOOR: Scope.REPLICA,
     Effect.SAMPLE: Scope.FLEET,
     Effect.WINDOW: Scope.REPLICA_MODEL,
+    Effect.ERRED: Scope.REPLICA,
     Effect.CREDIT: Scope.FLEET,
     Effect.DEBIT: Scope.FLEET,
     Effect.CREDIT_RELEASED: Scope.FLEET,
@@ -163,8 +167,9 @@ class EventKind(enum.Enum):
 
 class Event(NamedTuple):
     """What happened (internal): ``number`` is the attempt; ``served_since``: at the end, the
-    replicas that committed another request since this one began (a query of death is known
-    by it)."""
+    replicas serving other requests lately (a first token in the last
+    `QUERY_OF_DEATH_WINDOW` seconds, and none of their 500s since it): a query of death is
+    known by it."""
 
     kind: EventKind
     number: int = 0
@@ -283,21 +288,29 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "server-error",
-        "a 500 while another replica served the request, or while the replicas tried served "
-        "nobody else",
+        "a 500 (or an in-band `server_error`) while another replica served the request, or "
+        "while the replicas tried served nobody else",
         "its replica's, decided at the request's end",
-        "one failure in its run; its throttle token stands",
-        ("test_judge_rules[a 500, b serves]", "test_judge_rules[500 everywhere, fleet down]"),
+        "one failure in its run; its throttle token stands; it serves nobody else until its "
+        "next first token (for the query-of-death rule)",
+        (
+            "test_judge_rules[a 500, b serves]",
+            "test_judge_rules[500 everywhere, fleet down]",
+            "test_a_fleet_failing_whole_right_after_serving_gets_one_attempt_per_request",
+        ),
     ),
     Rule(
         "query-of-death",
-        "a 500 from every replica tried (two or more), while the fleet serves other requests "
-        "(a first token in the last 10 s)",
+        "a 500 from every replica tried (two or more), before or after the commit, while the "
+        "fleet serves other requests (another request's first token there in the last 10 s, "
+        "and no 500 since)",
         "the request's (a query of death)",
         "nothing: no failure, its throttle tokens given back",
         (
             "test_judge_rules[a query of death]",
+            "test_judge_rules[a query of death after the commit]",
             "test_a_query_of_death_leaves_another_callers_rescues",
+            "test_a_query_of_death_after_the_commit_leaves_another_callers_rescues",
         ),
     ),
     Rule(
@@ -403,9 +416,15 @@ RULES: tuple[Rule, ...] = (
         "the winner breaks after the commit (a cut, a stall, a malformed event, a transient "
         "in-band error)",
         "its replica's",
-        "one failure in its run, at the break; the recovery is a failover, its throttle "
+        "one failure in its run, at the break (a 500's at the request's end, as "
+        "`server-error`: a query of death?); the recovery is a failover, its throttle "
         "decided then",
-        ("test_judge_rules[a winner breaks]", "test_a_replica_that_breaks_every_stream_is_ejected"),
+        (
+            "test_judge_rules[a winner breaks]",
+            "test_judge_rules[a winner breaks with a 500]",
+            "test_judge_rules[a 500 mid-answer, recovered elsewhere]",
+            "test_a_replica_that_breaks_every_stream_is_ejected",
+        ),
     ),
     Rule(
         "crawl",
@@ -434,13 +453,24 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "served",
-        "the request ends and its answer did not break (recovered or not)",
+        "the request ends with its whole answer read, unbroken (recovered or not)",
         "—",
         "success for the replica that finished the answer: its run of failures and its "
         "ejection count reset",
         (
             "test_judge_rules[a primary answers]",
             "test_a_replica_that_breaks_every_stream_is_ejected",
+        ),
+    ),
+    Rule(
+        "left",
+        "the caller leaves before the answer's end (its own deadline, a client gone)",
+        "—",
+        "nothing: no success (the replica may have been about to stall), no failure; the "
+        "first token's samples stand",
+        (
+            "test_judge_rules[the caller leaves before the end]",
+            "test_a_stalled_winner_the_caller_left_is_not_a_success",
         ),
     ),
     Rule(
@@ -510,8 +540,18 @@ def _pushback(
     return out
 
 
+#: In-band error types that are the server's own internal error: a 500 inside a stream
+#: already begun (the OpenAI APIs' ``server_error``, Anthropic's ``api_error``).
+_INTERNAL_ERROR_TYPES = frozenset({"server_error", "api_error"})
+
+
 def _is_500(error: AttemptError | None) -> bool:
-    return error is not None and error.kind is _ERRORKIND_SERVER_ERROR and error.status_code == 500
+    """A server's own internal error: an HTTP 500, or an in-band internal error event (no
+    status: the stream had begun). Not a 502/504: a proxy's word on its upstream."""
+    if error is None or error.kind is not _ERRORKIND_SERVER_ERROR:
+        return False
+    status = error.status_code
+    return status == 500 or (status is None and error.api_type in _INTERNAL_ERROR_TYPES)
 
 
 def _affinity_miss(evidence: Evidence, error: AttemptError) -> bool:
@@ -533,9 +573,11 @@ def _failed(rules: Rules, evidence: Evidence, attempt: AttemptEvidence) -> list[
         and (attempt.recovery is None or attempt.recovery.first_output is None)
     ):
         # A recovery's prompt is the whole answer so far: a replica that has not begun it
-        # by its deadline is busy, not broken (the recovery goes on elsewhere).
+        # by its deadline is busy, not broken (the recovery goes on elsewhere). Its wait is
+        # a floor beyond the request's prefill, as a lost race's is (its own prompt is
+        # longer still: the floor errs high, never low).
         ran = (attempt.ended or attempt.started) - attempt.started
-        return [_v("recovery-deadline", _EFFECT_LATENCY_FLOOR, replica=r, seconds=ran)]
+        return [_v("recovery-deadline", _EFFECT_LATENCY_FLOOR, replica=r, seconds=ran, excess=True)]
     fault = rules.attribution.fault(error)
     if fault is Fault.REQUEST:
         return [_v("request", _EFFECT_NOTHING, replica=r)]
@@ -658,6 +700,10 @@ def _broke(rules: Rules, evidence: Evidence, attempt: AttemptEvidence) -> list[V
         # Alive, only slow: counted slow in its window (relative to the others, as a lost
         # race after the fleet's delay is), not a failure in its run nor a throttle token.
         return [_v("crawl", _EFFECT_SLOW, replica=r, reason=error.kind.value)]
+    if _is_500(error):
+        # A 500 mid-answer: its health waits for the end, as before the commit (a query of
+        # death crashes the decode on every replica); the throttle decides the recovery now.
+        return [_retry("break", _throttle(evidence))]
     return [
         _v("break", _EFFECT_FAILURE, replica=r, reason=error.kind.value),
         _retry("break", _throttle(evidence)),
@@ -668,15 +714,20 @@ def _settle(rules: Rules, evidence: Evidence, event: Event) -> list[Verdict]:
     """Errors whose fault waited for the request's end: key, quota and "not found" errors,
     and 500s."""
     out: list[Verdict] = []
-    if not evidence.failures:
+    attempts = evidence.attempts
+    # Failed before a first token, or a winner (a recovery's too) that broke with a 500.
+    failed = [
+        a
+        for a in attempts.values()
+        if a.outcome is _OUTCOME_FAILED or (a.outcome is _OUTCOME_BROKE and _is_500(a.error))
+    ]
+    if not failed:
         return out
-    failed = [a for a in evidence.attempts.values() if a.outcome is _OUTCOME_FAILED]
     winner = evidence.winner
-    served_by = None if winner is None else evidence.attempts[winner].replica
+    served_by = None if winner is None else attempts[winner].replica
     all_500 = (
-        winner is None
-        and bool(failed)
-        and len(failed) == len(evidence.attempts)
+        (winner is None or attempts[winner].outcome is not _OUTCOME_WON)
+        and len(failed) == len(attempts)
         and all(_is_500(a.error) for a in failed)
         and len({a.replica for a in failed}) >= 2
     )
@@ -709,8 +760,11 @@ def _settle(rules: Rules, evidence: Evidence, event: Event) -> list[Verdict]:
         elif _is_500(error):
             if query_of_death:
                 out.append(_v("query-of-death", _EFFECT_NOTHING, replica=r))
+                out.append(_v("query-of-death", _EFFECT_ERRED, replica=r))
             else:
-                out.append(_v("server-error", _EFFECT_FAILURE, replica=r, reason=error.kind.value))
+                rule = "break" if a.outcome is _OUTCOME_BROKE else "server-error"
+                out.append(_v(rule, _EFFECT_FAILURE, replica=r, reason=error.kind.value))
+                out.append(_v(rule, _EFFECT_ERRED, replica=r))
     if query_of_death:
         if evidence.credit:
             out.append(_v("query-of-death", _EFFECT_CREDIT_RELEASED))
@@ -720,13 +774,18 @@ def _settle(rules: Rules, evidence: Evidence, event: Event) -> list[Verdict]:
 
 
 def _finished(rules: Rules, evidence: Evidence, event: Event) -> list[Verdict]:
-    out = _settle(rules, evidence, event) if evidence.failures else []
+    out = _settle(rules, evidence, event) if evidence.failures or evidence.breaks else []
     winner = evidence.winner
     final = None if winner is None else evidence.attempts[winner]
     served = final is not None and final.outcome is _OUTCOME_WON
     if served:
         assert final is not None
-        out.append(_v("served", _EFFECT_SUCCESS, replica=final.replica, model=evidence.model))
+        if evidence.completed:
+            out.append(_v("served", _EFFECT_SUCCESS, replica=final.replica, model=evidence.model))
+        else:
+            # The caller left before the answer's end: whether the replica would have finished
+            # it (or stalled, as a replica that breaks every stream would) is not known.
+            out.append(_v("left", _EFFECT_NOTHING, replica=final.replica))
     if evidence.credit and not any(v.rule == "query-of-death" for v in out):
         # Credit still out: a break's, after the commit (its recovery did not answer), or the
         # first failure of a request nothing served.
@@ -774,6 +833,7 @@ _EFFECT_CREDIT_DEBITED = Effect.CREDIT_DEBITED
 _EFFECT_CREDIT_RELEASED = Effect.CREDIT_RELEASED
 _EFFECT_DEBIT = Effect.DEBIT
 _EFFECT_EJECT = Effect.EJECT
+_EFFECT_ERRED = Effect.ERRED
 _EFFECT_FAILURE = Effect.FAILURE
 _EFFECT_LATENCY = Effect.LATENCY
 _EFFECT_LATENCY_FLOOR = Effect.LATENCY_FLOOR
@@ -793,6 +853,7 @@ _EVENTKIND_CANCELLED = EventKind.CANCELLED
 _EVENTKIND_COMMITTED = EventKind.COMMITTED
 _EVENTKIND_FAILED = EventKind.FAILED
 _EVENTKIND_FINISHED = EventKind.FINISHED
+_OUTCOME_BROKE = Outcome.BROKE
 _OUTCOME_FAILED = Outcome.FAILED
 _OUTCOME_LOST = Outcome.LOST
 _OUTCOME_RUNNING = Outcome.RUNNING

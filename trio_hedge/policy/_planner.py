@@ -946,6 +946,7 @@ class RequestPlanner:
         attempt.outcome = _OUTCOME_BROKE
         attempt.error = error
         attempt.ended = now
+        evidence.breaks += 1
         self._verdicts(Event(_HAPPENED_BROKE, number), now)
         self._decide_retry(clear=True)
         return recoverable(self._rules, error)
@@ -992,12 +993,25 @@ class RequestPlanner:
                 self._emit(EventKind.REQUEST_FINISHED, now, report=report)
             return  # else cancelled before anything was sent (e.g. while every replica cooled)
         self._read_on(report)
-        # The replicas that served another request lately: a request every replica answered
-        # 500 while the fleet served others is a query of death (the judge's rule).
+        self._evidence.completed = report.completed
+        # The replicas that served another request lately, and no 500 since: a request every
+        # replica answered 500 while the fleet served others is a query of death (the
+        # judge's rule); a fleet that began to fail whole served others only before.
         served: frozenset[int] = frozenset()
-        if self._evidence.winner is None:
+        evidence = self._evidence
+        winner = evidence.winner
+        if winner is None or evidence.attempts[winner].outcome is not _OUTCOME_WON:
             since = now - QUERY_OF_DEATH_WINDOW
-            served = frozenset(r.index for r in self._fleet.replicas if r.last_commit >= since)
+            # Its own first tokens are no evidence of others served (a query of death may
+            # crash the decode, after the commit).
+            own = {a.replica for a in evidence.attempts.values() if a.ttft is not None}
+            served = frozenset(
+                r.index
+                for r in self._fleet.replicas
+                if r.last_commit >= since
+                and r.last_commit > r.last_server_error
+                and r.index not in own
+            )
         self._verdicts(Event(_HAPPENED_FINISHED, served_since=served), now)
         writer.streamed(report, self._model)
         self._emit(EventKind.REQUEST_FINISHED, now, report=report)

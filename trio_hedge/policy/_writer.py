@@ -37,6 +37,11 @@ def _nothing(*_: object) -> None:
     """A verdict that found nobody at fault: recorded, nothing to apply."""
 
 
+def _erred(v: Verdict, replica: ReplicaState | None, now: float, req: Request) -> None:
+    assert replica is not None
+    replica.last_server_error = now
+
+
 class Applied:
     """What applying a request's verdicts did (internal): announcements for the planner.
     (A plain slotted class: one is made for every event of every request.)"""
@@ -93,6 +98,7 @@ class FleetWriter:
             Effect.CREDIT_DEBITED: self._credit_closed,
             Effect.REFUND: self._refund,
             Effect.THROTTLE_SUCCESS: self._succeeded,
+            Effect.ERRED: _erred,
         }
         # Keyed by the member's name: an Enum's own __hash__ is Python code, on every
         # verdict of every request.
