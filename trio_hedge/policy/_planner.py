@@ -2,9 +2,10 @@
 [`Planner`][trio_hedge.policy.Planner] the race consults, over the
 ``FleetState`` every request shares.
 
-* **where an attempt goes** -- a replica this request has not tried yet before one it has,
-  none cooling, ejected or in this request's back-off (waiting, within
-  ``max_pushback_wait``, when every replica is), then the fleet's pick;
+* **where an attempt goes** -- asked of ``_routing.py`` (a replica this request has not
+  tried yet before one it has, none cooling, ejected or in this request's back-off, then the
+  fleet's pick) with this request's state; the planner waits, within ``max_pushback_wait``,
+  when every replica is cooling or backing off, and binds the replica chosen;
 * **when to hedge** -- this request's own delay, else the learned (or fixed) one for its
   group and size class; at once when another attempt on the same replica has waited twice
   that;
@@ -33,6 +34,7 @@ from ..errors import AttemptError, ReplicasCooling
 from ..events import EventKind, HedgeEvent
 from ..report import AttemptOutcome, AttemptRecord, Report
 from ..sources._bindable import BindableReplica
+from . import _recovery_limits, _routing
 from ._backoff import backoff_delay, jitter_draw
 from ._blame import outgrew
 from ._evidence import AttemptEvidence, Evidence, Outcome, Phase
@@ -193,26 +195,9 @@ class RequestPlanner:
     def _candidates(self) -> list[ReplicaState]:
         if self._max_attempts is not None and self._started >= self._max_attempts:
             return []
-        used, limit = self._used, self._per_replica
-        out = [r for r in self._fleet.replicas if used[r.index] < limit]
-        if (self._need is None and not self._outgrown) or not out:
-            return out
-        fitting = [r for r in out if self._fits(r, self._need or 0)]
-        # Before any context-length error, an estimate never empties the plan (the servers
-        # decide); after one, only a replica that says it has room is tried (_blame.outgrew).
-        return fitting if fitting or self._outgrown else out
-
-    def _fits(self, replica: ReplicaState, need: int) -> bool:
-        """Whether ``replica``'s window, declared or learned for this model, takes ``need``
-        tokens (after a context-length error in this request: only a declared one)."""
-        window = replica.context_window
-        if window is None and self._outgrown:
-            return False
-        if window is not None and need > window:
-            return False
-        models = self._fleet.models
-        state = models.get(replica.index, self._model) if len(models) else None
-        return state is None or state.window is None or need <= state.window
+        return _routing.candidates(
+            self._fleet, self._model, self._used, self._per_replica, self._need, self._outgrown
+        )
 
     def fails_over(self, error: AttemptError) -> bool:
         """Whether a request-fault ``error`` may still fail over: a context-length error,
@@ -228,129 +213,16 @@ class RequestPlanner:
         primary: bool,
         hedge: bool = False,
     ) -> tuple[ReplicaState | None, float, float]:
-        """As `_choose_among`, peers first: a replica marked as a fallback
-        (``Replica.fallback``) only when no peer can take the attempt within
-        ``fallback_wait`` seconds (a peer that will, after a short cooldown, is waited for)."""
-        fallbacks = [r for r in candidates if r.fallback]
-        if not fallbacks or len(fallbacks) == len(candidates):
-            return self._choose_among(candidates, now, deadline, primary=primary, hedge=hedge)
-        peers = [r for r in candidates if not r.fallback]
-        saturated = self._saturated
-        chosen, wait_until, beyond = self._choose_among(
-            peers, now, deadline, primary=primary, hedge=hedge
-        )
-        if chosen is not None or wait_until <= now + self._fleet.config.fallback_wait:
-            return chosen, wait_until, beyond
-        other, other_wait, other_beyond = self._choose_among(
-            fallbacks, now, deadline, primary=primary, hedge=hedge
-        )
-        if other is not None:
-            self._saturated = saturated  # the peers' saturation refused nothing
-            return other, now, now
-        return None, min(wait_until, other_wait), min(beyond, other_beyond)
-
-    def _choose_among(
-        self,
-        candidates: list[ReplicaState],
-        now: float,
-        deadline: float,
-        *,
-        primary: bool,
-        hedge: bool,
-    ) -> tuple[ReplicaState | None, float, float]:
-        """``(replica, wait_until, beyond)``: the replica for an attempt now, else ``None``,
-        the earliest time one may take it within the wait bound (``deadline``), and the
-        earliest time one may take it at all (``inf``: none will).
-
-        A replica may take an attempt once its cooldown (server pushback), its ejection and
-        this request's back-off for it are over. The wait bound applies to cooldowns and
-        ejections, not to the back-off (bounded by ``Backoff.maximum``). A later attempt
-        never waits for an ejected replica; the primary may (the cap leaves a replica in, so
-        that only matters when every replica left in is cooling)."""
-        ready: list[ReplicaState] = []
-        wait_until = beyond = math.inf
-        retry_at = self._retry_at
-        models, model = self._fleet.models, self._model
-        for r in candidates:
-            at = r.ejected_until
-            cooling = -math.inf
-            state = models.get(r.index, model) if len(models) else None
-            if state is not None:
-                cooling = state.cooling_until
-                if state.ejected_until > at:
-                    at = state.ejected_until
-            if at > now and not primary:
-                continue
-            if cooling > at:
-                at = cooling
-            if at > deadline:
-                beyond = min(beyond, at)
-                continue
-            if retry_at is not None:
-                at = max(at, retry_at.get(r.index, at))
-            if at <= now:
-                ready.append(r)
-            elif at < wait_until:
-                wait_until = at
-        if not ready:
-            return None, wait_until, min(wait_until, beyond)
-        if not primary and len(ready) > 1:
-            # A replica this request has not tried yet before one it has.
-            used = self._used
-            fewest = min(used[r.index] for r in ready)
-            ready = [r for r in ready if used[r.index] == fewest]
-        if hedge and self._fleet.probed:
-            ready = self._faster(ready, now)
-            if not ready:
-                return None, math.inf, math.inf
-        return self._fleet.pick(ready, now, self._prefill(now)), now, now
-
-    def _prefill(self, now: float) -> Callable[[int], float | None] | None:
-        """This request's prefill model for the load probes' predictions (``None``: the
-        Hedger has none; each probe's ``prefill_rate`` then)."""
-        fleet = self._fleet
-        if fleet.model is None:
-            return None
-        group = self._group
-        return lambda tokens: fleet.prefill(group, tokens, now)
-
-    def _faster(self, ready: list[ReplicaState], now: float) -> list[ReplicaState]:
-        """Of ``ready``, the replicas a backup may go to on the engines' evidence: when every
-        attempt running has a fresh prediction, only those predicted sooner than the best of
-        them (none when all are saturated). A replica without a fresh reading stays in, and
-        nothing is filtered when a running attempt's replica has none: no evidence is never
-        a reason not to hedge (fail open)."""
-        fleet = self._fleet
-        prefill = self._prefill(now)
-        target = math.inf
-        for number, replica in self._running.items():
-            predicted = self._predicted_for(number, replica, now, prefill)
-            if predicted is None:
-                return ready
-            target = min(target, predicted)
-        kept = []
-        for r in ready:
-            predicted = fleet.predicted(r, now, prefill, request=self._probe_key)
-            if predicted is None or predicted < target:
-                kept.append(r)
-        if not kept:
-            self._saturated = True  # counted when the refusal is
-        return kept
-
-    def _predicted_for(
-        self,
-        number: int,
-        replica: ReplicaState,
-        now: float,
-        prefill: Callable[[int], float | None] | None,
-    ) -> float | None:
-        """The predicted wait of this request's running attempt ``number`` on ``replica``:
-        only the prompts sent there before it are ahead of it (not its own, nor a later
-        request's: a long prompt hedged onto the replica after it is behind it)."""
-        started = replica.waiting.get((self, number))
-        return self._fleet.predicted(
-            replica, now, prefill, request=self._probe_key, before=started, own=self._tokens
-        )
+        """``(replica, wait_until, beyond)`` for this request's next attempt (`_routing.choose`);
+        the load probes' saturation it reports is counted when the refusal is (`_refuse`)."""
+        chosen, wait_until, beyond, saturated = _routing.choose(
+            self._fleet, candidates, now, deadline, primary=primary, hedge=hedge,
+            model=self._model, group=self._group, used=self._used, retry_at=self._retry_at,
+            running=self._running, owner=self, probe_key=self._probe_key, tokens=self._tokens,
+        )  # fmt: skip
+        if saturated:
+            self._saturated = True
+        return chosen, wait_until, beyond
 
     def _bind(self, replica: ReplicaState) -> Source:
         source = self._bound.get(replica.index)
@@ -508,7 +380,11 @@ class RequestPlanner:
         if replica is None:
             return False
         now = trio.current_time()
-        predicted = self._predicted_for(number, replica, now, self._prefill(now))
+        fleet = self._fleet
+        predicted = _routing.predicted_wait(
+            fleet, self, number, replica, now, _routing.prefill_model(fleet, self._group, now),
+            self._probe_key, self._tokens,
+        )  # fmt: skip
         if predicted is None or predicted <= delay:
             return False
         candidates = self._candidates()
@@ -643,16 +519,17 @@ class RequestPlanner:
         self._emit(kind, now, reason=reason)
         return False
 
-    # -- the recovery phase (after the commit) -----------------------------------------------
+    # -- the recovery phase (after the commit): its limits, asked of _recovery_limits.py -----
 
     def recovery_deadline(self, source: Source, added_tokens: int) -> float:
         """Seconds a recovery attempt on ``source`` may take to its first output before it is
         abandoned (``RecoveryPolicy.deadline`` of the TTFT the fleet expects of that replica
         for this model and the recovery's prompt: this request's plus ``added_tokens``)."""
-        replica = self._by_source[id(source)]
-        now = trio.current_time()
-        expected = self._expected_ttft(replica, self._recovery_tokens(added_tokens), now)
-        return self._fleet.config.recovery.deadline(expected)
+        tokens = _recovery_limits.recovery_tokens(self._tokens, added_tokens)
+        return _recovery_limits.deadline(
+            self._fleet, self._by_source[id(source)], self._group, self._class, tokens,
+            trio.current_time(),
+        )  # fmt: skip
 
     def recovery_hedge_delay(self, source: Source, added_tokens: int) -> float | None:
         """Seconds after a recovery attempt on ``source`` starts before a second recovery may
@@ -663,50 +540,18 @@ class RequestPlanner:
             return None
         if self._hedge_after is not None:
             return self._hedge_after
-        return self._size_delay(self._recovery_tokens(added_tokens), trio.current_time())
+        tokens = _recovery_limits.recovery_tokens(self._tokens, added_tokens)
+        return _recovery_limits.size_delay(
+            self._fleet, self._group, self._class, tokens, trio.current_time()
+        )
 
     def throughput_floor(self, source: Source) -> tuple[float, int | None] | None:
         """``(window, tokens)`` for a winner on ``source`` (``RecoveryPolicy.throughput_floor``
         against the rate its replica learned for this model; ``tokens`` ``None`` while too
         little is learned: the stream is timed, to learn, and not judged: no evidence is
         never a reason to cut a stream), or ``None``: no floor, no timing."""
-        floor = self._fleet.config.recovery.throughput_floor
-        if floor is None:
-            return None
         replica = self._by_source.get(id(source))
-        if replica is None:
-            return floor.window, None
-        rate = self._fleet.rates.rate(replica.index, self._model, floor.min_samples)
-        return floor.window, None if rate is None else floor.tokens_needed(rate)
-
-    def _recovery_tokens(self, added: int) -> int | None:
-        if self._tokens is None and not added:
-            return None
-        return (self._tokens or 0) + added
-
-    def _size_delay(self, tokens: int | None, now: float) -> float | None:
-        """The fleet's hedge delay for a prompt of ``tokens`` of this group (learned, or the
-        fixed one; ``None``: never on time)."""
-        model = self._fleet.model
-        if model is None:
-            fixed = self._fleet.config.hedge_after
-            assert fixed is None or isinstance(fixed, (int, float))
-            return None if fixed is None else float(fixed)
-        size_class = self._class if tokens is None else model.config.classes.of(tokens)
-        return model.delay(self._group, size_class, now, tokens)
-
-    def _expected_ttft(self, replica: ReplicaState, tokens: int | None, now: float) -> float | None:
-        """The TTFT the fleet expects of ``replica`` for a prompt of ``tokens``: the larger of
-        the group's delay for that size and the replica's peak-EWMA latency over the prompt's
-        predicted prefill (``None``: nothing known)."""
-        fleet = self._fleet
-        expected = self._size_delay(tokens, now)
-        if fleet.config.pick == "peak_ewma":
-            latency = replica.latency_now(now, fleet.config.latency_decay)
-            if latency > 0:
-                own = latency + fleet.prefill(self._group, tokens, now)
-                expected = own if expected is None else max(expected, own)
-        return expected
+        return _recovery_limits.throughput_floor(self._fleet, replica, self._model)
 
     # -- what happened -----------------------------------------------------------------------
 
