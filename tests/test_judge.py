@@ -599,13 +599,15 @@ MUTATORS = {
 }
 
 
-@pytest.mark.parametrize("module", ["_planner.py", "_routing.py", "_recovery_limits.py"])
+@pytest.mark.parametrize(
+    "module", ["_planner.py", "_routing.py", "_recovery_limits.py", "_timing.py"]
+)
 def test_the_planner_keeps_no_blame_rules_and_writes_no_fleet_state(module: str) -> None:
     # The planner records its request's evidence and asks the judge; the writer applies the
     # verdicts. It neither calls what changes the fleet's records (but through the writer)
     # nor assigns to anything but its own fields and its evidence. Nor does what it asks
-    # where an attempt goes, or the recovery's limits (functions that return, and assign
-    # nothing).
+    # where an attempt goes, when it hedges and whether a backup may go, or the recovery's
+    # limits (functions that return, and assign nothing).
     source = (ROOT / "trio_hedge" / "policy" / module).read_text()
     tree = ast.parse(source)
     inits = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "__init__"]

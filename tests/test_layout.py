@@ -202,8 +202,8 @@ def test_data_flows_one_way() -> None:
 #: estimators, prompt sizing and the brakes are leaves; the prefill model uses the
 #: estimators; the delay learner uses both; the judge reads a request's evidence with the
 #: attribution; the configs hold the parts; the fleet holds the state, its one writer applies
-#: the judge's verdicts to it, routing and the recovery's limits read it, and the planners use
-#: it all (docs/layout.md).
+#: the judge's verdicts to it, routing and the recovery's limits read it, the timing reads it
+#: and asks routing, and the planners use it all (docs/layout.md).
 POLICY_LAYERS: tuple[tuple[str, ...], ...] = (
     (
         "_quantiles",
@@ -222,6 +222,7 @@ POLICY_LAYERS: tuple[tuple[str, ...], ...] = (
     ("_config", "_stats"),
     ("_static", "_fleet"),
     ("_writer", "_routing", "_recovery_limits"),
+    ("_timing",),
     ("_planner",),
 )
 

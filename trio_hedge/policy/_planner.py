@@ -4,13 +4,15 @@
 
 * **where an attempt goes** -- asked of ``_routing.py`` (a replica this request has not
   tried yet before one it has, none cooling, ejected or in this request's back-off, then the
-  fleet's pick) with this request's state; the planner waits, within ``max_pushback_wait``,
-  when every replica is cooling or backing off, and binds the replica chosen;
-* **when to hedge** -- this request's own delay, else the learned (or fixed) one for its
-  group and size class; at once when another attempt on the same replica has waited twice
-  that;
+  fleet's pick) with this request's state; the planner waits, within the bound
+  ``_timing.py`` gives (``max_pushback_wait``, ``first_token_timeout``), when every replica
+  is cooling or backing off, and binds the replica chosen;
+* **when to hedge** -- this request's own delay, else the fleet's, asked of ``_timing.py``
+  (learned or fixed for its group and size class; at once when another attempt on the same
+  replica has waited twice that, or on the load probes' evidence); the planner records the
+  fleet's delay for each attempt and which a cold learner gave;
 * **whether a hedge or failover may go** -- the budget and the throttle, checked at the
-  moment;
+  moment (``_timing.py``); the planner counts and announces a refusal;
 * **what happened** -- each attempt's start, first token, failure, cancellation or break
   after the commit, and the request's end, goes into the request's evidence
   (``_evidence.py``); the judge (``_judge.py``) turns it into verdicts, and the fleet's one
@@ -34,8 +36,7 @@ from ..errors import AttemptError, ReplicasCooling
 from ..events import EventKind, HedgeEvent
 from ..report import AttemptOutcome, AttemptRecord, Report
 from ..sources._bindable import BindableReplica
-from . import _recovery_limits, _routing
-from ._backoff import backoff_delay, jitter_draw
+from . import _recovery_limits, _routing, _timing
 from ._blame import outgrew
 from ._evidence import AttemptEvidence, Evidence, Outcome, Phase
 from ._fleet import FleetState
@@ -53,9 +54,6 @@ from ._judge import (
 )
 from ._judge import EventKind as Happened
 from ._writer import Applied, FleetWriter, Request
-
-#: Seconds between two looks at a cold learner's delay for an attempt that waits on it.
-COLD_RECHECK = 0.05
 
 __all__ = ["RequestPlanner"]
 
@@ -84,7 +82,6 @@ class RequestPlanner:
         "_hedge_after",
         "_hedgeable",
         "_key",
-        "_last_cold",
         "_make_source",
         "_max_attempts",
         "_model",
@@ -185,10 +182,8 @@ class RequestPlanner:
         # Load probes: a refusal on the engines' evidence; attempts hedged at once on it.
         self._saturated = False
         self._at_once: set[int] | None = None
-        # Attempts whose delay a cold learner gave (looked at again as samples arrive), and
-        # whether the last delay asked of the learner was cold.
+        # Attempts whose delay a cold learner gave (looked at again as samples arrive).
         self._cold: set[int] | None = None
-        self._last_cold = False
 
     # -- where -------------------------------------------------------------------------------
 
@@ -235,33 +230,24 @@ class RequestPlanner:
     async def next_source(self, number: int, trigger: str) -> Source | None:
         fleet = self._fleet
         primary = number == 1
-        throttle = fleet.throttle
         # A recovery after the commit goes as a failover does (throttle, ejection, the plan).
         # The throttle decided at the failure (or break) that causes it (gRFC A6's check, at
         # the failure: a scheduler batch later, other requests' failures had emptied it).
         retry = trigger == "failover" or trigger == "recovery"
         if retry:
             retries = self._retries
-            allowed = retries.popleft() if retries else (throttle is None or throttle.allows)
+            allowed = retries.popleft() if retries else _timing.retry_allowed(fleet)
             if not allowed:
                 # gRFC A6: at or below half the tokens, no retries either (a primary always
                 # goes).
                 if self._candidates():
                     self._refuse("throttle", trio.current_time(), failover=True)
                 return None
-        config = fleet.config
-        wait = config.max_pushback_wait
         start = trio.current_time()
-        deadline = math.inf if wait is None else start + wait
         if self._began is None:
             self._began = start  # the race begins with its primary
             self._evidence.began = start
-        timeout = config.first_token_timeout
-        if timeout is not None and trigger != "recovery":
-            # Nor past the race's first_token_timeout: a replica cooling beyond it could not
-            # give a first token in time, so it is not waited for (the caller's own scope
-            # just cancels the wait). A recovery's race, after the commit, has no such timeout.
-            deadline = max(start, min(deadline, self._began + timeout))
+        deadline = _timing.wait_deadline(fleet.config, start, self._began, trigger == "recovery")
         while True:
             candidates = self._candidates()
             if not candidates:
@@ -285,24 +271,19 @@ class RequestPlanner:
             # wait for the first to be free (bounded above, and by the caller's cancel scope).
             await trio.sleep_until(wait_until)
 
-    # -- when --------------------------------------------------------------------------------
+    # -- when, and whether a backup may go: asked of _timing.py --------------------------------
 
     def hedge_delay(self, number: int) -> float | None:
         if not self._hedgeable:
             return None
-        delay = self._fleet_delay(number, trio.current_time())
+        delay, cold = self._fleet_delay(number, trio.current_time())
         # What the fleet would have waited: an attempt hedged sooner (the caller's own
         # shorter delay) is not slow for losing (_blame.is_slow).
-        if self._fleet_delays is None:
-            self._fleet_delays = {}
-        self._fleet_delays[number] = delay
-        if self._hedge_after is None and self._last_cold and delay:
+        self._record_fleet_delay(number, delay)
+        if self._hedge_after is None and cold and delay:
             if self._cold is None:
                 self._cold = set()
             self._cold.add(number)  # looked at again as the fleet's first samples arrive
-        attempt = self._evidence.attempts.get(number)
-        if attempt is not None:
-            attempt.fleet_delay = delay
         if self._hedge_after is not None:
             delay = self._hedge_after  # the caller's own delay for this request, as given
         assert delay is not None  # hedgeable without a delay of its own
@@ -313,13 +294,8 @@ class RequestPlanner:
 
     def hedge_on_evidence(self, number: int) -> float | None:
         """Asked by the race while it waits out attempt ``number``'s hedge delay: ``0.0``, the
-        backup goes now (a reading that arrived since says the primary's replica is queued
-        longer than the delay, and a replica a backup may go to is predicted sooner);
-        otherwise the seconds until it should ask again (the probes' shortest interval: a new
-        reading may have come), or ``None`` (never: no probes). A prompt that arrived at the
-        engine just after the primary was sent is seen at the next poll, not at the timer:
-        on llama-server, a short request behind another tenant's 4,000-token prefill waits
-        for all of it (``../shared/engine2/README.md``)."""
+        backup goes now (`_slow_on_evidence`, or a cold learner's delay has passed since);
+        otherwise the seconds until it asks again, or ``None``: `_timing.recheck_after`."""
         fleet = self._fleet
         cold = self._cold is not None and number in self._cold
         if not (fleet.probed or cold) or not self._hedgeable:
@@ -334,10 +310,22 @@ class RequestPlanner:
         if fleet.probed and self._slow_on_evidence(number, delay):
             self._mark_at_once(number)
             return 0.0
-        still_cold = self._cold is not None and number in self._cold
-        if not fleet.probed:
-            return COLD_RECHECK if still_cold else None
-        return min(fleet.probe_interval, COLD_RECHECK) if still_cold else fleet.probe_interval
+        return _timing.recheck_after(fleet, self._cold is not None and number in self._cold)
+
+    def _fleet_delay(self, number: int, now: float) -> tuple[float | None, bool]:
+        """``(delay, cold)`` of attempt ``number`` (`_timing.fleet_delay`)."""
+        return _timing.fleet_delay(
+            self._fleet, self._group, self._class, self._tokens, self._running.get(number),
+            self, number, now,
+        )  # fmt: skip
+
+    def _record_fleet_delay(self, number: int, delay: float | None) -> None:
+        if self._fleet_delays is None:
+            self._fleet_delays = {}
+        self._fleet_delays[number] = delay
+        attempt = self._evidence.attempts.get(number)
+        if attempt is not None:
+            attempt.fleet_delay = delay
 
     def _cold_delay_passed(self, number: int) -> bool:
         """Whether attempt ``number``, hedged at a cold learner's delay, has waited the delay
@@ -351,16 +339,12 @@ class RequestPlanner:
             self._cold.discard(number)
             return False
         now = trio.current_time()
-        fresh = self._fleet_delay(number, now)
-        if not self._last_cold:
+        fresh, cold = self._fleet_delay(number, now)
+        if not cold:
             self._cold.discard(number)
         if fresh is None or now - started < fresh:
             return False
-        assert self._fleet_delays is not None
-        self._fleet_delays[number] = fresh
-        attempt = self._evidence.attempts.get(number)
-        if attempt is not None:
-            attempt.fleet_delay = fresh
+        self._record_fleet_delay(number, fresh)
         self._cold.discard(number)
         return True
 
@@ -371,21 +355,15 @@ class RequestPlanner:
         self._at_once.add(number)
 
     def _slow_on_evidence(self, number: int, delay: float) -> bool:
-        """Whether the engine's fresh reading predicts attempt ``number`` waits longer than
-        ``delay`` for its prefill, and a replica a backup may go to is predicted sooner: then
-        the backup goes at once, instead of waiting for a timer the engine has answered. What
-        the fleet would have waited stays what blames a loser (`_blame.is_slow`): a replica
-        busy for other tenants is not slow for losing a race it was never given time for."""
+        """Whether attempt ``number``'s backup goes at once, before ``delay``: its replica's
+        engine is predicted to keep it longer (`_timing.predicted_past`), a replica a backup
+        may go to is predicted sooner, and nothing would refuse the backup now."""
         replica = self._running.get(number)
-        if replica is None:
-            return False
         now = trio.current_time()
-        fleet = self._fleet
-        predicted = _routing.predicted_wait(
-            fleet, self, number, replica, now, _routing.prefill_model(fleet, self._group, now),
-            self._probe_key, self._tokens,
-        )  # fmt: skip
-        if predicted is None or predicted <= delay:
+        if replica is None or not _timing.predicted_past(
+            self._fleet, self, number, replica, delay, now, self._group, self._probe_key,
+            self._tokens,
+        ):  # fmt: skip
             return False
         candidates = self._candidates()
         if not candidates:
@@ -399,84 +377,10 @@ class RequestPlanner:
         return chosen is not None and self._refusal(now) is None
 
     def _refusal(self, now: float) -> str | None:
-        """What would refuse a backup now, ``"throttle"``, ``"budget"`` or ``"priority"`` (the
-        budget's share kept for higher classes), or ``None`` (a check: nothing is counted or
-        spent)."""
-        fleet = self._fleet
-        if fleet.throttle is not None and not fleet.throttle.allows:
-            return "throttle"
-        budget = fleet.budget
-        if budget is not None:
-            early = self._early(now)
-            if not budget.allows(now, early=early):
-                return "budget"
-            # The part of the budget kept for the higher classes in the window.
-            if not budget.allows(now, early=early, priority=self._priority):
-                return "priority"
-        return None
-
-    def _fleet_delay(self, number: int, now: float) -> float | None:
-        """The delay the fleet would hedge attempt ``number`` at (learned or fixed; ``None``:
-        never on time), whatever delay the caller chose for this request."""
-        model = self._fleet.model
-        if model is None:
-            fixed = self._fleet.config.hedge_after
-            assert fixed is None or isinstance(fixed, (int, float))
-            if fixed is None:
-                return None
-            delay = float(fixed)
-        else:
-            delay, self._last_cold = model.estimate(self._group, self._class, now, self._tokens)
-            delay = max(delay, self._own_prefill(number, now))
-        # The evidence the delay waits for may be in already: another attempt on this
-        # attempt's replica has waited twice the delay for its first token (at the delay it
-        # was hedged itself, and for another delay nothing answered): the replica is stuck
-        # now, and the pick chose it anyway, so every replica it could choose looked as bad.
-        # Then the backup goes at once, joining the other queue as early as a double send
-        # would (budget and throttle still apply). At once the delay itself (a 1x
-        # threshold) also fired on ordinary queueing: benchmarks/tail.py, 10.04% extra
-        # against 9.72%, for the same P99.
-        replica = self._running.get(number)
-        if replica is not None and self._fleet.config.pick == "peak_ewma":
-            for key, started in replica.waiting.items():
-                if key != (self, number) and now - started >= 2.0 * delay:
-                    return 0.0
-                break  # the first is the oldest
-        return delay
-
-    def _own_prefill(self, number: int, now: float) -> float:
-        """While the delay of this request's size class is not learned from its own data, the
-        seconds attempt ``number``'s own prompt takes to prefill at its probed replica's
-        ``prefill_rate`` (0: not probed, no prompt size, or the class learned, whose delay
-        then accounts for it). A cold Hedger's fallback delay (1 s) hedged a 4,000-token
-        prompt on llama-server, whose prefill takes ~3 s: the backup doubled the prefill on a
-        replica another tenant was using (``benchmarks/real_engine.py --scenario evidence``).
-        The prefill model is no guide here: fitted on short prompts only, it extrapolates
-        their noise."""
-        fleet = self._fleet
-        tokens = self._tokens
-        replica = self._running.get(number)
-        model = fleet.model
-        if not fleet.probed or not tokens or replica is None or model is None:
-            return 0.0
-        state = fleet.probes[replica.index]
-        if state is None or model.raw(self._group, self._class, now) is not None:
-            return 0.0
-        return tokens / state.probe.prefill_rate
-
-    def _emit(self, kind: EventKind, now: float, replica: str | None = None, **fields: Any) -> None:
-        fleet = self._fleet
-        if fleet.on_event or self._scopes:  # (contexts still open are exited at their end)
-            event = HedgeEvent(
-                kind,
-                now,
-                self._request_id,
-                self._group,
-                replica,
-                request_key=self._key,
-                **fields,
-            )
-            fleet.emit(event, self._scopes)
+        return _timing.refusal(
+            self._fleet, now, self._priority, self._hedge_after, self._fleet_delays,
+            self._running, self,
+        )  # fmt: skip
 
     def may_hedge(self) -> bool:
         """Whether a backup may go now. Only checks: the budget is spent when it starts."""
@@ -489,20 +393,6 @@ class RequestPlanner:
             return self._refuse("no_replica", now)
         refusal = self._refusal(now)
         return True if refusal is None else self._refuse(refusal, now)
-
-    def _early(self, now: float) -> bool:
-        """Whether a hedge now would go before the fleet's own delay for the attempt it backs
-        up: the caller's own shorter ``hedge_after`` chose it (it then draws on only part of
-        the shared budget, `BudgetState.allows`)."""
-        if self._hedge_after is None or not self._fleet_delays:
-            return False
-        number = max(self._fleet_delays)
-        fleet_delay = self._fleet_delays[number]
-        if fleet_delay is None:
-            return True  # the fleet never hedges on time: only the caller asked for it
-        replica = self._running.get(number)
-        started = None if replica is None else replica.waiting.get((self, number))
-        return started is not None and now - started < fleet_delay
 
     def _refuse(self, reason: str, now: float, *, failover: bool = False) -> bool:
         """Count and announce a hedge (or failover) not sent, for ``reason``: ``budget``,
@@ -518,6 +408,20 @@ class RequestPlanner:
         kind = EventKind.FAILOVER_REFUSED if failover else EventKind.HEDGE_REFUSED
         self._emit(kind, now, reason=reason)
         return False
+
+    def _emit(self, kind: EventKind, now: float, replica: str | None = None, **fields: Any) -> None:
+        fleet = self._fleet
+        if fleet.on_event or self._scopes:  # (contexts still open are exited at their end)
+            event = HedgeEvent(
+                kind,
+                now,
+                self._request_id,
+                self._group,
+                replica,
+                request_key=self._key,
+                **fields,
+            )
+            fleet.emit(event, self._scopes)
 
     # -- the recovery phase (after the commit): its limits, asked of _recovery_limits.py -----
 
@@ -701,16 +605,12 @@ class RequestPlanner:
             self._used[index] = self._per_replica
         elif self._used[index] < self._per_replica and fleet.config.backoff is not None:
             # It may be tried again by this request: not before its back-off has passed.
-            backoff = fleet.config.backoff
-            repeat = self._used[index]
-            draw = (
-                jitter_draw(self._request_id, replica.name, repeat, self._serial)
-                if backoff.jitter
-                else 1.0
-            )
             if self._retry_at is None:
                 self._retry_at = {}
-            self._retry_at[index] = now + backoff_delay(repeat, backoff, draw)
+            self._retry_at[index] = _timing.backoff_until(
+                fleet.config.backoff, self._request_id, replica.name, self._used[index],
+                self._serial, now,
+            )  # fmt: skip
         if transient(self._rules, error):
             self._retry_before_falling_back(replica, error)
 
@@ -765,7 +665,7 @@ class RequestPlanner:
             if attempt.fleet_delay is None:
                 # Never asked (a request that may not hedge): what the fleet would have
                 # waited, for whether a caller's cancel is a sample.
-                attempt.fleet_delay = self._fleet_delay(attempt.number, now)
+                attempt.fleet_delay = self._fleet_delay(attempt.number, now)[0]
             model = fleet.model
             fit = None if model is None else model.fit(self._group, now)
             if fit is not None:
@@ -816,12 +716,11 @@ class RequestPlanner:
     def _decide_retry(self, *, clear: bool) -> None:
         """The throttle's word, now, on the failover (or recovery) a failure (or break)
         causes; ``next_source`` takes it when that attempt is asked for."""
-        throttle = self._fleet.throttle
         if self._retries is None:
             self._retries = deque()
         elif clear:
             self._retries.clear()
-        self._retries.append(throttle is None or throttle.allows)
+        self._retries.append(_timing.retry_allowed(self._fleet))
 
     def request_finished(self, report: Report) -> None:
         if self._finished:
