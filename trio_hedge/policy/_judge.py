@@ -726,7 +726,7 @@ def _settle(rules: Rules, evidence: Evidence, event: Event) -> list[Verdict]:
     winner = evidence.winner
     served_by = None if winner is None else attempts[winner].replica
     all_500 = (
-        (winner is None or attempts[winner].outcome is not _OUTCOME_WON)
+        not evidence.answered
         and len(failed) == len(attempts)
         and all(_is_500(a.error) for a in failed)
         and len({a.replica for a in failed}) >= 2
@@ -775,11 +775,10 @@ def _settle(rules: Rules, evidence: Evidence, event: Event) -> list[Verdict]:
 
 def _finished(rules: Rules, evidence: Evidence, event: Event) -> list[Verdict]:
     out = _settle(rules, evidence, event) if evidence.failures or evidence.breaks else []
-    winner = evidence.winner
-    final = None if winner is None else evidence.attempts[winner]
-    served = final is not None and final.outcome is _OUTCOME_WON
+    served = evidence.answered
     if served:
-        assert final is not None
+        assert evidence.winner is not None
+        final = evidence.attempts[evidence.winner]
         if evidence.completed:
             out.append(_v("served", _EFFECT_SUCCESS, replica=final.replica, model=evidence.model))
         else:
@@ -858,6 +857,5 @@ _OUTCOME_FAILED = Outcome.FAILED
 _OUTCOME_LOST = Outcome.LOST
 _OUTCOME_RUNNING = Outcome.RUNNING
 _OUTCOME_TIMEOUT = Outcome.TIMEOUT
-_OUTCOME_WON = Outcome.WON
 _PHASE_RACE = Phase.RACE
 _PHASE_RECOVERY = Phase.RECOVERY

@@ -743,8 +743,7 @@ class RequestPlanner:
         # judge's rule); a fleet that began to fail whole served others only before.
         served: frozenset[int] = frozenset()
         evidence = self._evidence
-        winner = evidence.winner
-        if winner is None or evidence.attempts[winner].outcome is not _OUTCOME_WON:
+        if not evidence.answered:
             since = now - QUERY_OF_DEATH_WINDOW
             # Its own first tokens are no evidence of others served (a query of death may
             # crash the decode, after the commit).
