@@ -153,6 +153,7 @@ class Link:
         self._redact = Redactor(_secrets(url))
         self._told_lost = False
         self._ever_ok = False
+        self._scripts: dict[str, Any] = {}  # Lua source -> its script on the current client
 
     def client(self) -> coredis.Redis[str]:
         """A new client (not connected yet: ``async with`` it), its own timeouts at
@@ -166,6 +167,14 @@ class Link:
             decode_responses=True,
             max_connections=8,
         )
+
+    def script(self, client: coredis.Redis[str], lua: str) -> Any:
+        """``lua`` registered on ``client`` once (``EVALSHA``, loaded again if Redis forgot
+        it); registered anew on a new client."""
+        script = self._scripts.get(lua)
+        if script is None or script.registered_client is not client:
+            script = self._scripts[lua] = client.register_script(lua)
+        return script
 
     def describe(self, exc: BaseException) -> str:
         """``Type: message``, the message masked of the URL's secrets and cut short."""

@@ -318,7 +318,6 @@ class RedisFleetStore:
         self._cursor = "0-0"
         self._resync = True
         self._defect: BaseException | None = None
-        self._scripts: dict[str, Any] = {}
         #: Changes dropped before they were sent (the queue full while Redis was away, a
         #: name too long, expired while waiting); sent to Redis; applied from others.
         self.dropped = 0
@@ -384,12 +383,6 @@ class RedisFleetStore:
                 self._resync = True
             await trio.sleep(self._interval)
 
-    def _script(self, client: coredis.Redis[str], lua: str) -> Any:
-        script = self._scripts.get(lua)
-        if script is None or script.registered_client is not client:
-            script = self._scripts[lua] = client.register_script(lua)
-        return script
-
     def _apply(self, apply: Callable[[StateChange], None], changes: Iterable[StateChange]) -> None:
         for change in changes:
             try:
@@ -435,7 +428,7 @@ class RedisFleetStore:
                 math.ceil(self._sample_window * 1000),
                 "[" + ",".join(values) + "]",
             ]
-            script = self._script(client, _PUBLISH)
+            script = self._link.script(client, _PUBLISH)
             try:
                 await self._link.call(functools.partial(script, keys=keys, args=head + args))
             except Unreachable:
@@ -453,7 +446,7 @@ class RedisFleetStore:
     async def _fetch(
         self, client: coredis.Redis[str], apply: Callable[[StateChange], None]
     ) -> None:
-        script = self._script(client, _FETCH)
+        script = self._link.script(client, _FETCH)
         for _ in range(FETCH_CALLS):
             cursor = self._cursor
             reply = await self._link.call(
@@ -504,14 +497,14 @@ class RedisFleetStore:
     ) -> None:
         """Read every live key (this process (re)joins), then follow the stream from where
         the state was read: what the stream brings after it is skipped here."""
-        keys_script = self._script(client, _SNAPSHOT_KEYS)
+        keys_script = self._link.script(client, _SNAPSHOT_KEYS)
         reply = await self._link.call(lambda: keys_script(keys=[self._index, self._stream]))
         last = as_str(reply[1]) or "0-0"
         members = [as_str(k) for k in reply[2]]
         cursor = _entry_id(last)
         changes: list[StateChange] = []
         samples: list[DelaySample] = []
-        values_script = self._script(client, _SNAPSHOT_VALUES)
+        values_script = self._link.script(client, _SNAPSHOT_VALUES)
         for start in range(0, len(members), SNAPSHOT_CHUNK):
             chunk = members[start : start + SNAPSHOT_CHUNK]
             got = await self._link.call(lambda chunk=chunk: values_script(keys=chunk))  # type: ignore[misc]

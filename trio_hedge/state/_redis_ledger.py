@@ -228,7 +228,6 @@ class RedisKeyLedger:
         self._origin = uuid.uuid4().hex[:12]
         self._serial = 0
         self._client: coredis.Redis[str] | None = None
-        self._scripts: dict[str, Any] = {}
         #: This process's leases in Redis, by key name then lease id (renewed while held).
         self._held: dict[str, set[str]] = {}
         #: Leases the fallback issued (settled there), and leases of keys without limits.
@@ -258,10 +257,7 @@ class RedisKeyLedger:
     def _script(self, lua: str) -> Any:
         client = self._client
         assert client is not None
-        script = self._scripts.get(lua)
-        if script is None or script.registered_client is not client:
-            script = self._scripts[lua] = client.register_script(lua)
-        return script
+        return self._link.script(client, lua)
 
     def _usable(self) -> bool:
         return self._client is not None and self._link.status == "ok"
@@ -381,7 +377,6 @@ class RedisKeyLedger:
                 try:
                     async with self._link.client() as client:
                         self._client = client
-                        self._scripts.clear()
                         await self._upkeep()
                 except Exception as exc:  # the client's own machinery failed: a new one
                     self._link.lost(self._link.describe(exc))
