@@ -332,6 +332,9 @@ async def test_access_log_metrics_and_a_forwarded_key_for_the_agent_routes(
         'trio_hedge_gateway_requests_total{path="/v1/responses",status="200"} 1.0',
     ):
         assert line in metrics
+    # Each route's TTFT under its own api label (as the replica-state gauges name it).
+    for api in ("anthropic", "responses"):
+        assert f'trio_hedge_gateway_ttft_seconds_count{{api="{api}",group="default",' in metrics
     access = [json.loads(r.getMessage()) for r in caplog.records if r.name.endswith("access")]
     assert [(line["path"], line["status"], line["winner"]) for line in access[:2]] == [
         ("/v1/messages", 200, "fast"),

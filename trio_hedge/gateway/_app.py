@@ -60,10 +60,6 @@ _ROUTES = {
 }
 
 
-#: The ``api`` label of each forwarding route (as the replica-state gauges say it).
-_APIS = {"/v1/chat/completions": "chat", "/v1/messages": "anthropic", "/v1/responses": "responses"}
-
-
 def _content_length(ex: Exchange) -> int | None:
     value = ex.header(b"content-length")
     try:
@@ -168,9 +164,12 @@ class GatewayApp:
         secrets = [k.key for k in config.keys]
         self._chat = ChatForwarder(config, hedgers, metrics, secrets)
         self._forwarders: dict[str, ChatForwarder] = {"/v1/chat/completions": self._chat}
+        #: The ``api`` label of each forwarding route (as the replica-state gauges say it).
+        self._api_of = {"/v1/chat/completions": "chat"}
         for api, by_group in (agent_hedgers or {}).items():
             path, forwarder = agent_forwarder(api, config, by_group, metrics, secrets)
             self._forwarders[path] = forwarder
+            self._api_of[path] = api
         self._routes = {**_ROUTES, **dict.fromkeys(self._forwarders, "POST")}
         named = [m for g in config.groups for m in g.models if not any(c in m for c in "*?[")]
         # The models the replicas' overrides ask for: what each attempt's tokens count under.
@@ -209,7 +208,7 @@ class GatewayApp:
             status = str(record.status)
             self.metrics.requests.labels(label, status).inc()
             if record.ttft is not None and record.group is not None:
-                api = _APIS.get(path, "chat")
+                api = self._api_of.get(path, "chat")
                 self.metrics.observe_ttft(api, record.group, record.model, record.ttft)
             if ex.record.key is not None:
                 self.metrics.key_requests.labels(ex.record.key, status).inc()
