@@ -137,9 +137,7 @@ class FleetWriter:
         replica.failures += 1
         until = self._failure(replica, req.model, now)
         if until is not None:
-            replica.ejected_reason = v.reason
-            self._record().ejected.append((replica, until, v.reason, None))
-            self._publish_ejection(replica, None, until - now, v.reason)
+            self._ejected(replica, None, until, v.reason, now)
 
     def _on_success(
         self, v: Verdict, replica: ReplicaState | None, now: float, req: Request
@@ -156,9 +154,7 @@ class FleetWriter:
             replica.failures += 1
         until = self._eject_for_model(replica, v.model, now, v.seconds if outage else None)
         if until is not None:
-            self.fleet.models.make(replica.index, v.model).ejected_reason = v.reason
-            self._record().ejected.append((replica, until, v.reason, v.model))
-            self._publish_ejection(replica, v.model, until - now, v.reason)
+            self._ejected(replica, v.model, until, v.reason, now)
         elif outage:
             # Held in by the cap (or no outlier detection): it still asked not to be sent
             # anything for that long.
@@ -172,9 +168,7 @@ class FleetWriter:
         assert replica is not None
         until = self._speed(replica, v.effect is _EFFECT_SLOW, req.model, now)
         if until is not None:
-            replica.ejected_reason = "slow"
-            self._record().ejected.append((replica, until, "slow", None))
-            self._publish_ejection(replica, None, until - now, "slow")
+            self._ejected(replica, None, until, "slow", now)
 
     def _on_latency(
         self, v: Verdict, replica: ReplicaState | None, now: float, req: Request
@@ -291,11 +285,18 @@ class FleetWriter:
                 )
             )
 
-    def _publish_ejection(
-        self, replica: ReplicaState, model: str | None, seconds: float, reason: str
+    def _ejected(
+        self, replica: ReplicaState, model: str | None, until: float, reason: str, now: float
     ) -> None:
+        """An ejection just made (whole, or for ``model``): its reason kept, announced to
+        the request's planner, published to the other processes."""
+        if model is None:
+            replica.ejected_reason = reason
+        else:
+            self.fleet.models.make(replica.index, model).ejected_reason = reason
+        self._record().ejected.append((replica, until, reason, model))
         if self.store is not None:
-            self.store.publish(Ejection(self.fleet.name, replica.name, model, seconds, reason))
+            self.store.publish(Ejection(self.fleet.name, replica.name, model, until - now, reason))
 
     # -- ejection: decisions on the state ---------------------------------------------------
 
