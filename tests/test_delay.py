@@ -520,3 +520,16 @@ def test_refresh_zero_refits_the_prefill_model_only_when_data_changed(
     # Observations leaving the window are a change too: the model is gone with them.
     assert model.delay("g", 3, 303.0, tokens=2000) == 1.0  # the fallback
     assert model.fit("g", 303.0) is None and fits[-1] == "g" and len(fits) == 4
+
+
+def test_a_class_learns_at_its_threshold_not_a_refresh_later() -> None:
+    # Every request looks its delay up; the 20th observation makes the class's estimate
+    # within the same second (refresh 1 s), not a second later: until 70e3407 the cache
+    # made at the 19th held "nothing learned" for a whole refresh, and every request
+    # meanwhile took the cold rule over every sample (per_request.py --hedger: +25 µs).
+    model = DelayModel(LearnedDelay(min_samples=20, refresh=1.0))
+    for i in range(20):
+        now = i * 0.01
+        assert model.estimate("g", 0, now)[1] is True  # cold while it has fewer than 20
+        model.observe("g", 0, now, 0.5, True, tokens=50)
+    assert model.estimate("g", 0, 0.2) == (pytest.approx(0.5), False)

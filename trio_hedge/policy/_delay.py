@@ -103,8 +103,9 @@ class LearnedDelay:
         max_delay: the clamp's upper bound, in seconds. Default 60.
         refresh: seconds an estimate (and the prefill model) is cached before it is
             recomputed, when new data arrived or old data expired (Finagle refreshes every
-            3 s); 0 recomputes at the first lookup after a change, never on a lookup alone.
-            Default 1.0.
+            3 s), and at once when a class reaches the observations its estimate
+            (``min_samples``) or the prefill model's points need; 0 recomputes at the first
+            lookup after a change, never on a lookup alone. Default 1.0.
         max_samples: observations kept per class (memory bound; oldest dropped). Default 2048.
         classes: the [`SizeClasses`][trio_hedge.policy.SizeClasses]. Default ``SizeClasses()``.
         censoring: use cancelled attempts as censored observations (Kaplan–Meier). ``False``
